@@ -1,0 +1,141 @@
+"""The single home of every JAX-internal import and version branch.
+
+JAX's `jax.extend` and `jax.interpreters` modules promise no compatibility across
+releases. Everything the library needs from them is imported here, under names
+of our own, so that a JAX upgrade is a change to this file only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend.core import primitives as jex_primitives
+from jax.interpreters import ad as _ad
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+Primitive = jex_core.Primitive
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Var = jex_core.Var
+jaxpr_as_fun = jex_core.jaxpr_as_fun
+primitives = jex_primitives
+
+# Higher-order primitives. `pjit_p` was renamed `jit_p` in JAX 0.7.
+jit_p: Primitive = getattr(jex_primitives, "jit_p", None) or jex_primitives.pjit_p
+custom_jvp_call_p: Primitive = jex_primitives.custom_jvp_call_p
+custom_vjp_call_p: Primitive = jex_primitives.custom_vjp_call_p
+closed_call_p: Primitive = jex_primitives.closed_call_p
+remat_p: Primitive = jex_primitives.remat_p
+scan_p: Primitive = jex_primitives.scan_p
+while_p: Primitive = jex_primitives.while_p
+cond_p: Primitive = jex_primitives.cond_p
+
+# Per-argument parameters of the jit primitive, which a rule that changes the
+# number of arguments (one scaled input becomes data + scale) must expand.
+JIT_PER_INPUT_PARAMS = ("in_shardings", "in_layouts", "donated_invars")
+JIT_PER_OUTPUT_PARAMS = ("out_shardings", "out_layouts")
+
+ad = _ad
+batching = _batching
+mlir = _mlir
+
+
+def unspecified_sharding() -> Any:
+    """The 'no sharding given' marker jit uses for an argument or output."""
+    from jax._src import sharding_impls
+
+    return sharding_impls.UNSPECIFIED
+
+
+def default_per_arg_value(param_name: str) -> Any:
+    """The value a jit per-argument parameter takes for an added scale argument."""
+    if param_name in ("in_shardings", "out_shardings"):
+        return unspecified_sharding()
+    if param_name == "donated_invars":
+        return False
+    return None
+
+
+def eqn_context(eqn: JaxprEqn) -> Any:
+    """Context manager reproducing an equation's source info and context while binding it."""
+    import contextlib
+
+    from jax._src import source_info_util
+
+    stack = contextlib.ExitStack()
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    stack.enter_context(
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+    )
+    ctx = getattr(eqn, "ctx", None)
+    if ctx is not None and getattr(ctx, "manager", None) is not None:
+        stack.enter_context(ctx.manager)
+    return stack
+
+
+def get_bind_params(eqn: JaxprEqn) -> tuple[list[Any], dict[str, Any]]:
+    """Split an equation's params into the positional sub-functions and keyword params of bind."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # older JAX: (subfuns, params)
+        subfuns, bind_params = params
+        return list(subfuns), bind_params
+    return [], params
+
+
+def is_symbolic_zero(x: Any) -> bool:
+    """True for the objects JAX uses as symbolic zero cotangents (Zero, SymbolicZero, None)."""
+    from jax._src import ad_util
+    from jax._src.custom_derivatives import SymbolicZero
+
+    return x is None or isinstance(x, (ad_util.Zero, SymbolicZero))
+
+
+def typeof(x: Any) -> Any:
+    """The abstract value (aval) of an array or tracer."""
+    typeof_fn = getattr(jax, "typeof", None)
+    if typeof_fn is not None:
+        return typeof_fn(x)
+    from jax._src import core
+
+    return core.get_aval(x)
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def new_primitive(name: str, multiple_results: bool = False) -> Primitive:
+    prim = Primitive(name)
+    prim.multiple_results = multiple_results
+    return prim
+
+
+def register_lowering(prim: Primitive, impl: Any, multiple_results: bool = False) -> None:
+    _mlir.register_lowering(prim, _mlir.lower_fun(impl, multiple_results=multiple_results))
+
+
+def register_batching(prim: Primitive, rule: Any) -> None:
+    _batching.primitive_batchers[prim] = rule
+
+
+def register_jvp(prim: Primitive, rule: Any) -> None:
+    _ad.primitive_jvps[prim] = rule
+
+
+def register_transpose(prim: Primitive, rule: Any) -> None:
+    _ad.primitive_transposes[prim] = rule
+
+
+def is_undefined_primal(x: Any) -> bool:
+    return _ad.is_undefined_primal(x)
+
+
+def instantiate_zeros(x: Any) -> Any:
+    return _ad.instantiate_zeros(x)

@@ -1,0 +1,358 @@
+"""`ScaledArray`: an array represented as `data * scale`, and the factories around it."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat
+
+Array = Any
+DTypeLike = Any
+
+__all__ = [
+    "ScaledArray",
+    "scaled_array",
+    "as_scaled_array",
+    "asarray",
+    "is_scaled_leaf",
+    "is_floating",
+]
+
+
+def is_floating(x: Any) -> bool:
+    """True when `x` (an array, tracer, scalar or dtype) has a floating-point dtype."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        if isinstance(x, float):
+            return True
+        try:
+            dtype = np.dtype(x)
+        except TypeError:
+            return False
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _autoscaled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    from .interpreter import autoscale
+
+    return autoscale(fn)
+
+
+@dataclass(frozen=True, eq=False)
+class ScaledArray:
+    """An array whose value is `data * scale`.
+
+    `data` holds the values in a (usually low-precision) floating dtype, `scale`
+    is a float32 scalar, by default a power of two. Shape and dtype are the
+    data's. The class is a pytree with two leaves, so it travels through `jit`,
+    `vmap`, `scan` carries and optimizer states unchanged.
+
+    Build one with :func:`scaled_array` or :func:`as_scaled_array`, which
+    validate their inputs; the constructor itself does not, because JAX rebuilds
+    pytrees with placeholder leaves.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jsa.scaled_array(jnp.array([1.0, 1.5], jnp.float16), 4.0)
+        >>> x.to_array()
+        Array([4., 6.], dtype=float16)
+        >>> (x * x).to_array()
+        Array([16., 36.], dtype=float16)
+    """
+
+    data: Array
+    scale: Array
+
+    # NumPy should defer to our reflected operators (`np_array * scaled`).
+    __array_priority__ = 1000
+    # Comparison operators return arrays, as for jax.Array: not hashable.
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def dtype(self) -> Any:
+        return self.data.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.data.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.data.shape, dtype=np.int64))
+
+    @property
+    def aval(self) -> Any:
+        """The abstract value of the represented array (that of `data`)."""
+        return _compat.typeof(self.data)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized ScaledArray")
+        return self.shape[0]
+
+    def to_array(self, dtype: DTypeLike | None = None) -> Array:
+        """The represented value `data * scale`, in `dtype` (default: the data's dtype).
+
+        The product is computed in at least float32 and then cast, so that a
+        value representable in `dtype` is returned exactly even when `data * scale`
+        would overflow or underflow in the data's own precision.
+        """
+        out_dtype = self.data.dtype if dtype is None else jnp.dtype(dtype)
+        compute_dtype = jnp.promote_types(
+            jnp.promote_types(self.data.dtype, jnp.float32), out_dtype
+        )
+        scale = jnp.asarray(self.scale)
+        value = jnp.asarray(self.data).astype(compute_dtype) * scale.astype(compute_dtype)
+        return value.astype(out_dtype)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.asarray(self.to_array())
+        return out if dtype is None else out.astype(dtype)
+
+    def astype(self, dtype: DTypeLike) -> ScaledArray:
+        """Cast the data to `dtype`, keeping the scale (the value is rounded to `dtype`)."""
+        return ScaledArray(jnp.asarray(self.data).astype(dtype), self.scale)
+
+    def __repr__(self) -> str:
+        return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
+
+    # Operators run through `autoscale`, so they do the scaled thing.
+    def _binary(self, other: Any, op: Callable[[Any, Any], Any], reflected: bool = False) -> Any:
+        if reflected:
+            return _autoscaled(lambda a, b: op(b, a))(self, other)
+        return _autoscaled(op)(self, other)
+
+    def __add__(self, other: Any) -> Any:
+        return self._binary(other, operator.add)
+
+    def __radd__(self, other: Any) -> Any:
+        return self._binary(other, operator.add, reflected=True)
+
+    def __sub__(self, other: Any) -> Any:
+        return self._binary(other, operator.sub)
+
+    def __rsub__(self, other: Any) -> Any:
+        return self._binary(other, operator.sub, reflected=True)
+
+    def __mul__(self, other: Any) -> Any:
+        return self._binary(other, operator.mul)
+
+    def __rmul__(self, other: Any) -> Any:
+        return self._binary(other, operator.mul, reflected=True)
+
+    def __truediv__(self, other: Any) -> Any:
+        return self._binary(other, operator.truediv)
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return self._binary(other, operator.truediv, reflected=True)
+
+    def __matmul__(self, other: Any) -> Any:
+        return self._binary(other, operator.matmul)
+
+    def __rmatmul__(self, other: Any) -> Any:
+        return self._binary(other, operator.matmul, reflected=True)
+
+    def __pow__(self, other: Any) -> Any:
+        return self._binary(other, operator.pow)
+
+    def __lt__(self, other: Any) -> Any:
+        return self._binary(other, operator.lt)
+
+    def __le__(self, other: Any) -> Any:
+        return self._binary(other, operator.le)
+
+    def __gt__(self, other: Any) -> Any:
+        return self._binary(other, operator.gt)
+
+    def __ge__(self, other: Any) -> Any:
+        return self._binary(other, operator.ge)
+
+    def __eq__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._binary(other, operator.eq)
+
+    def __ne__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._binary(other, operator.ne)
+
+    def __neg__(self) -> Any:
+        return _autoscaled(operator.neg)(self)
+
+    def __pos__(self) -> ScaledArray:
+        return self
+
+    def __abs__(self) -> Any:
+        return _autoscaled(operator.abs)(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        return _autoscaled(lambda x: x[index])(self)
+
+    @property
+    def T(self) -> Any:
+        return _autoscaled(lambda x: x.T)(self)
+
+    def reshape(self, *shape: Any) -> Any:
+        return _autoscaled(lambda x: x.reshape(*shape))(self)
+
+    def sum(self, axis: Any = None, keepdims: bool = False) -> Any:
+        return _autoscaled(lambda x: jnp.sum(x, axis=axis, keepdims=keepdims))(self)
+
+
+jax.tree_util.register_dataclass(ScaledArray, data_fields=["data", "scale"], meta_fields=[])
+
+
+def is_scaled_leaf(x: Any) -> bool:
+    """`is_leaf` predicate for `jax.tree_util` functions: treats a ScaledArray as one leaf.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> tree = {"w": jsa.as_scaled_array(jnp.ones(2)), "n": 3}
+        >>> len(jax.tree_util.tree_leaves(tree, is_leaf=jsa.is_scaled_leaf))
+        2
+    """
+    return isinstance(x, ScaledArray) or x is None or np.isscalar(x) or hasattr(x, "shape")
+
+
+def _is_concrete(x: Any) -> bool:
+    return not _compat.is_tracer(x)
+
+
+def _check_scale(data: Array, scale: Array) -> None:
+    scale_shape = np.shape(scale)
+    if not is_floating(scale):
+        raise TypeError(
+            f"ScaledArray scale must have a floating dtype, got {getattr(scale, 'dtype', type(scale))}."
+        )
+    try:
+        np.broadcast_shapes(scale_shape, np.shape(data))
+    except ValueError:
+        raise ValueError(
+            f"ScaledArray scale of shape {scale_shape} does not broadcast to data of shape "
+            f"{np.shape(data)}."
+        ) from None
+    if np.broadcast_shapes(scale_shape, np.shape(data)) != tuple(np.shape(data)):
+        raise ValueError(
+            f"ScaledArray scale of shape {scale_shape} broadcasts to a larger shape than the "
+            f"data's {np.shape(data)}."
+        )
+    if _is_concrete(scale):
+        scale_np = np.asarray(scale, dtype=np.float64)
+        if np.any(scale_np < 0) or np.any(np.isnan(scale_np)):
+            raise ValueError(f"ScaledArray scale must be non-negative, got {scale!r}.")
+
+
+def scaled_array(
+    data: Array, scale: Array, dtype: DTypeLike | None = None, npapi: Any = None
+) -> ScaledArray:
+    """Build a ScaledArray from `data` and `scale`, validating both.
+
+    Args:
+        data: floating-point array (or nested list / scalar) holding the data.
+        scale: non-negative floating scalar, or an array broadcastable to `data`.
+        dtype: optional dtype to cast the data to.
+        npapi: `numpy` or `jax.numpy` (default) to build the arrays with.
+
+    Raises:
+        TypeError: the data or the scale is not floating point.
+        ValueError: the scale does not broadcast to the data, or is negative.
+
+    Examples:
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jsa.scaled_array([1.0, 2.0], 0.5, dtype="float16")
+        >>> x.to_array()
+        Array([0.5, 1. ], dtype=float16)
+    """
+    npapi = jnp if npapi is None else npapi
+    if isinstance(scale, float):
+        scale = np.float32(scale)
+    data = npapi.asarray(data, dtype=dtype)
+    scale = npapi.asarray(scale)
+    if not is_floating(data):
+        raise TypeError(f"ScaledArray data must have a floating dtype, got {data.dtype}.")
+    _check_scale(data, scale)
+    return ScaledArray(data, scale)
+
+
+def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None) -> Any:
+    if isinstance(x, ScaledArray):
+        return x if dtype is None else x.astype(dtype)
+    if x is None:
+        return x
+    if isinstance(x, (bool, int, np.bool_, np.integer)):
+        return x
+    arr = jnp.asarray(x)
+    if not is_floating(arr):
+        return x
+    out_dtype = arr.dtype if dtype is None else jnp.dtype(dtype)
+    if scale is None:
+        return scaled_array(arr.astype(out_dtype), np.float32(1.0))
+    scale_arr = jnp.asarray(scale, dtype=jnp.float32) if isinstance(scale, float) else scale
+    scale_arr = jnp.asarray(scale_arr)
+    if not is_floating(scale_arr):
+        raise TypeError(f"as_scaled_array scale must be floating point, got {scale_arr.dtype}.")
+    _check_scale(arr, scale_arr)
+    compute = jnp.promote_types(jnp.promote_types(arr.dtype, jnp.float32), scale_arr.dtype)
+    # data = value / scale, with 0 / 0 defined as 0 (a zero scale represents zeros).
+    safe_scale = jnp.where(scale_arr == 0, 1, scale_arr).astype(compute)
+    data = jnp.where(scale_arr == 0, 0, arr.astype(compute) / safe_scale)
+    return ScaledArray(data.astype(out_dtype), scale_arr)
+
+
+def as_scaled_array(tree: Any, scale: Any = None, dtype: DTypeLike | None = None) -> Any:
+    """Convert the floating-point leaves of a pytree to ScaledArrays.
+
+    Floating arrays become `ScaledArray(value / scale, scale)` (scale 1 by
+    default), so that the result represents the same values. Integer and
+    boolean leaves, and existing ScaledArrays, pass through unchanged.
+
+    Args:
+        tree: a pytree of arrays.
+        scale: optional scale (a float scalar) used for every floating leaf.
+        dtype: optional dtype for the data of the new ScaledArrays.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jsa.as_scaled_array(jnp.array([2.0, 4.0]), scale=2.0)
+        >>> x.data, x.scale
+        (Array([1., 2.], dtype=float32), Array(2., dtype=float32))
+    """
+    return jax.tree_util.tree_map(
+        lambda x: _as_scaled_leaf(x, scale, dtype), tree, is_leaf=is_scaled_leaf
+    )
+
+
+def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:
+    """Convert every ScaledArray of a pytree to the plain array it represents.
+
+    Other leaves are converted with `jnp.asarray` (and cast when `dtype` is
+    given and they are floating point).
+
+    Examples:
+        >>> import jax_scaled_arithmetics as jsa
+        >>> jsa.asarray(jsa.scaled_array([1.0, 3.0], 2.0))
+        Array([2., 6.], dtype=float32)
+    """
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, ScaledArray):
+            return x.to_array(dtype)
+        if x is None:
+            return x
+        arr = jnp.asarray(x)
+        if dtype is not None and is_floating(arr):
+            arr = arr.astype(dtype)
+        return arr
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_leaf)
