@@ -1,11 +1,45 @@
-"""JAX Scaled Arithmetics: low-precision deep learning with scaled arrays."""
+"""JAX Scaled Arithmetics: low-precision deep learning with scaled arrays.
 
+Examples:
+    >>> import jax.numpy as jnp
+    >>> import jax_scaled_arithmetics as jsa
+    >>> x = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16))
+    >>> jsa.autoscale(lambda a: a * 2.0)(x).to_array()
+    Array([2., 4.], dtype=float16)
+"""
+
+from . import lax as lax
 from . import mp as mp
 from . import quantization as quantization
+from . import tree as tree
+from .core.config import AutoScaleConfig as AutoScaleConfig
+from .core.config import Pow2RoundMode as Pow2RoundMode
 from .core.datatype import ScaledArray as ScaledArray
 from .core.datatype import as_scaled_array as as_scaled_array
 from .core.datatype import asarray as asarray
 from .core.datatype import is_scaled_leaf as is_scaled_leaf
 from .core.datatype import scaled_array as scaled_array
+from .core.interpreter import autoscale as autoscale
+from .core.interpreter import scalify as scalify
+from .core.registry import coverage as coverage
+from .core.registry import register_scaled_op as register_scaled_op
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AutoScaleConfig",
+    "Pow2RoundMode",
+    "ScaledArray",
+    "as_scaled_array",
+    "asarray",
+    "autoscale",
+    "coverage",
+    "is_scaled_leaf",
+    "lax",
+    "mp",
+    "quantization",
+    "register_scaled_op",
+    "scaled_array",
+    "scalify",
+    "tree",
+]

@@ -139,3 +139,17 @@ def is_undefined_primal(x: Any) -> bool:
 
 def instantiate_zeros(x: Any) -> Any:
     return _ad.instantiate_zeros(x)
+
+
+def hoist_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
+    """Turn a closed jaxpr's consts into leading arguments (closure conversion)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    if not closed.consts:
+        return closed, []
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    return ClosedJaxpr(jaxpr, ()), list(closed.consts)
+
+
+def is_drop_var(var: Any) -> bool:
+    return type(var).__name__ == "DropVar"

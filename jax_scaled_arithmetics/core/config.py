@@ -1,0 +1,96 @@
+"""`AutoScaleConfig`: the settings `autoscale` reads while it interprets a function."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["AutoScaleConfig", "Pow2RoundMode", "get_autoscale_config"]
+
+
+class Pow2RoundMode(enum.IntEnum):
+    """How scales are rounded to powers of two.
+
+    - `NONE`: no rounding, scales take any float value.
+    - `DOWN`: the largest power of two not above the value (the default).
+    - `UP`: the smallest power of two not below the value.
+    """
+
+    NONE = 0
+    DOWN = 1
+    UP = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoScaleConfig:
+    """Settings of the `autoscale` interpreter, usable as a context manager.
+
+    Args:
+        rounding_mode: power-of-two rounding of the scales that rules compute.
+        scale_dtype: dtype of the scales given to promoted unscaled inputs.
+        check: verify that every rule returns the dtype and shape of the plain
+            primitive (a cheap, trace-time check; useful when writing rules).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jsa.as_scaled_array(jnp.array([1.0, 2.0]))
+        >>> with jsa.AutoScaleConfig(rounding_mode=jsa.Pow2RoundMode.NONE):
+        ...     y = jsa.autoscale(lambda a: a + a)(x)
+        >>> float(y.scale)  # sqrt(2), not rounded
+        1.4142135381698608
+    """
+
+    rounding_mode: Pow2RoundMode = Pow2RoundMode.DOWN
+    scale_dtype: Any = np.float32
+    check: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rounding_mode, Pow2RoundMode):
+            raise TypeError(
+                f"rounding_mode must be a Pow2RoundMode, got {self.rounding_mode!r}."
+            )
+        if not np.issubdtype(np.dtype(self.scale_dtype), np.floating):
+            raise TypeError(f"scale_dtype must be a floating dtype, got {self.scale_dtype!r}.")
+
+    def __enter__(self) -> AutoScaleConfig:
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _stack().pop()
+
+
+class _ConfigState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[AutoScaleConfig] = [AutoScaleConfig()]
+
+
+_STATE = _ConfigState()
+
+
+def _stack() -> list[AutoScaleConfig]:
+    return _STATE.stack
+
+
+def get_autoscale_config() -> AutoScaleConfig:
+    """The configuration in force (the innermost `AutoScaleConfig` context)."""
+    return _stack()[-1]
+
+
+@contextlib.contextmanager
+def default_config(config: AutoScaleConfig) -> Iterator[None]:
+    """Replace the bottom (default) configuration, e.g. in a test session."""
+    stack = _stack()
+    previous = stack[0]
+    stack[0] = config
+    try:
+        yield
+    finally:
+        stack[0] = previous

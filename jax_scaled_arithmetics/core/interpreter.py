@@ -1,0 +1,397 @@
+"""`autoscale`: trace a function to a jaxpr, then run every equation's scaled rule."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat, registry
+from .config import Pow2RoundMode, get_autoscale_config
+from .datatype import ScaledArray, is_floating
+from .pow2 import static_pow2
+
+__all__ = ["autoscale", "scalify", "promote_to_scaled", "operand_constants"]
+
+Array = Any
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.tracing_depth = 0
+        self.operand_constants: list[Sequence[Any]] = []
+
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def _tracing_user_function() -> Iterator[None]:
+    _STATE.tracing_depth += 1
+    try:
+        yield
+    finally:
+        _STATE.tracing_depth -= 1
+
+
+def operand_constants() -> Sequence[Any]:
+    """Statically known scalar values of the operands of the rule being called.
+
+    One entry per operand: the Python scalar the operand is a broadcast of, or
+    None. Higher-order rules pass them on to the inner interpretation.
+    """
+    return _STATE.operand_constants[-1] if _STATE.operand_constants else ()
+
+
+@contextlib.contextmanager
+def _with_operand_constants(known: Sequence[Any]) -> Iterator[None]:
+    _STATE.operand_constants.append(known)
+    try:
+        yield
+    finally:
+        _STATE.operand_constants.pop()
+
+
+# --- statically known broadcast scalars -------------------------------------------------
+
+_MAX_CONST_SCAN = 4096
+
+# Primitives whose output is a broadcast of the same scalar when their first operand is.
+_SCALAR_PRESERVING = {
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "transpose",
+    "copy",
+    "copy_p",
+    "rev",
+    "slice",
+    "dynamic_slice",
+    "reduce_precision",
+    "convert_element_type",
+}
+# Elementwise primitives folded when every operand is a known scalar.
+_FOLDABLE_ELEMENTWISE = {
+    "neg", "abs", "add", "sub", "mul", "div", "max", "min", "sqrt", "rsqrt", "exp", "log",
+    "integer_pow", "pow", "square", "sign", "exp2", "log1p", "expm1", "tanh", "logistic",
+}
+
+
+def _known_scalar(value: Any) -> Any:
+    """The scalar `value` is a broadcast of, when it is concrete and constant; else None."""
+    if _compat.is_tracer(value) or isinstance(value, ScaledArray):
+        return None
+    if isinstance(value, (bool, int, float)):
+        return value
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return None
+    size = int(np.prod(shape, dtype=np.int64))
+    if size == 0 or size > _MAX_CONST_SCAN:
+        return None
+    try:
+        arr = np.asarray(value)
+    except Exception:  # an object without a concrete value: nothing is known
+        return None
+    first = arr.reshape(-1)[0]
+    if size > 1 and not np.all(arr == first):
+        return None
+    return first.item() if hasattr(first, "item") else first
+
+
+def _fold_known(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any]:
+    nout = len(eqn.outvars)
+    name = eqn.primitive.name
+    if not eqn.invars or eqn.primitive.multiple_results:
+        return [None] * nout
+    if name in _SCALAR_PRESERVING:
+        value = in_known[0]
+        if value is None:
+            return [None]
+        if name == "convert_element_type":
+            value = np.asarray(value).astype(eqn.outvars[0].aval.dtype).item()
+        return [value]
+    if name in _FOLDABLE_ELEMENTWISE and all(k is not None for k in in_known):
+        args = [
+            np.asarray(k, dtype=atom.aval.dtype) for k, atom in zip(in_known, eqn.invars)
+        ]
+        with jax.ensure_compile_time_eval():
+            out = eqn.primitive.bind(*args, **eqn.params)
+        return [np.asarray(out).item()]
+    return [None]
+
+
+def promote_to_scaled(x: Any, known: Any = None) -> Any:
+    """Promote an unscaled floating operand of a scaled equation to a ScaledArray.
+
+    A statically known zero gets scale 0; a known scalar (or a broadcast of one)
+    gets a power-of-two scale so that its data is in [1, 2); any other array gets
+    scale 1. Non-floating values and ScaledArrays are returned unchanged.
+    """
+    if isinstance(x, ScaledArray) or not is_floating(x):
+        return x
+    config = get_autoscale_config()
+    scale_dtype = config.scale_dtype
+    if known is not None and isinstance(known, (int, float)) and np.isfinite(known):
+        if known == 0:
+            return ScaledArray(x, np.asarray(0.0, scale_dtype))
+        mode = config.rounding_mode
+        scale = static_pow2(known, Pow2RoundMode.DOWN if mode == Pow2RoundMode.NONE else mode)
+        dtype = x.dtype
+        data = jnp.full(np.shape(x), known / scale, dtype=dtype)
+        return ScaledArray(data, np.asarray(scale, scale_dtype))
+    return ScaledArray(x, np.asarray(1.0, scale_dtype))
+
+
+def _check_outputs(eqn: _compat.JaxprEqn, outs: Sequence[Any]) -> None:
+    if len(outs) != len(eqn.outvars):
+        raise TypeError(
+            f"Scaled rule of '{eqn.primitive.name}' returned {len(outs)} outputs, "
+            f"expected {len(eqn.outvars)}."
+        )
+    for out, var in zip(outs, eqn.outvars):
+        data = out.data if isinstance(out, ScaledArray) else out
+        expected = var.aval
+        shape, dtype = tuple(np.shape(data)), getattr(data, "dtype", None)
+        if shape != tuple(expected.shape) or (
+            dtype is not None and jnp.dtype(dtype) != jnp.dtype(expected.dtype)
+        ):
+            raise TypeError(
+                f"Scaled rule of '{eqn.primitive.name}' returned {dtype}{list(shape)}, "
+                f"but the primitive returns {expected.str_short()}."
+            )
+        if isinstance(out, ScaledArray) and np.shape(out.scale) != ():
+            raise TypeError(
+                f"Scaled rule of '{eqn.primitive.name}' returned a non-scalar scale of "
+                f"shape {np.shape(out.scale)}."
+            )
+
+
+def interpret_jaxpr(
+    jaxpr: _compat.Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    known_args: Sequence[Any] | None = None,
+) -> tuple[list[Any], list[Any]]:
+    """Evaluate `jaxpr` on (possibly scaled) arguments, dispatching to scaled rules.
+
+    Returns the outputs and, for each, the scalar it is statically known to be a
+    broadcast of (or None).
+    """
+    env: dict[Any, Any] = {}
+    known: dict[Any, Any] = {}
+    config = get_autoscale_config()
+    known_args = [None] * len(args) if known_args is None else list(known_args)
+    if len(args) != len(jaxpr.invars):
+        raise TypeError(f"jaxpr takes {len(jaxpr.invars)} arguments, got {len(args)}.")
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, _compat.Literal) else env[atom]
+
+    def read_known(atom: Any) -> Any:
+        if isinstance(atom, _compat.Literal):
+            return _known_scalar(atom.val)
+        return known.get(atom)
+
+    for var, const in zip(jaxpr.constvars, consts):
+        env[var] = const
+        known[var] = _known_scalar(const)
+    for var, arg, k in zip(jaxpr.invars, args, known_args):
+        env[var] = arg
+        known[var] = k if k is not None else _known_scalar(arg)
+
+    for eqn in jaxpr.eqns:
+        invals = [read(a) for a in eqn.invars]
+        in_known = [read_known(a) for a in eqn.invars]
+        any_scaled = any(isinstance(v, ScaledArray) for v in invals)
+        info = registry._RULES.get(eqn.primitive)
+        if any_scaled or (info is not None and info.always_scaled):
+            info = registry.get_scaled_rule(eqn.primitive)
+            if info.promote and any_scaled:
+                invals = [promote_to_scaled(v, k) for v, k in zip(invals, in_known)]
+            with _with_operand_constants(in_known), _compat.eqn_context(eqn):
+                outs = info.rule(*invals, **eqn.params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            outs = list(outs)
+            if config.check:
+                _check_outputs(eqn, outs)
+            out_known: list[Any] = [None] * len(outs)
+        else:
+            subfuns, bind_params = _compat.get_bind_params(eqn)
+            with _compat.eqn_context(eqn):
+                outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            out_known = _fold_known(eqn, in_known)
+        for var, out, k in zip(eqn.outvars, outs, out_known):
+            if isinstance(var, _compat.Var) and type(var).__name__ != "DropVar":
+                env[var] = out
+                known[var] = k
+    return [read(v) for v in jaxpr.outvars], [read_known(v) for v in jaxpr.outvars]
+
+
+def _interpret_closed(
+    closed_jaxpr: _compat.ClosedJaxpr, args: Sequence[Any], known: Sequence[Any] | None
+) -> list[Any]:
+    outs, _ = interpret_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, known)
+    return outs
+
+
+registry.set_jaxpr_interpreter(_interpret_closed)
+
+
+def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(argnums, int):
+        return (argnums,)
+    return tuple(argnums)
+
+
+def _normalize_argnames(argnames: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(argnames, str):
+        return (argnames,)
+    return tuple(argnames)
+
+
+def _check_hashable(value: Any, where: str) -> None:
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"autoscale static argument {where} must be hashable, got an unhashable "
+            f"{type(value).__name__}: {value!r}."
+        ) from None
+
+
+def _validate_scaled_input(x: ScaledArray, path: str) -> None:
+    if not is_floating(x.data):
+        raise TypeError(
+            f"autoscale input {path}: ScaledArray data must be floating point, got "
+            f"{getattr(x.data, 'dtype', type(x.data))}."
+        )
+    if np.shape(x.scale) != ():
+        raise ValueError(
+            f"autoscale input {path}: ScaledArray scale must be a scalar, got shape "
+            f"{np.shape(x.scale)}. Non-scalar scales are not supported by the scaled rules."
+        )
+    if not is_floating(x.scale):
+        raise TypeError(
+            f"autoscale input {path}: ScaledArray scale must be floating point, got "
+            f"{getattr(x.scale, 'dtype', type(x.scale))}."
+        )
+
+
+def _is_scaled(x: Any) -> bool:
+    return isinstance(x, ScaledArray)
+
+
+def _leaf_aval(leaf: Any) -> Any:
+    if isinstance(leaf, ScaledArray):
+        return jax.ShapeDtypeStruct(np.shape(leaf.data), leaf.data.dtype)
+    return leaf
+
+
+def autoscale(
+    fun: Callable[..., Any],
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+) -> Callable[..., Any]:
+    """Transform `fun` so that it computes on ScaledArrays.
+
+    The returned function accepts the same arguments as `fun`, where any
+    floating-point array may be a ScaledArray. It traces `fun` on the arrays the
+    ScaledArrays represent, then runs each equation of the jaxpr with its scaled
+    rule when one of its inputs is scaled (and binds it unchanged otherwise).
+    Outputs computed from scaled inputs are ScaledArrays.
+
+    It composes with `jit`, `vmap` and `grad` in either order. Inside another
+    `autoscale`, it is the identity (the outer transform already scales
+    everything).
+
+    Args:
+        fun: the function to transform; pytrees in and out.
+        static_argnums: positional arguments passed through as Python values
+            (they must be hashable).
+        static_argnames: keyword arguments passed through as Python values.
+
+    Raises:
+        NotImplementedError: an equation with a scaled input has no rule.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16), scale=2.0**-20)
+        >>> y = jsa.autoscale(lambda a: a * a)(x)
+        >>> y.scale == 2.0**-40, y.to_array(jnp.float32) == jnp.array([1.0, 4.0]) * 2.0**-40
+        (Array(True, dtype=bool), Array([ True,  True], dtype=bool))
+    """
+    argnums = _normalize_argnums(static_argnums)
+    argnames = _normalize_argnames(static_argnames)
+
+    @functools.wraps(fun)
+    def scaled_fun(*args: Any, **kwargs: Any) -> Any:
+        if _STATE.tracing_depth > 0:
+            return fun(*args, **kwargs)
+        nargs = len(args)
+        static_pos = {i % nargs if nargs else i for i in argnums}
+        for i in sorted(static_pos):
+            if i >= nargs:
+                raise TypeError(
+                    f"autoscale static_argnums {i} is out of range for {nargs} positional "
+                    f"arguments."
+                )
+            _check_hashable(args[i], f"at position {i}")
+        for name in argnames:
+            if name in kwargs:
+                _check_hashable(kwargs[name], f"'{name}'")
+        dyn_args = [a for i, a in enumerate(args) if i not in static_pos]
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in argnames}
+
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs), is_leaf=_is_scaled)
+        paths = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs), is_leaf=_is_scaled)[0]
+        for (path, leaf) in paths:
+            if isinstance(leaf, ScaledArray):
+                _validate_scaled_input(leaf, jax.tree_util.keystr(path))
+
+        out_tree_box: list[Any] = []
+
+        def flat_fun(*flat: Any) -> list[Any]:
+            dargs, dkwargs = jax.tree_util.tree_unflatten(in_tree, flat)
+            dargs_iter = iter(dargs)
+            full_args = [args[i] if i in static_pos else next(dargs_iter) for i in range(nargs)]
+            full_kwargs = {k: (kwargs[k] if k in argnames else dkwargs[k]) for k in kwargs}
+            out = fun(*full_args, **full_kwargs)
+            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+            out_tree_box.append(out_tree)
+            return out_leaves
+
+        with _tracing_user_function():
+            closed = jax.make_jaxpr(flat_fun)(*[_leaf_aval(leaf) for leaf in leaves])
+        in_avals = closed.in_avals
+        values = []
+        known = []
+        for leaf, aval in zip(leaves, in_avals):
+            if isinstance(leaf, ScaledArray):
+                values.append(leaf)
+                known.append(None)
+            elif isinstance(leaf, (bool, int, float, complex, np.generic)):
+                values.append(np.asarray(leaf, dtype=aval.dtype))
+                known.append(leaf.item() if isinstance(leaf, np.generic) else leaf)
+            else:
+                values.append(leaf)
+                known.append(None)
+        outs, _ = interpret_jaxpr(closed.jaxpr, closed.consts, values, known)
+        return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
+
+    return scaled_fun
+
+
+scalify = autoscale

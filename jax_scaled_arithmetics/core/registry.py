@@ -1,0 +1,152 @@
+"""The table of scaled rules: one entry per JAX primitive."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import _compat
+
+Primitive = _compat.Primitive
+ScaledRule = Callable[..., Any]
+
+__all__ = [
+    "register_scaled_op",
+    "get_scaled_rule",
+    "has_scaled_rule",
+    "coverage",
+    "RuleInfo",
+    "interpret_closed_jaxpr",
+    "set_jaxpr_interpreter",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleInfo:
+    """A registered rule and how the interpreter must call it.
+
+    Attributes:
+        primitive: the JAX primitive.
+        rule: `rule(*operands, **params)` returning the primitive's output(s),
+            with ScaledArrays where the output is scaled.
+        always_scaled: call the rule even when no operand is scaled (scaling
+            primitives, and higher-order primitives whose inner jaxpr may
+            create scaled values).
+        promote: promote unscaled floating operands to ScaledArrays before the
+            call (the default); rules that handle plain operands themselves set
+            this to False.
+        family: the rule family, shown in the coverage listing.
+        remark: a short note for the coverage listing.
+    """
+
+    primitive: Primitive
+    rule: ScaledRule
+    always_scaled: bool = False
+    promote: bool = True
+    family: str = ""
+    remark: str = ""
+
+
+_RULES: dict[Primitive, RuleInfo] = {}
+
+
+def register_scaled_op(
+    primitive: Primitive,
+    rule: ScaledRule | None = None,
+    *,
+    always_scaled: bool = False,
+    promote: bool = True,
+    family: str = "",
+    remark: str = "",
+) -> Any:
+    """Register the scaled rule of a JAX primitive; usable as a decorator.
+
+    The rule is called as `rule(*operands, **params)`, with the equation's
+    params passed through unchanged; it returns what the primitive returns,
+    with ScaledArrays in place of scaled outputs.
+
+    Raises:
+        ValueError: the primitive already has a rule.
+
+    Examples:
+        >>> import jax
+        >>> import jax_scaled_arithmetics as jsa
+        >>> from jax.extend.core import Primitive
+        >>> twice_p = Primitive("twice_example")
+        >>> @jsa.register_scaled_op(twice_p)
+        ... def scaled_twice(x, **params):
+        ...     return jsa.ScaledArray(x.data, x.scale * 2)
+    """
+    if not isinstance(primitive, _compat.Primitive):
+        raise TypeError(f"register_scaled_op expects a JAX primitive, got {primitive!r}.")
+
+    def register(fn: ScaledRule) -> ScaledRule:
+        if primitive in _RULES:
+            raise ValueError(
+                f"A scaled rule is already registered for primitive '{primitive.name}' "
+                f"({_RULES[primitive].rule.__qualname__})."
+            )
+        _RULES[primitive] = RuleInfo(
+            primitive, fn, always_scaled=always_scaled, promote=promote,
+            family=family, remark=remark,
+        )
+        return fn
+
+    if rule is not None:
+        return register(rule)
+    return register
+
+
+def unregister_scaled_op(primitive: Primitive) -> None:
+    """Remove a primitive's rule (for tests and for replacing a rule)."""
+    _RULES.pop(primitive, None)
+
+
+def get_scaled_rule(primitive: Primitive) -> RuleInfo:
+    """The rule of `primitive`.
+
+    Raises:
+        NotImplementedError: no rule is registered; the message names the
+            primitive and says how to register one.
+    """
+    info = _RULES.get(primitive)
+    if info is None:
+        raise NotImplementedError(
+            f"No scaled rule for JAX primitive '{primitive.name}': autoscale cannot apply it to "
+            f"ScaledArray inputs. Register one with "
+            f"`@jsa.register_scaled_op({primitive.name}_p)` on a function "
+            f"`rule(*operands, **params)`, or convert its inputs with `jsa.lax.stop_scaling`."
+        )
+    return info
+
+
+def has_scaled_rule(primitive: Primitive) -> bool:
+    return primitive in _RULES
+
+
+def coverage() -> dict[str, RuleInfo]:
+    """All registered rules, by primitive name (for the generated operator docs)."""
+    return {p.name: info for p, info in sorted(_RULES.items(), key=lambda kv: kv[0].name)}
+
+
+# Higher-order rules re-interpret inner jaxprs. The interpreter installs itself here,
+# so that rules never import it (and it never knows a rule by name).
+_JAXPR_INTERPRETER: list[Callable[..., Any]] = []
+
+
+def set_jaxpr_interpreter(fn: Callable[..., Any]) -> None:
+    _JAXPR_INTERPRETER[:] = [fn]
+
+
+def interpret_closed_jaxpr(
+    closed_jaxpr: _compat.ClosedJaxpr, args: Sequence[Any], known: Sequence[Any] | None = None
+) -> list[Any]:
+    """Run `closed_jaxpr` on (possibly scaled) `args` with the scaled interpreter.
+
+    `known` gives, per argument, a statically known scalar value the argument is
+    a broadcast of (or None).
+    """
+    if not _JAXPR_INTERPRETER:
+        raise RuntimeError("The autoscale interpreter is not installed.")
+    return _JAXPR_INTERPRETER[0](closed_jaxpr, args, known)

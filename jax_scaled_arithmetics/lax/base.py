@@ -1,0 +1,238 @@
+"""Shared helpers and rule families for the scaled rules.
+
+Most primitives need no hand-written rule, only the right family:
+
+- `register_linear`: acts on data only, scale kept (shape ops, neg, copies...).
+- `register_common_scale`: several scaled operands brought to one common scale
+  first (concatenate, select_n, pad, dynamic_update_slice...).
+- `register_unscaled_unary`: a non-linear function computed on the unscaled
+  value in a safe precision, returned with a static or dynamic scale.
+- `register_unscaled_output`: the output is not a scaled quantity (comparisons,
+  argmax, is_finite...), computed on data rescaled to a common scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..core import registry
+from ..core.datatype import ScaledArray, is_floating
+from ..core.pow2 import pow2_round
+
+Array = Any
+
+__all__ = [
+    "compute_dtype",
+    "choose_scale",
+    "safe_div",
+    "rescale",
+    "to_common_scale",
+    "unscaled_value",
+    "register_linear",
+    "register_common_scale",
+    "register_unscaled_unary",
+    "register_unscaled_output",
+    "dynamic_scale_of",
+]
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """The dtype elementwise rules compute in: at least float32."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return jnp.dtype(jnp.float32)
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def choose_scale(x: Array) -> Array:
+    """A scale chosen from `x`: rounded to a power of two, and excluded from autodiff.
+
+    The value `data * scale` does not depend on which scale a rule picks, so the
+    choice carries no gradient.
+    """
+    return lax.stop_gradient(pow2_round(x))
+
+
+def safe_div(num: Array, den: Array) -> Array:
+    """`num / den`, defined as 0 where `den == 0` (zero scales represent zeros)."""
+    den = jnp.asarray(den)
+    nonzero = den != 0
+    return jnp.where(nonzero, num / jnp.where(nonzero, den, jnp.ones_like(den)), 0)
+
+
+def rescale(data: Array, ratio: Array, dtype: Any = None) -> Array:
+    """`data * ratio` computed in at least float32, cast to `dtype` (default: data's)."""
+    dtype = data.dtype if dtype is None else dtype
+    cdtype = compute_dtype(data.dtype)
+    return (data.astype(cdtype) * jnp.asarray(ratio).astype(cdtype)).astype(dtype)
+
+
+def unscaled_value(x: ScaledArray, dtype: Any = None) -> Array:
+    """The represented value of `x` in `dtype` (default: the safe compute dtype)."""
+    dtype = compute_dtype(x.dtype) if dtype is None else dtype
+    return x.data.astype(dtype) * jnp.asarray(x.scale).astype(dtype)
+
+
+def to_common_scale(*xs: ScaledArray) -> tuple[list[Array], Array]:
+    """Bring ScaledArrays to their largest scale: returns their data at it, and the scale.
+
+    Every data is multiplied by `scale_i / max_scale <= 1`, so none overflows.
+    """
+    scales = [jnp.asarray(x.scale) for x in xs]
+    common = scales[0]
+    for s in scales[1:]:
+        common = jnp.maximum(common, s)
+    common = lax.stop_gradient(common)
+    datas = [rescale(x.data, safe_div(s, common)) for x, s in zip(xs, scales)]
+    return datas, common
+
+
+def dynamic_scale_of(y: Array, scale_dtype: Any = np.float32) -> Array:
+    """A power-of-two scale close to `max |y|` (1 where that is 0, inf or NaN)."""
+    amax = jnp.max(jnp.abs(y)) if y.size else jnp.zeros((), y.dtype)
+    amax = amax.astype(scale_dtype)
+    scale = choose_scale(amax)
+    return lax.stop_gradient(jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1))
+
+
+def _as_scaled(x: Any) -> ScaledArray:
+    if isinstance(x, ScaledArray):
+        return x
+    raise TypeError(f"Expected a ScaledArray operand, got {type(x).__name__}.")
+
+
+def register_linear(
+    primitive: Any, scaled_operands: Sequence[int] = (0,), remark: str = ""
+) -> None:
+    """Register a primitive that is linear in one operand and acts on data only.
+
+    Other operands (indices, sizes) are passed through as they are.
+    """
+    (index,) = scaled_operands
+
+    def rule(*operands: Any, **params: Any) -> Any:
+        x = _as_scaled(operands[index])
+        args = list(operands)
+        args[index] = x.data
+        out = primitive.bind(*args, **params)
+        if primitive.multiple_results:
+            return [ScaledArray(o, x.scale) for o in out]
+        return ScaledArray(out, x.scale)
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    registry.register_scaled_op(primitive, rule, family="linear", remark=remark)
+
+
+def register_common_scale(
+    primitive: Any,
+    scaled_operands: Callable[[int], Sequence[int]] | Sequence[int] | None = None,
+    remark: str = "",
+) -> None:
+    """Register a primitive whose floating operands are brought to one common scale.
+
+    `scaled_operands` gives the positions of the operands that carry values
+    (default: every floating operand); the output takes the common scale.
+    """
+
+    def rule(*operands: Any, **params: Any) -> Any:
+        if scaled_operands is None:
+            positions = [i for i, o in enumerate(operands) if isinstance(o, ScaledArray)]
+        elif callable(scaled_operands):
+            positions = list(scaled_operands(len(operands)))
+        else:
+            positions = list(scaled_operands)
+        positions = [i for i in positions if isinstance(operands[i], ScaledArray)]
+        datas, scale = to_common_scale(*[operands[i] for i in positions])
+        args = list(operands)
+        for i, d in zip(positions, datas):
+            args[i] = d
+        out = primitive.bind(*args, **params)
+        if primitive.multiple_results:
+            return [ScaledArray(o, scale) if is_floating(o) else o for o in out]
+        return ScaledArray(out, scale)
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    registry.register_scaled_op(primitive, rule, family="common scale", remark=remark)
+
+
+def register_unscaled_unary(
+    primitive: Any,
+    fn: Callable[..., Array] | None = None,
+    output_scale: str = "one",
+    remark: str = "",
+) -> None:
+    """Register a non-linear elementwise primitive, computed on the unscaled value.
+
+    The value is computed in at least float32 (`fn(value, **params)`, by default
+    the primitive itself), then returned with scale 1 (`output_scale="one"`, for
+    bounded or slowly growing functions) or with a dynamic power-of-two scale
+    near the output's largest magnitude (`"dynamic"`, for fast-growing ones).
+    """
+    if output_scale not in ("one", "dynamic"):
+        raise ValueError(f"Unknown output_scale {output_scale!r}.")
+
+    def rule(*operands: Any, **params: Any) -> Any:
+        xs = [_as_scaled(o) if isinstance(o, ScaledArray) else o for o in operands]
+        dtype = next(o.dtype for o in xs if isinstance(o, ScaledArray))
+        cdtype = compute_dtype(dtype)
+        values = [unscaled_value(o, cdtype) if isinstance(o, ScaledArray) else o for o in xs]
+        y = fn(*values, **params) if fn is not None else primitive.bind(*values, **params)
+        return scaled_output(y, dtype, output_scale)
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    registry.register_scaled_op(
+        primitive, rule, family=f"unscaled ({output_scale} scale)", remark=remark
+    )
+
+
+def scaled_output(y: Array, dtype: Any, output_scale: str = "one") -> ScaledArray:
+    """Wrap a value computed in high precision as a ScaledArray with `dtype` data."""
+    if output_scale == "one":
+        return ScaledArray(y.astype(dtype), np.asarray(1.0, np.float32))
+    scale = dynamic_scale_of(y)
+    return ScaledArray(rescale(y, 1.0 / scale, dtype), scale)
+
+
+def register_unscaled_output(
+    primitive: Any, scaled_operands: Sequence[int] | None = None, remark: str = ""
+) -> None:
+    """Register a primitive whose output is not a scaled quantity (bool, int, index).
+
+    Its floating operands are brought to a common scale (rescaling in float32)
+    and the primitive is applied to the resulting data.
+    """
+
+    def rule(*operands: Any, **params: Any) -> Any:
+        positions = [
+            i
+            for i, o in enumerate(operands)
+            if isinstance(o, ScaledArray) and (scaled_operands is None or i in scaled_operands)
+        ]
+        scaled = [operands[i] for i in positions]
+        if len(scaled) == 1:
+            x = scaled[0]
+            # A zero scale represents zeros, whatever the data.
+            datas = [jnp.where(jnp.asarray(x.scale) == 0, jnp.zeros_like(x.data), x.data)]
+        else:
+            scales = [jnp.asarray(x.scale, jnp.float32) for x in scaled]
+            common = scales[0]
+            for s in scales[1:]:
+                common = jnp.maximum(common, s)
+            cdtype = compute_dtype(scaled[0].dtype)
+            datas = [
+                x.data.astype(cdtype) * safe_div(s, common).astype(cdtype)
+                for x, s in zip(scaled, scales)
+            ]
+        args = list(operands)
+        for i, d in zip(positions, datas):
+            args[i] = d
+        return primitive.bind(*args, **params)
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    registry.register_scaled_op(primitive, rule, family="unscaled output", remark=remark)
+

@@ -1,0 +1,245 @@
+"""Scaling primitives: set, stop, read and rebalance the scale of an array.
+
+Each is a real JAX primitive, the identity on the represented value outside
+`autoscale` (so a function using them still runs, jits, vmaps and
+differentiates without the transform), and a scale manipulation inside it.
+Their derivatives pass tangents through unchanged: scaling is a choice of
+representation, not a change of value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import _compat, registry
+from ..core.datatype import ScaledArray, is_floating
+from .base import rescale, safe_div
+
+__all__ = ["set_scaling", "stop_scaling", "get_data_scale", "rebalance"]
+
+Array = Any
+
+
+def _plain(x: Any) -> Any:
+    return x.to_array() if isinstance(x, ScaledArray) else x
+
+
+def _check_unbatched(dim: Any, what: str, name: str) -> None:
+    if dim is not None:
+        raise ValueError(
+            f"{name}: the {what} must be the same for the whole batch (a scalar), but it is "
+            f"batched by vmap."
+        )
+
+
+# --- set_scaling -------------------------------------------------------------------------
+
+set_scaling_p = _compat.new_primitive("set_scaling")
+set_scaling_p.def_impl(lambda x, scale: x)
+set_scaling_p.def_abstract_eval(lambda x, scale: x)
+_compat.register_lowering(set_scaling_p, lambda x, scale: x)
+
+
+def _set_scaling_batch(args: Any, dims: Any) -> Any:
+    _check_unbatched(dims[1], "scale", "set_scaling")
+    return set_scaling_p.bind(*args), dims[0]
+
+
+def _set_scaling_jvp(primals: Any, tangents: Any) -> Any:
+    x_dot = _compat.instantiate_zeros(tangents[0])
+    return set_scaling_p.bind(*primals), x_dot
+
+
+_compat.register_batching(set_scaling_p, _set_scaling_batch)
+_compat.register_jvp(set_scaling_p, _set_scaling_jvp)
+
+
+@registry.register_scaled_op(
+    set_scaling_p, always_scaled=True, promote=False, family="scaling",
+    remark="rescale to the given scale",
+)
+def scaled_set_scaling(x: Any, scale: Any) -> ScaledArray:
+    scale = jnp.asarray(_plain(scale))
+    if isinstance(x, ScaledArray):
+        return ScaledArray(rescale(x.data, safe_div(x.scale, scale)), scale)
+    return ScaledArray(rescale(x, safe_div(1.0, scale)), scale)
+
+
+def set_scaling(x: Array, scale: Array) -> Any:
+    """Represent `x` with the given `scale` (value unchanged; identity outside autoscale).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> y = jsa.lax.set_scaling(jsa.as_scaled_array(jnp.array([8.0])), 4.0)
+        >>> y.data, y.scale
+        (Array([2.], dtype=float32), Array(4., dtype=float32))
+    """
+    scale = jnp.asarray(_plain(scale), jnp.float32) if isinstance(scale, float) else scale
+    if np.shape(scale) != ():
+        raise ValueError(f"set_scaling: the scale must be a scalar, got shape {np.shape(scale)}.")
+    if isinstance(x, ScaledArray) or isinstance(scale, ScaledArray):
+        from ..core.interpreter import autoscale
+
+        return autoscale(set_scaling_p.bind)(x, scale)
+    return set_scaling_p.bind(x, scale)
+
+
+# --- stop_scaling ------------------------------------------------------------------------
+
+stop_scaling_p = _compat.new_primitive("stop_scaling")
+
+
+def _stop_scaling_impl(x: Array, *, dtype: Any) -> Array:
+    return x if dtype is None else jax.lax.convert_element_type(x, dtype)
+
+
+stop_scaling_p.def_impl(_stop_scaling_impl)
+stop_scaling_p.def_abstract_eval(
+    lambda x, *, dtype: x if dtype is None else x.update(dtype=jnp.dtype(dtype), weak_type=False)
+)
+_compat.register_lowering(stop_scaling_p, _stop_scaling_impl)
+_compat.register_batching(
+    stop_scaling_p, lambda args, dims, *, dtype: (stop_scaling_p.bind(*args, dtype=dtype), dims[0])
+)
+
+
+def _stop_scaling_jvp(primals: Any, tangents: Any, *, dtype: Any) -> Any:
+    x_dot = _compat.instantiate_zeros(tangents[0])
+    return stop_scaling_p.bind(*primals, dtype=dtype), _stop_scaling_impl(x_dot, dtype=dtype)
+
+
+_compat.register_jvp(stop_scaling_p, _stop_scaling_jvp)
+
+
+@registry.register_scaled_op(
+    stop_scaling_p, always_scaled=True, promote=False, family="scaling",
+    remark="materialise the value",
+)
+def scaled_stop_scaling(x: Any, *, dtype: Any) -> Array:
+    if isinstance(x, ScaledArray):
+        return x.to_array(dtype)
+    return _stop_scaling_impl(x, dtype=dtype)
+
+
+def stop_scaling(x: Array, dtype: Any = None) -> Array:
+    """The plain array `x` represents, optionally cast to `dtype`.
+
+    Examples:
+        >>> import jax_scaled_arithmetics as jsa
+        >>> jsa.lax.stop_scaling(jsa.scaled_array([1.0, 2.0], 4.0))
+        Array([4., 8.], dtype=float32)
+    """
+    if dtype is not None:
+        dtype = jnp.dtype(dtype)
+    if isinstance(x, ScaledArray):
+        return x.to_array(dtype)
+    return stop_scaling_p.bind(x, dtype=dtype)
+
+
+# --- get_data_scale ----------------------------------------------------------------------
+
+get_data_scale_p = _compat.new_primitive("get_data_scale", multiple_results=True)
+
+
+def _get_data_scale_impl(x: Array) -> list[Array]:
+    return [x, jnp.ones((), jnp.float32)]
+
+
+get_data_scale_p.def_impl(_get_data_scale_impl)
+get_data_scale_p.def_abstract_eval(
+    lambda x: [x, jax.core.ShapedArray((), jnp.float32)]
+)
+_compat.register_lowering(get_data_scale_p, _get_data_scale_impl, multiple_results=True)
+_compat.register_batching(
+    get_data_scale_p, lambda args, dims: (get_data_scale_p.bind(*args), [dims[0], None])
+)
+
+
+def _get_data_scale_jvp(primals: Any, tangents: Any) -> Any:
+    data, scale = get_data_scale_p.bind(*primals)
+    x_dot = _compat.instantiate_zeros(tangents[0])
+    return [data, scale], [x_dot, jnp.zeros_like(scale)]
+
+
+_compat.register_jvp(get_data_scale_p, _get_data_scale_jvp)
+
+
+@registry.register_scaled_op(
+    get_data_scale_p, always_scaled=True, promote=False, family="scaling",
+    remark="(data, scale) as plain arrays",
+)
+def scaled_get_data_scale(x: Any) -> list[Array]:
+    if isinstance(x, ScaledArray):
+        return [x.data, jnp.asarray(x.scale)]
+    return _get_data_scale_impl(x)
+
+
+def get_data_scale(x: Array) -> tuple[Array, Array]:
+    """The `(data, scale)` of `x`; a plain array gives `(x, 1.0)`.
+
+    Examples:
+        >>> import jax_scaled_arithmetics as jsa
+        >>> jsa.lax.get_data_scale(jsa.scaled_array([1.0], 4.0))
+        (Array([1.], dtype=float32), Array(4., dtype=float32))
+    """
+    if isinstance(x, ScaledArray):
+        return x.data, jnp.asarray(x.scale)
+    data, scale = get_data_scale_p.bind(x)
+    return data, scale
+
+
+# --- rebalance ---------------------------------------------------------------------------
+
+rebalance_p = _compat.new_primitive("rebalance")
+rebalance_p.def_impl(lambda x, factor: x)
+rebalance_p.def_abstract_eval(lambda x, factor: x)
+_compat.register_lowering(rebalance_p, lambda x, factor: x)
+
+
+def _rebalance_batch(args: Any, dims: Any) -> Any:
+    _check_unbatched(dims[1], "factor", "rebalance")
+    return rebalance_p.bind(*args), dims[0]
+
+
+def _rebalance_jvp(primals: Any, tangents: Any) -> Any:
+    return rebalance_p.bind(*primals), _compat.instantiate_zeros(tangents[0])
+
+
+_compat.register_batching(rebalance_p, _rebalance_batch)
+_compat.register_jvp(rebalance_p, _rebalance_jvp)
+
+
+@registry.register_scaled_op(
+    rebalance_p, always_scaled=True, promote=False, family="scaling",
+    remark="move a factor from scale to data",
+)
+def scaled_rebalance(x: Any, factor: Any) -> Any:
+    if not isinstance(x, ScaledArray):
+        return x
+    factor = jnp.asarray(_plain(factor))
+    return ScaledArray(rescale(x.data, factor), jnp.asarray(x.scale) / factor.astype(jnp.float32))
+
+
+def rebalance(x: Array, factor: Array) -> Any:
+    """Multiply the data by `factor` and divide the scale by it (value unchanged).
+
+    Examples:
+        >>> import jax_scaled_arithmetics as jsa
+        >>> y = jsa.lax.rebalance(jsa.scaled_array([1.0], 4.0), 2.0)
+        >>> y.data, y.scale
+        (Array([2.], dtype=float32), Array(2., dtype=float32))
+    """
+    if np.shape(factor) != ():
+        raise ValueError(f"rebalance: the factor must be a scalar, got shape {np.shape(factor)}.")
+    if not is_floating(factor):
+        raise TypeError("rebalance: the factor must be floating point.")
+    if isinstance(x, ScaledArray):
+        from ..core.interpreter import autoscale
+
+        return autoscale(rebalance_p.bind)(x, factor)
+    return rebalance_p.bind(x, factor)
