@@ -84,16 +84,15 @@ def _dtype_aliases() -> dict[str, str]:
         "half": "half",
     }
     # Every other low-precision float of this JAX version, by its full name.
-    for name in dir(jnp):
+    jnp_names = set(dir(jnp))
+    for name in sorted(jnp_names):
         if name.startswith(("float8_", "float6_", "float4_")):
             try:
                 if jnp.issubdtype(jnp.dtype(getattr(jnp, name)), jnp.floating):
                     aliases[name] = name
             except TypeError:
                 continue
-    return {
-        alias: target for alias, target in aliases.items() if target == "half" or target in dir(jnp)
-    }
+    return {alias: target for alias, target in aliases.items() if target in jnp_names | {"half"}}
 
 
 _DTYPE_ALIASES = _dtype_aliases()
