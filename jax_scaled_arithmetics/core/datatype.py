@@ -110,11 +110,13 @@ class ScaledArray:
         would overflow or underflow in the data's own precision.
         """
         out_dtype = self.data.dtype if dtype is None else jnp.dtype(dtype)
-        compute_dtype = jnp.promote_types(
-            jnp.promote_types(self.data.dtype, jnp.float32), out_dtype
-        )
+        wide = jnp.dtype(jnp.float64) in (jnp.dtype(self.data.dtype), jnp.dtype(out_dtype))
+        compute_dtype = jnp.float64 if wide else jnp.float32
+        data = jnp.asarray(self.data)
         scale = jnp.asarray(self.scale)
-        value = jnp.asarray(self.data).astype(compute_dtype) * scale.astype(compute_dtype)
+        if scale.ndim:  # a scale broadcastable to the data
+            scale = jnp.broadcast_to(scale, data.shape)
+        value = data.astype(compute_dtype) * scale.astype(compute_dtype)
         return value.astype(out_dtype)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -130,6 +132,12 @@ class ScaledArray:
 
     # Operators run through `autoscale`, so they do the scaled thing.
     def _binary(self, other: Any, op: Callable[[Any, Any], Any], reflected: bool = False) -> Any:
+        if not isinstance(other, ScaledArray):
+            # Close over plain operands: Python scalars stay literals (x ** 2 is integer_pow,
+            # and constants get their power-of-two scale).
+            if reflected:
+                return _autoscaled(lambda a: op(other, a))(self)
+            return _autoscaled(lambda a: op(a, other))(self)
         if reflected:
             return _autoscaled(lambda a, b: op(b, a))(self, other)
         return _autoscaled(op)(self, other)
@@ -302,7 +310,8 @@ def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None) -> Any:
     if not is_floating(scale_arr):
         raise TypeError(f"as_scaled_array scale must be floating point, got {scale_arr.dtype}.")
     _check_scale(arr, scale_arr)
-    compute = jnp.promote_types(jnp.promote_types(arr.dtype, jnp.float32), scale_arr.dtype)
+    wide = jnp.dtype(jnp.float64) in (jnp.dtype(arr.dtype), jnp.dtype(scale_arr.dtype))
+    compute = jnp.float64 if wide else jnp.float32
     # data = value / scale, with 0 / 0 defined as 0 (a zero scale represents zeros).
     safe_scale = jnp.where(scale_arr == 0, 1, scale_arr).astype(compute)
     data = jnp.where(scale_arr == 0, 0, arr.astype(compute) / safe_scale)

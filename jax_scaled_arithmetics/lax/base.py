@@ -43,10 +43,9 @@ __all__ = [
 
 def compute_dtype(dtype: Any) -> Any:
     """The dtype elementwise rules compute in: at least float32."""
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        return jnp.dtype(jnp.float32)
-    return jnp.promote_types(dtype, jnp.float32)
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float64):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
 
 
 def choose_scale(x: Array) -> Array:

@@ -10,7 +10,7 @@ from jax import lax
 from ..core import registry
 from ..core.datatype import ScaledArray
 from ..core._compat import primitives
-from .base import register_common_scale, register_linear
+from .base import compute_dtype, register_common_scale, register_linear
 
 for _prim in (
     lax.broadcast_in_dim_p,
@@ -36,7 +36,7 @@ def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params: Any
         return ScaledArray(
             lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params), x.scale
         )
-    value = x.to_array(jnp.promote_types(x.dtype, jnp.float32))
+    value = x.to_array(compute_dtype(x.dtype))
     return lax.convert_element_type_p.bind(value, new_dtype=new_dtype, **params)
 
 

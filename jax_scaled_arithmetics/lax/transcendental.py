@@ -13,7 +13,6 @@ from ..core.datatype import ScaledArray
 from .base import (
     compute_dtype,
     register_unscaled_unary,
-    rescale,
     unscaled_value,
 )
 
@@ -59,4 +58,7 @@ _BOUNDED = (
 for _prim in _BOUNDED:
     register_unscaled_unary(_prim, output_scale="one", remark="bounded output, scale 1")
 
-del rescale
+for _prim, _remark in (
+    (lax.pow_p, "unscaled, dynamic output scale"),
+):
+    register_unscaled_unary(_prim, output_scale="dynamic", remark=_remark)

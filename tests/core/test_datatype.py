@@ -1,0 +1,149 @@
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_scaled_arithmetics as jsa
+from tests.helpers import FLOAT_DTYPES
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_scaled_array_properties(dtype):
+    x = jsa.scaled_array(np.arange(6).reshape(2, 3).astype(dtype), 0.5)
+    assert x.dtype == dtype
+    assert x.shape == (2, 3)
+    assert x.ndim == 2
+    assert x.size == 6
+    assert len(x) == 2
+    assert x.aval.shape == (2, 3) and x.aval.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(x), np.arange(6).reshape(2, 3) * 0.5)
+    assert "ScaledArray(data=" in repr(x)
+
+
+def test_scaled_array_is_a_pytree_with_two_leaves():
+    x = jsa.scaled_array([1.0, 2.0], 2.0)
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    assert len(leaves) == 2
+    y = jax.tree_util.tree_unflatten(treedef, [leaves[0] * 2, leaves[1]])
+    assert isinstance(y, jsa.ScaledArray)
+    np.testing.assert_array_equal(y.to_array(), [4.0, 8.0])
+    # Through jit, scale can be traced.
+    out = jax.jit(lambda a: jsa.ScaledArray(a.data, a.scale * 2))(x)
+    np.testing.assert_array_equal(out.to_array(), [4.0, 8.0])
+
+
+def test_to_array_is_exact_where_data_times_scale_overflows_the_data_dtype():
+    x = jsa.scaled_array(np.array([1.0, 3.0], np.float16), 2.0**-30)
+    np.testing.assert_array_equal(x.to_array(jnp.float32), np.array([1.0, 3.0]) * 2.0**-30)
+    assert x.to_array().dtype == np.float16
+
+
+def test_to_array_float8_data():
+    data = np.array([1.0, -2.0], ml_dtypes.float8_e4m3fn)
+    x = jsa.scaled_array(data, 4.0)
+    np.testing.assert_array_equal(x.to_array(jnp.float32), [4.0, -8.0])
+
+
+def test_astype_keeps_scale():
+    x = jsa.scaled_array([1.0, 2.0], 4.0).astype(jnp.float16)
+    assert x.dtype == jnp.float16 and float(x.scale) == 4.0
+
+
+def test_scaled_array_factory_rejects_non_float_data():
+    with pytest.raises(TypeError, match="data must have a floating dtype, got int32"):
+        jsa.scaled_array(np.array([1, 2], np.int32), 1.0)
+
+
+def test_scaled_array_factory_rejects_non_broadcasting_scale():
+    with pytest.raises(ValueError, match=r"scale of shape \(3,\) does not broadcast"):
+        jsa.scaled_array(np.ones((2, 2), np.float32), np.ones(3, np.float32))
+
+
+def test_scaled_array_factory_rejects_negative_and_integer_scales():
+    with pytest.raises(ValueError, match="must be non-negative"):
+        jsa.scaled_array([1.0], -2.0)
+    with pytest.raises(TypeError, match="scale must have a floating dtype"):
+        jsa.scaled_array([1.0], np.int32(2))
+
+
+def test_scaled_array_factory_accepts_broadcastable_scale():
+    x = jsa.scaled_array(np.ones((2, 3), np.float32), np.array([1.0, 2.0, 4.0], np.float32))
+    np.testing.assert_array_equal(x.to_array()[1], [1.0, 2.0, 4.0])
+
+
+def test_as_scaled_array_on_pytrees():
+    tree = {"w": jnp.ones((2,), jnp.float16), "step": jnp.int32(3), "flag": True, "none": None}
+    out = jsa.as_scaled_array(tree)
+    assert isinstance(out["w"], jsa.ScaledArray)
+    assert out["w"].dtype == jnp.float16 and float(out["w"].scale) == 1.0
+    assert out["step"] is tree["step"] and out["flag"] is True and out["none"] is None
+    # Idempotent on ScaledArrays.
+    assert jsa.as_scaled_array(out)["w"] is out["w"]
+
+
+@pytest.mark.parametrize("scale", [2.0**-40, 0.5, 2.0**40])
+def test_as_scaled_array_with_scale_represents_the_input(scale):
+    x = jnp.array([1.0, -3.0, 0.25], jnp.float32) * scale
+    out = jsa.as_scaled_array(x, scale=scale)
+    np.testing.assert_array_equal(out.data, [1.0, -3.0, 0.25])
+    np.testing.assert_array_equal(out.to_array(), x)
+
+
+def test_as_scaled_array_with_dtype_and_zero_scale():
+    out = jsa.as_scaled_array(jnp.array([0.0, 0.0]), scale=0.0, dtype=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out.to_array(jnp.float32), [0.0, 0.0])
+
+
+def test_asarray_round_trip():
+    tree = {"a": jsa.scaled_array([1.0, 2.0], 8.0), "b": jnp.arange(2)}
+    out = jsa.asarray(tree)
+    np.testing.assert_array_equal(out["a"], [8.0, 16.0])
+    np.testing.assert_array_equal(out["b"], [0, 1])
+    assert jsa.asarray(tree, dtype=jnp.float16)["a"].dtype == jnp.float16
+
+
+def test_is_scaled_leaf():
+    assert jsa.is_scaled_leaf(jsa.scaled_array([1.0], 1.0))
+    assert jsa.is_scaled_leaf(jnp.ones(2))
+    assert not jsa.is_scaled_leaf({"a": 1})
+    leaves = jax.tree_util.tree_leaves(
+        {"a": jsa.scaled_array([1.0], 1.0), "b": jnp.ones(1)}, is_leaf=jsa.is_scaled_leaf
+    )
+    assert isinstance(leaves[0], jsa.ScaledArray) and len(leaves) == 2
+
+
+def test_python_operators_do_the_scaled_thing():
+    a = jsa.scaled_array(np.array([1.0, 2.0], np.float16), 2.0**-20)
+    b = jsa.scaled_array(np.array([3.0, 4.0], np.float16), 2.0**-20)
+    value_a, value_b = np.array([1.0, 2.0]) * 2.0**-20, np.array([3.0, 4.0]) * 2.0**-20
+    # Plain float16 would flush these products to zero; scaled ones are exact.
+    prod = a * b
+    assert isinstance(prod, jsa.ScaledArray)
+    np.testing.assert_allclose(np.asarray(prod.to_array(jnp.float32)), value_a * value_b)
+    for result, expected in [
+        (a + b, value_a + value_b),
+        (a - b, value_a - value_b),
+        (b / a, value_b / value_a),
+        (-a, -value_a),
+        (abs(-a), value_a),
+        (a * 2.0, value_a * 2.0),
+        (2.0 * a, value_a * 2.0),
+        (1.0 - a, 1.0 - value_a),
+        (a**2, value_a**2),
+        (a[1], value_a[1]),
+        (a.reshape(2, 1), value_a.reshape(2, 1)),
+        (a.sum(), value_a.sum()),
+    ]:
+        assert isinstance(result, jsa.ScaledArray)
+        np.testing.assert_allclose(
+            np.asarray(result.to_array(jnp.float32)), expected, rtol=2e-3, atol=0
+        )
+    m = jsa.scaled_array(np.eye(2, dtype=np.float16), 2.0**-20)
+    np.testing.assert_allclose(
+        np.asarray((m @ a).to_array(jnp.float32)), np.eye(2) @ value_a * 2.0**-20, rtol=2e-3
+    )
+    np.testing.assert_array_equal(np.asarray(a < b), [True, True])
+    np.testing.assert_array_equal(np.asarray(a == a), [True, True])
+    np.testing.assert_array_equal(np.asarray(a >= b), [False, False])

@@ -1,0 +1,137 @@
+"""Shared test helpers: compare a function under `autoscale` with the plain function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import jax_scaled_arithmetics as jsa
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+WIDE_SCALES = tuple(2.0**e for e in (-60, -30, -20, -4, 0, 4, 20, 30, 60))
+
+# Relative tolerance per data dtype (a few ulps of the data format).
+RTOL = {
+    np.dtype(np.float32): 1e-5,
+    np.dtype(np.float16): 4e-3,
+    np.dtype(ml_dtypes.bfloat16): 3e-2,
+}
+
+
+def scales_for(dtype: Any) -> tuple[float, ...]:
+    """Every wide scale: the value is held in float32 scales, so all are representable."""
+    del dtype
+    return WIDE_SCALES
+
+
+def make_scaled(x: np.ndarray, dtype: Any, scale: float) -> jsa.ScaledArray:
+    """A ScaledArray with data `x` (cast to `dtype`) and scale `scale`."""
+    return jsa.scaled_array(np.asarray(x).astype(dtype), np.float32(scale))
+
+
+def represented(x: Any) -> np.ndarray:
+    """The represented value of a ScaledArray (or a plain array) in float64."""
+    if isinstance(x, jsa.ScaledArray):
+        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
+    return np.asarray(x, np.float64)
+
+
+def assert_close(actual: Any, expected: Any, rtol: float, atol_rel: float | None = None) -> None:
+    """Compare with a relative tolerance and an absolute one relative to max |expected|."""
+    actual = represented(actual)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+    np.testing.assert_array_equal(actual[np.isinf(expected)], expected[np.isinf(expected)])
+    if not finite.any():
+        return
+    scale = np.max(np.abs(expected[finite]))
+    atol = (rtol if atol_rel is None else atol_rel) * scale
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=rtol, atol=atol)
+
+
+def check_autoscale_matches(
+    fn: Callable[..., Any],
+    inputs: Sequence[np.ndarray],
+    dtype: Any,
+    scale: float,
+    use_jit: bool,
+    rtol: float | None = None,
+    scaled_mask: Sequence[bool] | None = None,
+    expect_scaled_output: bool = True,
+) -> Any:
+    """Run `fn` under autoscale on scaled inputs and compare with `fn` on their values.
+
+    The reference is `fn` applied in float32 to the values the ScaledArrays
+    represent (so it is exact wherever the value is representable in float32).
+    """
+    dtype = np.dtype(dtype)
+    scaled_mask = [True] * len(inputs) if scaled_mask is None else scaled_mask
+    args = [
+        make_scaled(x, dtype, scale) if m else np.asarray(x)
+        for x, m in zip(inputs, scaled_mask)
+    ]
+    ref_args = [
+        jnp.asarray(represented(a), jnp.float32) if m else a for a, m in zip(args, scaled_mask)
+    ]
+    expected = jax.tree_util.tree_map(np.asarray, fn(*ref_args))
+    scaled_fn = jsa.autoscale(fn)
+    if use_jit:
+        scaled_fn = jax.jit(scaled_fn)
+    out = scaled_fn(*args)
+    rtol = RTOL[dtype] if rtol is None else rtol
+    out_leaves = jax.tree_util.tree_leaves(out, is_leaf=jsa.is_scaled_leaf)
+    exp_leaves = jax.tree_util.tree_leaves(expected)
+    for o, e in zip(out_leaves, exp_leaves):
+        if np.issubdtype(np.asarray(e).dtype, np.floating):
+            if expect_scaled_output:
+                assert isinstance(o, jsa.ScaledArray), f"expected a ScaledArray, got {type(o)}"
+                assert o.dtype == dtype, (o.dtype, dtype)
+            assert_close(o, e, rtol)
+        else:
+            np.testing.assert_array_equal(np.asarray(o), e)
+    return out
+
+
+def check_grad_matches(
+    fn: Callable[..., Any],
+    inputs: Sequence[np.ndarray],
+    dtype: Any,
+    scale: float,
+    rtol: float | None = None,
+    use_jit: bool = False,
+) -> None:
+    """`grad(autoscale(f))` on the data equals the float32 gradient times the scale.
+
+    The loss is `sum(f(x) * weights)` with fixed random weights; gradients are
+    taken with respect to the data of every (scaled) input.
+    """
+    dtype = np.dtype(dtype)
+    args = [make_scaled(x, dtype, scale) for x in inputs]
+    ref_args = [jnp.asarray(represented(a), jnp.float32) for a in args]
+    out_shape = jax.eval_shape(fn, *ref_args)
+    weights = np.random.default_rng(0).uniform(0.5, 1.5, out_shape.shape).astype(np.float32)
+
+    def ref_loss(*xs: Any) -> Any:
+        return jnp.sum(fn(*xs) * weights)
+
+    def scaled_loss(*datas: Any) -> Any:
+        xs = [jsa.ScaledArray(d, a.scale) for d, a in zip(datas, args)]
+        out = jsa.autoscale(lambda *v: jnp.sum(fn(*v) * weights.astype(v[0].dtype)))(*xs)
+        return out.to_array(jnp.float32)
+
+    grad_fn = jax.grad(scaled_loss, argnums=tuple(range(len(args))))
+    if use_jit:
+        grad_fn = jax.jit(grad_fn)
+    grads = grad_fn(*[a.data for a in args])
+    expected = jax.grad(ref_loss, argnums=tuple(range(len(args))))(*ref_args)
+    rtol = 3 * RTOL[dtype] if rtol is None else rtol
+    for g, e in zip(grads, expected):
+        # d loss / d data = d loss / d value * scale
+        assert_close(np.asarray(g, np.float64), np.asarray(e, np.float64) * scale, rtol)
