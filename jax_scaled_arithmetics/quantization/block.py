@@ -1,0 +1,311 @@
+"""Block scaled ("microscaling", OCP MX v1.0) quantisation."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _bits
+from ._bits import Rounding
+from .float_quantize import quantize_abs_bits
+from .formats import FloatFormat, get_format
+
+E8M0_NAN = 0xFF
+E8M0_BIAS = 127
+
+
+def _e8m0_from_codes(codes: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(codes.astype(jnp.uint8), jnp.float8_e8m0fnu)
+
+
+def _e8m0_codes(scale: jax.Array) -> jax.Array:
+    """Raw uint8 codes of a float8_e8m0fnu or uint8 array."""
+    dtype = np.dtype(scale.dtype)
+    if dtype == np.dtype(jnp.float8_e8m0fnu):
+        return lax.bitcast_convert_type(scale, jnp.uint8)
+    if dtype == np.uint8:
+        return scale
+    raise TypeError(f"expected a float8_e8m0fnu or uint8 array of scales, got {dtype.name}")
+
+
+def _floor_log2(abs_bits: jax.Array) -> jax.Array:
+    """floor(log2(|x|)) of finite float32 bits as int32 (-150 for zero)."""
+    m, e = _bits.decompose(abs_bits)
+    return e + 31 - lax.clz(m).astype(jnp.int32)
+
+
+def as_e8m0(scale: Any, rounding: Literal["up", "down"] = "up") -> jax.Array:
+    """Converts float32 scales (ideally powers of two) to float8_e8m0fnu.
+
+    E8M0 holds ``2**k`` for ``k`` in ``[-127, 127]`` and NaN, nothing else. A power of two
+    in that range converts exactly; other positive values have their exponent rounded
+    ``"up"`` (``ceil(log2(scale))``, the default: dividing by the scale cannot overflow
+    more than dividing by `scale`) or ``"down"`` (``floor``), then clamped to
+    ``[-127, 127]``. ``±0`` gives the smallest scale ``2**-127`` (there is no zero);
+    negative values, ``+inf`` and NaN give NaN.
+
+    Args:
+        scale: Array of scales (converted to float32).
+        rounding: ``"up"`` or ``"down"``.
+
+    Returns:
+        A ``float8_e8m0fnu`` array of the same shape.
+
+    Raises:
+        ValueError: for an unknown rounding.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> s = as_e8m0(jnp.array([0.25, 3.0, -1.0]))
+        >>> s.dtype
+        dtype(float8_e8m0fnu)
+        >>> from_e8m0(s)
+        Array([0.25, 4.  ,  nan], dtype=float32)
+        >>> from_e8m0(as_e8m0(jnp.array([0.0, 1e-40])))  # 2**-127, the smallest scale
+        Array([5.877472e-39, 5.877472e-39], dtype=float32)
+        >>> from_e8m0(as_e8m0(jnp.array([3.0]), rounding="down"))
+        Array([2.], dtype=float32)
+    """
+    if rounding not in ("up", "down"):
+        raise ValueError(f"Unknown rounding {rounding!r} for as_e8m0; expected 'up' or 'down'")
+    bits = _bits.to_bits(jnp.asarray(scale, dtype=jnp.float32))
+    a = bits & _bits.u32(_bits.ABS_MASK)
+    exp = _floor_log2(a)
+    if rounding == "up":
+        m, _ = _bits.decompose(a)
+        exact = (m & (m - _bits.u32(1))) == 0  # the significand is a power of two
+        exp = exp + jnp.where(exact, 0, 1)
+    codes = jnp.clip(exp, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+    codes = jnp.where(a == 0, 0, codes)
+    invalid = (a >= _bits.u32(_bits.INF_BITS)) | ((bits != a) & (a != 0))
+    codes = jnp.where(invalid, E8M0_NAN, codes)
+    return _e8m0_from_codes(codes)
+
+
+def _e8m0_exponents(codes: jax.Array) -> jax.Array:
+    return codes.astype(jnp.int32) - E8M0_BIAS
+
+
+def from_e8m0(scale: Any) -> jax.Array:
+    """Converts float8_e8m0fnu scales (or their raw uint8 codes) to float32.
+
+    Code ``c`` is ``2**(c - 127)``, code 255 is NaN. The result is exact, including
+    ``2**-127`` (a float32 subnormal).
+
+    Args:
+        scale: A ``float8_e8m0fnu`` array, or a ``uint8`` array of codes.
+
+    Returns:
+        A float32 array of the same shape.
+
+    Raises:
+        TypeError: for other dtypes.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from_e8m0(jnp.array([127, 130, 255], dtype=jnp.uint8))
+        Array([ 1.,  8., nan], dtype=float32)
+    """
+    codes = _e8m0_codes(jnp.asarray(scale))
+    bits = jnp.where(
+        codes == 0,
+        _bits.u32(0x00400000),
+        lax.shift_left(codes.astype(jnp.uint32), _bits.u32(23)),
+    )
+    bits = jnp.where(codes == E8M0_NAN, _bits.u32(_bits.QNAN_BITS), bits)
+    return _bits.from_bits(bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXArray:
+    """A block scaled array: ``value = data * scale`` per block along one axis.
+
+    A JAX pytree (``data`` and ``scales`` are leaves, the rest is static metadata), so it
+    can cross ``jax.jit`` boundaries and be mapped over with ``jax.tree_util``.
+
+    Attributes:
+        data: Elements, shape of the (zero-padded) input. Its dtype is the element
+            format's dtype when JAX supports it (float8, float4), else float32 holding
+            values of the element format exactly (float6 and custom formats).
+        scales: ``float8_e8m0fnu`` block scales, shape of the input with ``axis``
+            of length ``ceil(length / block_size)``. NaN marks a block that held NaN/inf.
+        format: Element format.
+        block_size: Number of elements sharing a scale.
+        axis: The blocked axis, as a negative index (it stays valid when batch
+            dimensions are prepended, e.g. by ``jax.vmap``).
+        length: Length of ``axis`` before padding.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> mx = block_quantize(jnp.arange(8.0), "float4_e2m1fn", block_size=4)
+        >>> mx.data.dtype, mx.scales.dtype, mx.shape
+        (dtype(float4_e2m1fn), dtype(float8_e8m0fnu), (8,))
+        >>> mx.dequantize()  # 7 / 1 saturates to the float4_e2m1fn max, 6
+        Array([0., 1., 2., 3., 4., 4., 6., 6.], dtype=float32)
+    """
+
+    data: jax.Array
+    scales: jax.Array
+    format: FloatFormat
+    block_size: int
+    axis: int
+    length: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the dequantized array."""
+        shape = list(self.data.shape)
+        shape[self.axis] = self.length
+        return tuple(shape)
+
+    def dequantize(self) -> jax.Array:
+        """Same as :func:`block_dequantize`."""
+        return block_dequantize(self)
+
+
+jax.tree_util.register_dataclass(
+    MXArray, data_fields=["data", "scales"], meta_fields=["format", "block_size", "axis", "length"]
+)
+
+
+def _check_element_format(fmt: FloatFormat) -> None:
+    if fmt.unsigned or not fmt.has_zero:
+        raise ValueError(f"block element format must be signed and have a zero, got {fmt.name!r}")
+
+
+def block_quantize(
+    x: Any,
+    format: str | FloatFormat | Any,
+    block_size: int = 32,
+    axis: int = -1,
+    rounding: Rounding = "nearest",
+    key: jax.Array | None = None,
+    pad: bool = False,
+) -> MXArray:
+    """Block scaled (MX) quantisation along one axis, with E8M0 power-of-two scales.
+
+    Each block of `block_size` consecutive elements along `axis` shares the scale
+    ``X = 2**(floor(log2(max|block|)) - emax)`` (OCP MX v1.0), ``emax`` being the element
+    format's :attr:`~FloatFormat.max_exponent`, clamped to E8M0's ``[2**-127, 2**127]``.
+    Elements are ``x / X`` rounded to the element format and saturated to ±max. Scaling
+    and rounding are exact (integer operations on float32 bits).
+
+    * An all-zero block gets the smallest scale ``2**-127`` and zero elements (signs kept).
+    * A block holding NaN or ±inf gets a NaN scale and zero elements: it dequantizes
+      to all-NaN (the MX rule that a NaN scale makes the whole block NaN).
+    * If `block_size` does not divide the axis length, a ValueError is raised unless
+      ``pad=True``: the axis is then zero-padded to a multiple of `block_size` (``data``
+      holds the padding) and :func:`block_dequantize` trims it off.
+
+    Not differentiable: use :func:`float_quantize` for straight-through fake quantisation.
+
+    Args:
+        x: Array with at least one dimension (float up to 32 bits, or integer).
+        format: Element format: a signed preset name, dtype or :class:`FloatFormat`
+            (typically float8_e4m3fn, float8_e5m2, float6_e2m3fn, float6_e3m2fn,
+            float4_e2m1fn).
+        block_size: Elements per block (32 in the MX specification).
+        axis: Axis along which blocks are formed.
+        rounding: Element rounding: ``"nearest"``, ``"toward_zero"`` or ``"stochastic"``.
+        key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
+        pad: Whether to zero-pad an axis that `block_size` does not divide.
+
+    Returns:
+        An :class:`MXArray`.
+
+    Raises:
+        ValueError: invalid format, block size, axis or rounding, or a block size that
+            does not divide the axis length without ``pad=True``.
+        TypeError: for non-real inputs or float64 inputs.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> x = jnp.array([1.0, -2.0, 3.0, 100.0])
+        >>> mx = block_quantize(x, "float8_e4m3fn", block_size=2)
+        >>> from_e8m0(mx.scales)  # 2**(floor(log2(amax)) - 8)
+        Array([0.0078125, 0.25     ], dtype=float32)
+        >>> block_dequantize(mx)  # 100 / 0.25 = 400 rounds to 384 in float8_e4m3fn
+        Array([ 1., -2.,  3., 96.], dtype=float32)
+    """
+    fmt = get_format(format)
+    _check_element_format(fmt)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    mode = _bits.check_rounding(rounding, key)
+    x = jnp.asarray(x)
+    _bits.compute_dtype(x, "block_quantize")
+    if x.ndim == 0:
+        raise ValueError("block_quantize needs an array with at least one dimension")
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis!r} is out of range for an array of rank {x.ndim}")
+    axis = axis % x.ndim
+    length = x.shape[axis]
+    n_blocks = -(-length // block_size)
+    if length % block_size:
+        if not pad:
+            raise ValueError(
+                f"block_size {block_size} does not divide the length {length} of axis {axis}; "
+                "pass pad=True to zero-pad the last block"
+            )
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, -length % block_size)
+        x = jnp.pad(x, widths)
+
+    xt = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    blocks = xt.reshape(*xt.shape[:-1], n_blocks, block_size)
+    bits = _bits.to_bits(blocks)
+    sign = bits & _bits.u32(_bits.SIGN_MASK)
+    a = bits & _bits.u32(_bits.ABS_MASK)
+    # Integer max of |bits| is the max of |x|, and NaN/inf patterns are the largest.
+    amax = jnp.max(a, axis=-1, keepdims=True)
+    special = amax >= _bits.u32(_bits.INF_BITS)
+    shared = jnp.clip(_floor_log2(amax) - fmt.max_exponent, -E8M0_BIAS, E8M0_BIAS)
+    shared = jnp.where(special, 0, shared)
+
+    rbits = _bits.random_bits(key, blocks.shape) if mode == "stochastic" else None
+    r = quantize_abs_bits(jnp.where(special, _bits.u32(0), a), -shared, fmt, mode, rbits)
+    r = jnp.minimum(r, _bits.u32(_bits.float_bits(fmt.max)))  # saturate
+    elements = _bits.from_bits(r | sign)
+    codes = jnp.where(special, E8M0_NAN, shared + E8M0_BIAS)
+
+    data = jnp.moveaxis(elements.reshape(xt.shape), -1, axis)
+    data = data.astype(fmt.jax_dtype or jnp.float32)
+    scales = jnp.moveaxis(_e8m0_from_codes(codes[..., 0]), -1, axis)
+    return MXArray(data, scales, fmt, block_size, axis - x.ndim, length)
+
+
+def block_dequantize(mx: MXArray) -> jax.Array:
+    """Converts an :class:`MXArray` back to float32 (exactly: ``data * scale``).
+
+    Args:
+        mx: The block scaled array.
+
+    Returns:
+        A float32 array of shape ``mx.shape`` (padding trimmed).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> mx = block_quantize(jnp.array([1.0, 2.0, 3.0]), "float8_e5m2", 2, pad=True)
+        >>> block_dequantize(mx)
+        Array([1., 2., 3.], dtype=float32)
+    """
+    if not isinstance(mx, MXArray):
+        raise TypeError(f"block_dequantize expects an MXArray, got {type(mx).__name__}")
+    data = jnp.moveaxis(mx.data.astype(jnp.float32), mx.axis, -1)
+    blocks = data.reshape(*data.shape[:-1], data.shape[-1] // mx.block_size, mx.block_size)
+    codes = jnp.moveaxis(_e8m0_codes(mx.scales), mx.axis, -1)[..., None]
+    bits = _bits.to_bits(blocks)
+    sign = bits & _bits.u32(_bits.SIGN_MASK)
+    a = bits & _bits.u32(_bits.ABS_MASK)
+    r = _bits.scale_abs_bits(a, _e8m0_exponents(codes))
+    out = jnp.where(codes == E8M0_NAN, _bits.u32(_bits.QNAN_BITS), r | sign)
+    out = jnp.where(a == _bits.u32(_bits.INF_BITS), bits, out)
+    out = jnp.where(a > _bits.u32(_bits.INF_BITS), bits, out)
+    values = _bits.from_bits(out).reshape(data.shape)
+    values = jnp.moveaxis(values, -1, mx.axis)
+    return lax.slice_in_dim(values, 0, mx.length, axis=mx.axis % values.ndim)

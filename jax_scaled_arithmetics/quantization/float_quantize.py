@@ -1,0 +1,152 @@
+"""Simulated quantisation to a floating point format ("fake quantisation")."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _bits
+from ._bits import Rounding
+from .formats import FloatFormat, get_format
+
+
+def quantize_abs_bits(
+    abs_bits: jax.Array,
+    exp_offset: Any,
+    fmt: FloatFormat,
+    rounding: str,
+    rbits: jax.Array | None,
+) -> jax.Array:
+    """Rounds finite ``|x| * 2**exp_offset`` onto the grid of `fmt` (no range handling)."""
+    m, e = _bits.decompose(abs_bits)
+    min_quantum_exp = fmt.min_exponent - (fmt.mantissa_bits if fmt.has_zero else 0)
+    q, qexp = _bits.round_significand(
+        m, e + exp_offset, fmt.mantissa_bits, min_quantum_exp, rounding, rbits
+    )
+    return _bits.compose(q, qexp)
+
+
+def _float_quantize_f32(
+    x: jax.Array, fmt: FloatFormat, rounding: str, saturate: bool, rbits: jax.Array | None
+) -> jax.Array:
+    bits = _bits.to_bits(x)
+    sign = bits & _bits.u32(_bits.SIGN_MASK)
+    a = bits & _bits.u32(_bits.ABS_MASK)
+    is_nan = a > _bits.u32(_bits.INF_BITS)
+    is_inf = a == _bits.u32(_bits.INF_BITS)
+    r = quantize_abs_bits(a, 0, fmt, rounding, rbits)
+
+    max_bits = _bits.u32(_bits.float_bits(fmt.max))
+    overflow = is_inf | (r > max_bits)
+    if saturate or fmt.nan_encoding == "none":
+        overflow_bits = max_bits
+    elif fmt.has_inf:
+        overflow_bits = _bits.u32(_bits.INF_BITS)
+    else:
+        overflow_bits = _bits.u32(_bits.QNAN_BITS)
+    r = jnp.where(overflow, overflow_bits, r)
+    if not fmt.has_zero:  # No zero: positive underflow goes to the smallest value.
+        min_bits = _bits.u32(_bits.float_bits(fmt.min_normal))
+        r = jnp.maximum(r, min_bits)
+        if rounding == "nearest" and fmt.mantissa_bits == 0 and fmt.min_exponent == -127:
+            # float8_e8m0fnu: ml_dtypes and XLA round every float32 subnormal above
+            # 2**-127 up to 2**-126 (not to the nearest); match them bit for bit.
+            r = jnp.where((a > min_bits) & (a < _bits.u32(0x800000)), _bits.u32(0x800000), r)
+
+    if fmt.unsigned:
+        out = jnp.where((sign != 0) | (a == 0), _bits.u32(_bits.QNAN_BITS), r)
+    elif fmt.nan_encoding == "fnuz":  # No negative zero.
+        out = jnp.where(r == 0, r, r | sign)
+    else:
+        out = r | sign
+    out = jnp.where(is_nan, bits, out)
+    return _bits.from_bits(out)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _float_quantize_ste(
+    fmt: FloatFormat, rounding: str, saturate: bool, x: jax.Array, rbits: jax.Array | None
+) -> jax.Array:
+    return _float_quantize_f32(x, fmt, rounding, saturate, rbits).astype(x.dtype)
+
+
+@_float_quantize_ste.defjvp
+def _float_quantize_jvp(
+    fmt: FloatFormat, rounding: str, saturate: bool, primals: Any, tangents: Any
+) -> tuple[jax.Array, jax.Array]:
+    x, rbits = primals
+    return _float_quantize_ste(fmt, rounding, saturate, x, rbits), tangents[0]
+
+
+def float_quantize(
+    x: Any,
+    format: str | FloatFormat | Any,
+    rounding: Rounding = "nearest",
+    saturate: bool = False,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """Rounds `x` to the values of a float format, keeping the dtype of `x`.
+
+    The rounding is done exactly with integer operations on the float32 bits of `x`
+    (float16 / bfloat16 / float8 inputs are converted to float32 exactly and the result is
+    cast back to their dtype; integer inputs give float32). Subnormals of the format are
+    simulated. Works under ``jax.jit`` and ``jax.vmap``.
+
+    For every preset with an ml_dtypes dtype, ``rounding="nearest"`` and
+    ``saturate=False`` give bit-exactly ``x.astype(format.dtype).astype(x.dtype)``, except
+    that NaN stays NaN for formats without NaN (ml_dtypes turns NaN into a zero there).
+
+    Special values and range:
+
+    * NaN inputs always give NaN.
+    * ``saturate=False`` (ml_dtypes' casting behaviour): values that round above
+      ``format.max`` and infinities become ±inf in formats with infinities, NaN in
+      formats with NaN but no infinities (e.g. float8_e4m3fn), and ±max in formats
+      with neither (float6 / float4).
+    * ``saturate=True``: values that round above ``format.max`` *and* infinities are
+      clamped to ±max, so every non-NaN output is finite.
+    * "fnuz" formats have no negative zero: negative values rounding to zero give +0.
+    * float8_e8m0fnu (unsigned, no zero): negative inputs and ±0 give NaN, positive
+      values below its smallest value ``2**-127`` give ``2**-127``; with nearest rounding,
+      values in ``(2**-127, 2**-126)`` give ``2**-126`` as in ml_dtypes and XLA, and ties
+      round up (there is no mantissa to make even).
+
+    Gradient: straight-through (identity), implemented with ``jax.custom_jvp``; the
+    tangent of `x` passes through unchanged, whatever the rounding and saturation.
+
+    Args:
+        x: Input array.
+        format: A preset name, dtype or :class:`FloatFormat` (see :func:`get_format`).
+        rounding: ``"nearest"`` (round to nearest, ties to even), ``"toward_zero"``
+            (truncation) or ``"stochastic"`` (rounds up with probability equal to the
+            distance to the lower neighbour in units of the gap: unbiased).
+        saturate: Whether to clamp overflow to ±max (see above).
+        key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
+
+    Returns:
+        The quantised array, with the dtype and shape of `x`.
+
+    Raises:
+        ValueError: unknown format or rounding mode, or a stochastic rounding without key.
+        TypeError: for non-real inputs or float64 inputs.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> x = jnp.array([0.3, 1.0625, 1.1875, 500.0, -1e-4])
+        >>> float_quantize(x, "float8_e4m3fn")
+        Array([ 0.3125,  1.    ,  1.25  ,     nan, -0.    ], dtype=float32)
+        >>> float_quantize(x, "float8_e4m3fn", saturate=True)[3]
+        Array(448., dtype=float32)
+        >>> float_quantize(x, "float8_e4m3fn", rounding="toward_zero")[:3]
+        Array([0.28125, 1.     , 1.125  ], dtype=float32)
+    """
+    fmt = get_format(format)
+    mode = _bits.check_rounding(rounding, key)
+    x = jnp.asarray(x)
+    dtype = _bits.compute_dtype(x, "float_quantize")
+    x = x.astype(dtype)
+    rbits = _bits.random_bits(key, x.shape) if mode == "stochastic" else None
+    return _float_quantize_ste(fmt, mode, bool(saturate), x, rbits)
