@@ -100,3 +100,95 @@ def trace_scaled_jaxpr(
     new_jaxpr, consts = _compat.hoist_consts(traced)
     return new_jaxpr, consts, out_specs_box[-1]
 
+
+# --- helpers for rules that re-emit control flow over leaves ------------------------------
+
+
+def abstract_value(value: Any) -> Any:
+    """The abstract counterpart of a (possibly scaled) value: `ShapeDtypeStruct` leaves.
+
+    A ScaledArray gives a ScaledArray of two `ShapeDtypeStruct` (its data's, its
+    scale's), so that :func:`flatten_scaled` yields leaf avals.
+    """
+    if isinstance(value, ScaledArray):
+        data, scale = leaf_avals([value.data, value.scale])
+        return ScaledArray(data, scale)
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return value
+    return leaf_avals([value])[0]
+
+
+def trace_scaled_leaves(
+    closed_jaxpr: _compat.ClosedJaxpr,
+    abstract_args: Sequence[Any],
+    known: Sequence[Any] | None = None,
+    out_scaled: Sequence[bool | None] | None = None,
+) -> tuple[_compat.ClosedJaxpr, tuple[bool, ...]]:
+    """Trace the scaled interpretation of `closed_jaxpr` over abstract arguments.
+
+    `abstract_args` are values from :func:`abstract_value` (or with those
+    leaves); the result is a jaxpr over their flattened leaves, returning the
+    flattened leaves of the outputs, and which outputs are scaled. `out_scaled`
+    forces an output scaled (True) or unscaled (False), or leaves it (None).
+    """
+    in_leaves, in_specs = flatten_scaled(abstract_args)
+    out_specs_box: list[tuple[bool, ...]] = []
+
+    def flat_fun(*flat: Any) -> list[Any]:
+        values = unflatten_scaled(flat, in_specs)
+        outs = registry.interpret_closed_jaxpr(closed_jaxpr, values, known)
+        if out_scaled is not None:
+            outs = [
+                o if s is None else coerce_scaledness(o, s)
+                for o, s in zip(outs, out_scaled, strict=True)
+            ]
+        out_leaves, out_specs = flatten_scaled(outs)
+        out_specs_box.append(out_specs)
+        return out_leaves
+
+    traced = jax.make_jaxpr(flat_fun)(*in_leaves)
+    return traced, out_specs_box[-1]
+
+
+def outputs_depending_on(jaxpr: _compat.Jaxpr, inputs_mask: Sequence[bool]) -> list[bool]:
+    """Which outputs of `jaxpr` may depend on the inputs flagged in `inputs_mask`.
+
+    Conservative: an equation's outputs depend on all its inputs.
+    """
+    dependent = {v for v, m in zip(jaxpr.invars, inputs_mask, strict=True) if m}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(a, _compat.Literal) and a in dependent for a in eqn.invars):
+            dependent.update(v for v in eqn.outvars if not _compat.is_drop_var(v))
+    return [not isinstance(v, _compat.Literal) and v in dependent for v in jaxpr.outvars]
+
+
+def find_primitive(
+    fn: Any, *args: Any, name: str, axis_env: Sequence[tuple[str, int]] | None = None
+) -> _compat.Primitive | None:
+    """The primitive called `name` that tracing `fn(*args)` binds, or None.
+
+    Finds primitives that `jax.extend` does not export (debug callbacks,
+    optimization barriers...) with public APIs only: a JAX upgrade that renames
+    one makes this return None rather than fail at import.
+    """
+    kwargs = {} if axis_env is None else {"axis_env": list(axis_env)}
+    try:
+        closed = jax.make_jaxpr(fn, **kwargs)(*args)
+    except Exception:  # an API that changed: no rule for it
+        return None
+
+    def search(jaxpr: _compat.Jaxpr) -> _compat.Primitive | None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == name:
+                return eqn.primitive
+            for param in eqn.params.values():
+                subs = param if isinstance(param, (tuple, list)) else (param,)
+                for sub in subs:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if isinstance(inner, _compat.Jaxpr):
+                        found = search(inner)
+                        if found is not None:
+                            return found
+        return None
+
+    return search(closed.jaxpr)

@@ -15,21 +15,25 @@ import jax
 import jax.numpy as jnp
 
 from ..core import _compat, registry
+from ..core.config import get_autoscale_config
 from ..core.datatype import ScaledArray, is_floating
-from ..core.interpreter import operand_constants
+from ..core.interpreter import operand_constants, promote_to_scaled
 from ..core.subjaxpr import (
+    abstract_value,
     coerce_scaledness,
     flatten_scaled,
     leaf_avals,
+    outputs_depending_on,
     trace_scaled_jaxpr,
+    trace_scaled_leaves,
     unflatten_scaled,
 )
-from .base import safe_div
+from .base import rescale, safe_div
 
 
 def _expand_per_value(values: Sequence[Any], specs: Sequence[bool], name: str) -> tuple[Any, ...]:
     out: list[Any] = []
-    for value, scaled in zip(values, specs):
+    for value, scaled in zip(values, specs, strict=True):
         out.append(value)
         if scaled:
             out.append(_compat.default_per_arg_value(name))
@@ -37,7 +41,10 @@ def _expand_per_value(values: Sequence[Any], specs: Sequence[bool], name: str) -
 
 
 @registry.register_scaled_op(
-    _compat.jit_p, always_scaled=True, promote=False, family="higher-order",
+    _compat.jit_p,
+    always_scaled=True,
+    promote=False,
+    family="higher-order",
     remark="kept as a sub-call with its shardings, layouts and donation",
 )
 def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
@@ -57,7 +64,10 @@ def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
 
 
 @registry.register_scaled_op(
-    _compat.closed_call_p, always_scaled=True, promote=False, family="higher-order",
+    _compat.closed_call_p,
+    always_scaled=True,
+    promote=False,
+    family="higher-order",
     remark="inlined (a closed_call has no behaviour of its own)",
 )
 def scaled_closed_call(*args: Any, call_jaxpr: Any, **params: Any) -> list[Any]:
@@ -66,7 +76,10 @@ def scaled_closed_call(*args: Any, call_jaxpr: Any, **params: Any) -> list[Any]:
 
 
 @registry.register_scaled_op(
-    _compat.remat_p, always_scaled=True, promote=False, family="higher-order",
+    _compat.remat_p,
+    always_scaled=True,
+    promote=False,
+    family="higher-order",
     remark="checkpoint kept, with its policy",
 )
 def scaled_remat(*args: Any, jaxpr: Any, prevent_cse: Any, **params: Any) -> list[Any]:
@@ -75,7 +88,7 @@ def scaled_remat(*args: Any, jaxpr: Any, prevent_cse: Any, **params: Any) -> lis
     leaves, in_specs = flatten_scaled(args)
     if not isinstance(prevent_cse, bool):
         expanded: list[Any] = [True] * len(consts)
-        for value, scaled in zip(prevent_cse, in_specs):
+        for value, scaled in zip(prevent_cse, in_specs, strict=True):
             expanded.extend([value, value] if scaled else [value])
         prevent_cse = tuple(expanded)
     outs = _compat.remat_p.bind(
@@ -134,7 +147,10 @@ def _group_leaves(leaves: Sequence[Any], specs: Sequence[bool]) -> list[list[Any
 
 
 @registry.register_scaled_op(
-    _compat.custom_jvp_call_p, always_scaled=True, promote=False, family="higher-order",
+    _compat.custom_jvp_call_p,
+    always_scaled=True,
+    promote=False,
+    family="higher-order",
     remark="the user's JVP rule is kept, and run scaled",
 )
 def scaled_custom_jvp_call(
@@ -149,7 +165,7 @@ def scaled_custom_jvp_call(
         values = unflatten_scaled(flat, in_specs)
         outs = registry.interpret_closed_jaxpr(call_jaxpr, values, known)
         if out_specs_box:
-            outs = [coerce_scaledness(o, s) for o, s in zip(outs, out_specs_box[0])]
+            outs = [coerce_scaledness(o, s) for o, s in zip(outs, out_specs_box[0], strict=True)]
         else:
             out_specs_box.append(tuple(isinstance(o, ScaledArray) for o in outs))
         return outs
@@ -167,17 +183,18 @@ def scaled_custom_jvp_call(
         values = unflatten_scaled(primals, in_specs)
         primal_outs = primal_values(*primals)
         tangent_groups = _group_leaves(tangents, in_specs)
-        value_tangents = [_value_tangent(v, t) for v, t in zip(values, tangent_groups)]
+        value_tangents = [_value_tangent(v, t) for v, t in zip(values, tangent_groups, strict=True)]
         n_in = len(values) - num_consts
         jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*([False] * n_in))
         jvp_closed = _compat.ClosedJaxpr(jvp_jaxpr, jvp_consts)
         jvp_outs = registry.interpret_closed_jaxpr(
-            jvp_closed, [*values[num_consts:], *value_tangents[num_consts:]],
+            jvp_closed,
+            [*values[num_consts:], *value_tangents[num_consts:]],
             [*known[num_consts:], *([None] * n_in)],
         )
-        nz_tangents = iter(jvp_outs[len(out_zeros):])
+        nz_tangents = iter(jvp_outs[len(out_zeros) :])
         out_tangent_leaves: list[Any] = []
-        for primal_out, is_zero in zip(primal_outs, out_zeros):
+        for primal_out, is_zero in zip(primal_outs, out_zeros, strict=True):
             if is_zero:
                 tangent = _zeros_like_value(primal_out)
                 out_tangent_leaves.extend(flatten_scaled([tangent])[0])
@@ -222,7 +239,10 @@ def _leaf_cotangents(primal_in: Any, value_ct: Any) -> list[Any]:
 
 
 @registry.register_scaled_op(
-    _compat.custom_vjp_call_p, always_scaled=True, promote=False, family="higher-order",
+    _compat.custom_vjp_call_p,
+    always_scaled=True,
+    promote=False,
+    family="higher-order",
     remark="the user's fwd/bwd rules are kept, and run scaled",
 )
 def scaled_custom_vjp_call(
@@ -246,7 +266,7 @@ def scaled_custom_vjp_call(
 
     def _coerce_outs(outs: list[Any]) -> list[Any]:
         if out_specs_box:
-            return [coerce_scaledness(o, s) for o, s in zip(outs, out_specs_box[0])]
+            return [coerce_scaledness(o, s) for o, s in zip(outs, out_specs_box[0], strict=True)]
         out_specs_box.append(tuple(isinstance(o, ScaledArray) for o in outs))
         return outs
 
@@ -274,7 +294,7 @@ def scaled_custom_vjp_call(
     def scaled_bwd(saved: Any, ct_leaves: Sequence[Any]) -> tuple[Any, ...]:
         residuals, primal_outs, values = saved
         ct_groups = _group_leaves(ct_leaves, out_specs)
-        value_cts = [_value_cotangent(o, c) for o, c in zip(primal_outs, ct_groups)]
+        value_cts = [_value_cotangent(o, c) for o, c in zip(primal_outs, ct_groups, strict=True)]
         plain_res = [r.to_array() if isinstance(r, ScaledArray) else r for r in residuals]
         plain_cts = [c.to_array() if isinstance(c, ScaledArray) else c for c in value_cts]
         inputs = values[num_consts:]
@@ -283,7 +303,7 @@ def scaled_custom_vjp_call(
             cts_in = bwd.call_wrapped(*res_and_cts)
             return [
                 jnp.zeros(jnp.shape(x), x.dtype) if _compat.is_symbolic_zero(c) else c
-                for c, x in zip(cts_in, [_plain_like(v) for v in inputs])
+                for c, x in zip(cts_in, [_plain_like(v) for v in inputs], strict=True)
             ]
 
         bwd_closed = jax.make_jaxpr(bwd_plain)(*plain_res, *plain_cts)
@@ -291,7 +311,7 @@ def scaled_custom_vjp_call(
         out: list[Any] = []
         for value in values[:num_consts]:
             out.extend(flatten_scaled([_zeros_like_value(value)])[0])
-        for value, ct in zip(inputs, cts_in):
+        for value, ct in zip(inputs, cts_in, strict=True):
             out.extend(_leaf_cotangents(value, ct))
         return tuple(out)
 
@@ -304,3 +324,285 @@ def _plain_like(value: Any) -> Any:
     if isinstance(value, ScaledArray):
         return jax.ShapeDtypeStruct(value.shape, value.dtype)
     return jax.ShapeDtypeStruct(jnp.shape(value), jnp.result_type(value))
+
+
+# --- loops and conditionals ---------------------------------------------------------------
+#
+# Re-emitted with the public `jax.lax.scan` / `while_loop` / `switch` over flattened leaves
+# (not by binding the primitives with adjusted params, whose names and invariants change
+# between JAX releases). The scaled body is traced once per fixed-point round to a jaxpr
+# over leaves, and that jaxpr is what the public API's body evaluates.
+
+
+def _operand_known(n: int) -> list[Any]:
+    known = list(operand_constants())
+    return known if len(known) == n else [None] * n
+
+
+def _scale_aval(value: Any) -> jax.ShapeDtypeStruct:
+    """The (strongly typed, scalar) aval a carried scale leaf keeps across iterations."""
+    if isinstance(value, ScaledArray):
+        dtype = jnp.result_type(value.scale)
+    else:
+        dtype = get_autoscale_config().scale_dtype
+    return jax.ShapeDtypeStruct((), dtype)
+
+
+def _carry_abstract(aval: Any, scaled: bool, scale_aval: Any) -> Any:
+    data = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+    return ScaledArray(data, scale_aval) if scaled else data
+
+
+def _coerce_carry(value: Any, scaled: bool, known: Any, scale_aval: Any) -> Any:
+    """Promote an initial carry to scaled where the loop needs it; scales strongly typed."""
+    if scaled and not isinstance(value, ScaledArray):
+        value = promote_to_scaled(value, known)
+    if isinstance(value, ScaledArray):
+        scale = jax.lax.convert_element_type(jnp.asarray(value.scale), scale_aval.dtype)
+        value = ScaledArray(value.data, scale)
+    return value
+
+
+def _cast_like(leaf: Any, aval: Any) -> Any:
+    """Cast an output leaf to the dtype of the input leaf it is carried to (drops weak types)."""
+    leaf_aval = _compat.typeof(leaf)
+    if leaf_aval.dtype != aval.dtype or (
+        getattr(leaf_aval, "weak_type", False) and not getattr(aval, "weak_type", False)
+    ):
+        return jax.lax.convert_element_type(leaf, aval.dtype)
+    return leaf
+
+
+def _loop_fixed_point(
+    body: Any,
+    before: Sequence[Any],
+    carry_avals: Sequence[Any],
+    carry_specs: Sequence[bool],
+    after: Sequence[Any],
+    scale_avals: Sequence[Any],
+    known: Sequence[Any],
+    num_extra_outs: int,
+) -> tuple[Any, tuple[bool, ...], list[Any], tuple[bool, ...]]:
+    """Trace a loop body until the carries' scaledness is stable.
+
+    A carry that is scaled on input stays scaled on output (promoted with scale
+    1 if the body returns it unscaled); one that the body returns scaled is
+    promoted on input, and the body traced again. Returns the body jaxpr over
+    leaves, the carry specs, the carries' abstract values and the output specs.
+    """
+    specs = tuple(carry_specs)
+    while True:
+        carries = [
+            _carry_abstract(a, s, sa)
+            for a, s, sa in zip(carry_avals, specs, scale_avals, strict=True)
+        ]
+        forced = [True if s else None for s in specs] + [None] * num_extra_outs
+        traced, out_specs = trace_scaled_leaves(body, [*before, *carries, *after], known, forced)
+        new_specs = tuple(a or b for a, b in zip(specs, out_specs[: len(specs)], strict=True))
+        if new_specs == specs:
+            return traced, specs, carries, out_specs
+        specs = new_specs
+
+
+def _common_stacked_scale(y: ScaledArray, invariant: bool) -> ScaledArray:
+    """A stacked output of a scan, whose scale was stacked too, with one scalar scale."""
+    scales = jnp.asarray(y.scale)
+    if scales.shape[0] == 0:
+        return ScaledArray(y.data, jnp.ones((), scales.dtype))
+    if invariant:  # the same scale at every iteration
+        return ScaledArray(y.data, scales[0])
+    common = jax.lax.stop_gradient(jnp.max(scales))
+    ratios = safe_div(scales, common).reshape((-1,) + (1,) * (y.data.ndim - 1))
+    return ScaledArray(rescale(y.data, ratios), common)
+
+
+@registry.register_scaled_op(
+    _compat.scan_p,
+    always_scaled=True,
+    promote=False,
+    family="higher-order",
+    remark="lax.scan over leaves; carries promoted to a fixed point; stacked scales unified",
+)
+def scaled_scan(
+    *args: Any,
+    jaxpr: Any,
+    length: int,
+    reverse: bool,
+    unroll: Any,
+    num_consts: int,
+    num_carry: int,
+    **params: Any,
+) -> list[Any]:
+    known = _operand_known(len(args))
+    consts, init, xs = (
+        args[:num_consts],
+        args[num_consts : num_consts + num_carry],
+        args[num_consts + num_carry :],
+    )
+    k_consts, k_init, k_xs = (
+        known[:num_consts],
+        known[num_consts : num_consts + num_carry],
+        known[num_consts + num_carry :],
+    )
+    in_avals = jaxpr.in_avals
+    carry_avals = in_avals[num_consts : num_consts + num_carry]
+    x_avals = in_avals[num_consts + num_carry :]
+    const_abs = [abstract_value(c) for c in consts]
+    x_abs = [
+        ScaledArray(_carry_abstract(a, False, None), abstract_value(x.scale))
+        if isinstance(x, ScaledArray)
+        else _carry_abstract(a, False, None)
+        for x, a in zip(xs, x_avals, strict=True)
+    ]
+    scale_avals = [_scale_aval(c) for c in init]
+    num_ys = len(jaxpr.out_avals) - num_carry
+    body, carry_specs, carry_abs, out_specs = _loop_fixed_point(
+        jaxpr,
+        const_abs,
+        carry_avals,
+        [isinstance(c, ScaledArray) for c in init],
+        x_abs,
+        scale_avals,
+        [*k_consts, *([None] * num_carry), *k_xs],
+        num_ys,
+    )
+    init = [
+        _coerce_carry(c, s, k, sa)
+        for c, s, k, sa in zip(init, carry_specs, k_init, scale_avals, strict=True)
+    ]
+    const_leaves, _ = flatten_scaled(consts)
+    init_leaves, _ = flatten_scaled(init)
+    carry_leaf_avals, _ = flatten_scaled(carry_abs)
+    n_carry = len(init_leaves)
+    xs_data = [x.data if isinstance(x, ScaledArray) else x for x in xs]
+
+    def body_fun(carry_leaves: list[Any], x_slices: list[Any]) -> tuple[list[Any], list[Any]]:
+        x_leaves: list[Any] = []
+        for x, sliced in zip(xs, x_slices, strict=True):
+            x_leaves.extend([sliced, x.scale] if isinstance(x, ScaledArray) else [sliced])
+        outs = _compat.jaxpr_as_fun(body)(*const_leaves, *carry_leaves, *x_leaves)
+        carry_out = [
+            _cast_like(o, a) for o, a in zip(outs[:n_carry], carry_leaf_avals, strict=True)
+        ]
+        return carry_out, list(outs[n_carry:])
+
+    public = {k: v for k, v in params.items() if k in _SCAN_PUBLIC_PARAMS}
+    carry_leaves, ys_leaves = jax.lax.scan(
+        body_fun, init_leaves, xs_data, length=length, reverse=reverse, unroll=unroll, **public
+    )
+    # A scaled `y` whose scale does not depend on the carries or xs has one scale for all.
+    n_const_leaves = len(const_leaves)
+    mask = [i >= n_const_leaves for i in range(len(body.jaxpr.invars))]
+    varying = outputs_depending_on(body.jaxpr, mask)[n_carry:]
+    y_specs = out_specs[num_carry:]
+    ys = unflatten_scaled(ys_leaves, y_specs)
+    ys_varying = unflatten_scaled(varying, y_specs)
+    ys = [
+        _common_stacked_scale(y, not v.scale) if isinstance(y, ScaledArray) else y
+        for y, v in zip(ys, ys_varying, strict=True)
+    ]
+    return [*unflatten_scaled(carry_leaves, carry_specs), *ys]
+
+
+# Scan params with a keyword of `jax.lax.scan` other than length / reverse / unroll.
+_SCAN_PUBLIC_PARAMS = ("_split_transpose",)
+
+
+@registry.register_scaled_op(
+    _compat.while_p,
+    always_scaled=True,
+    promote=False,
+    family="higher-order",
+    remark="lax.while_loop over leaves; carries promoted to a fixed point",
+)
+def scaled_while(
+    *args: Any,
+    cond_jaxpr: Any,
+    body_jaxpr: Any,
+    cond_nconsts: int,
+    body_nconsts: int,
+    **params: Any,
+) -> list[Any]:
+    del params
+    known = _operand_known(len(args))
+    nc, nb = cond_nconsts, body_nconsts
+    cconsts, bconsts, init = args[:nc], args[nc : nc + nb], args[nc + nb :]
+    k_cconsts, k_bconsts, k_init = known[:nc], known[nc : nc + nb], known[nc + nb :]
+    carry_avals = body_jaxpr.in_avals[nb:]
+    scale_avals = [_scale_aval(c) for c in init]
+    body, carry_specs, carry_abs, _ = _loop_fixed_point(
+        body_jaxpr,
+        [abstract_value(c) for c in bconsts],
+        carry_avals,
+        [isinstance(c, ScaledArray) for c in init],
+        [],
+        scale_avals,
+        [*k_bconsts, *([None] * len(init))],
+        0,
+    )
+    cond, cond_specs = trace_scaled_leaves(
+        cond_jaxpr,
+        [*[abstract_value(c) for c in cconsts], *carry_abs],
+        [*k_cconsts, *([None] * len(init))],
+        [False],
+    )
+    init = [
+        _coerce_carry(c, s, k, sa)
+        for c, s, k, sa in zip(init, carry_specs, k_init, scale_avals, strict=True)
+    ]
+    cconst_leaves, _ = flatten_scaled(cconsts)
+    bconst_leaves, _ = flatten_scaled(bconsts)
+    init_leaves, _ = flatten_scaled(init)
+    carry_leaf_avals, _ = flatten_scaled(carry_abs)
+
+    def cond_fun(carry_leaves: list[Any]) -> Any:
+        return _compat.jaxpr_as_fun(cond)(*cconst_leaves, *carry_leaves)[0]
+
+    def body_fun(carry_leaves: list[Any]) -> list[Any]:
+        outs = _compat.jaxpr_as_fun(body)(*bconst_leaves, *carry_leaves)
+        return [_cast_like(o, a) for o, a in zip(outs, carry_leaf_avals, strict=True)]
+
+    out_leaves = jax.lax.while_loop(cond_fun, body_fun, init_leaves)
+    return unflatten_scaled(out_leaves, carry_specs)
+
+
+@registry.register_scaled_op(
+    _compat.cond_p,
+    always_scaled=True,
+    promote=False,
+    family="higher-order",
+    remark="lax.switch over leaves; an output scaled in one branch is scaled in all",
+)
+def scaled_cond(index: Any, *operands: Any, branches: Sequence[Any], **params: Any) -> list[Any]:
+    del params
+    if isinstance(index, ScaledArray):  # not floating in practice; kept plain
+        index = index.to_array()
+    known = _operand_known(len(operands) + 1)[1:]
+    abstract = [abstract_value(o) for o in operands]
+    out_specs = [False] * len(branches[0].out_avals)
+    for branch in branches:
+        _, specs = _probe_specs(branch, abstract, known)
+        out_specs = [a or b for a, b in zip(out_specs, specs, strict=True)]
+    traced = [trace_scaled_leaves(b, abstract, known, out_specs)[0] for b in branches]
+    leaves, _ = flatten_scaled(operands)
+    # Every branch returns leaves of one type: the original dtypes, strong scales.
+    scale_dtype = get_autoscale_config().scale_dtype
+    target: list[Any] = []
+    for aval, scaled in zip(branches[0].out_avals, out_specs, strict=True):
+        target.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+        if scaled:
+            target.append(jax.ShapeDtypeStruct((), scale_dtype))
+
+    def make_branch(jaxpr: Any) -> Any:
+        def branch_fun(*flat: Any) -> list[Any]:
+            outs = _compat.jaxpr_as_fun(jaxpr)(*flat)
+            return [_cast_like(o, a) for o, a in zip(outs, target, strict=True)]
+
+        return branch_fun
+
+    out_leaves = jax.lax.switch(index, [make_branch(j) for j in traced], *leaves)
+    return unflatten_scaled(out_leaves, out_specs)
+
+
+def _probe_specs(closed: Any, abstract: Sequence[Any], known: Sequence[Any]) -> Any:
+    return trace_scaled_leaves(closed, abstract, known)
