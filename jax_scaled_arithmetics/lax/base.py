@@ -235,3 +235,93 @@ def register_unscaled_output(
     rule.__name__ = f"scaled_{primitive.name}"
     registry.register_scaled_op(primitive, rule, family="unscaled output", remark=remark)
 
+
+# --- Elementwise family with an explicit output-scale strategy -------------------------
+
+OUTPUT_SCALES = (
+    "one",
+    "dynamic",
+    "input",
+    "input_at_most_one",
+    "input_at_least_one",
+    "smallest_input",
+)
+
+
+def nonzero_or_one(scale: Array) -> Array:
+    """`scale` as a float32 array, with 1 in place of 0, inf or NaN (a usable output scale)."""
+    scale = jnp.asarray(scale, jnp.float32)
+    return jnp.where(jnp.isfinite(scale) & (scale != 0), scale, jnp.ones_like(scale))
+
+
+def finite_dynamic_scale(y: Array) -> Array:
+    """A power-of-two scale near the largest finite `|y|` (1 when there is none, or it is 0).
+
+    Infinities and NaNs are left out, so that one of them does not push every
+    other element of the output to zero or infinity.
+    """
+    if not y.size:
+        return np.asarray(1.0, np.float32)
+    amag = jnp.abs(y).astype(jnp.float32)
+    amax = jnp.max(jnp.where(jnp.isfinite(amag), amag, jnp.zeros_like(amag)))
+    return lax.stop_gradient(nonzero_or_one(choose_scale(amax)))
+
+
+def elementwise_output_scale(strategy: str, scales: Sequence[Array], y: Array) -> Array:
+    """The output scale of an elementwise function `y` of operands with `scales`.
+
+    `strategy` is one of `OUTPUT_SCALES`: `"one"`; `"dynamic"` (from `max |y|`);
+    `"input"`, `"input_at_most_one"`, `"input_at_least_one"` (from the first
+    operand's scale, capped at 1 or floored at 1); `"smallest_input"`. A zero
+    scale becomes 1.
+    """
+    if strategy == "one":
+        return np.asarray(1.0, np.float32)
+    if strategy == "dynamic":
+        return finite_dynamic_scale(y)
+    first = jnp.asarray(scales[0], jnp.float32)
+    if strategy == "input":
+        scale = first
+    elif strategy == "input_at_most_one":
+        scale = jnp.minimum(first, 1)
+    elif strategy == "input_at_least_one":
+        scale = jnp.maximum(first, 1)
+    elif strategy == "smallest_input":
+        scale = first
+        for s in scales[1:]:
+            scale = jnp.minimum(scale, jnp.asarray(s, jnp.float32))
+    else:
+        raise ValueError(f"Unknown output scale strategy {strategy!r}; use one of {OUTPUT_SCALES}.")
+    return lax.stop_gradient(nonzero_or_one(scale))
+
+
+def register_unscaled_elementwise(
+    primitive: Any,
+    fn: Callable[..., Array] | None = None,
+    output_scale: str = "dynamic",
+    remark: str = "",
+) -> None:
+    """Register an elementwise primitive computed on the unscaled values in float32.
+
+    `fn(*values, **params)` (default: the primitive) runs on the represented
+    values in at least float32, so it overflows or underflows only where the
+    plain function does. The result is stored as data `y / scale` in the data
+    dtype, with `scale` chosen by `output_scale` (see `elementwise_output_scale`).
+    """
+    if output_scale not in OUTPUT_SCALES:
+        raise ValueError(f"Unknown output_scale {output_scale!r}; use one of {OUTPUT_SCALES}.")
+
+    def rule(*operands: Any, **params: Any) -> Any:
+        scaled = [o for o in operands if isinstance(o, ScaledArray)]
+        dtype = scaled[0].dtype
+        cdtype = compute_dtype(dtype)
+        values = [unscaled_value(o, cdtype) if isinstance(o, ScaledArray) else o for o in operands]
+        y = fn(*values, **params) if fn is not None else primitive.bind(*values, **params)
+        scale = elementwise_output_scale(output_scale, [o.scale for o in scaled], y)
+        data = y / jnp.asarray(scale, y.dtype)
+        return ScaledArray(data.astype(dtype), jnp.asarray(scale, jnp.float32))
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    registry.register_scaled_op(
+        primitive, rule, family=f"unscaled ({output_scale.replace('_', ' ')} scale)", remark=remark
+    )

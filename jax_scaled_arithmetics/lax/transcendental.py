@@ -1,4 +1,20 @@
-"""Scaled rules for exponentials, logarithms and the other non-linear functions."""
+"""Scaled rules for exponentials, logarithms, trigonometric and special functions.
+
+Every function is computed on the represented values in float32 (for float16
+and bfloat16 data), so it overflows or underflows only where the plain
+function does; the families differ in the output scale:
+
+- `"one"`: outputs bounded away from zero on their typical range (cos, acos,
+  acosh, logistic, erfc).
+- `"input_at_most_one"`: odd functions with f(x) ~ x near 0 and |f(x)| <= C min(|x|, 1)
+  (sin, tanh, atan, asin, erf, erf_inv, asinh, atanh, log1p): the input's
+  scale capped at 1 keeps tiny inputs accurate without a reduction.
+- `"dynamic"`: fast-growing or unbounded outputs, or outputs that may all be
+  tiny (exp, exp2, expm1, sinh, cosh, tan, pow, atan2, lgamma, digamma,
+  polygamma, zeta, igamma*, regularized_incomplete_beta, bessel_i0e/i1e): a power
+  of two near the largest finite output.
+- log: `log(data) + log(scale)` where the value leaves the float32 range.
+"""
 
 from __future__ import annotations
 
@@ -10,55 +26,87 @@ from jax import lax
 
 from ..core import registry
 from ..core.datatype import ScaledArray
-from .base import (
-    compute_dtype,
-    register_unscaled_unary,
-    unscaled_value,
+from .base import compute_dtype, register_unscaled_elementwise
+
+_REGISTERED_BEFORE = frozenset(registry.coverage())
+
+_F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+@registry.register_scaled_op(
+    lax.log_p, family="log", remark="log(value), or log(data) + log(scale) out of float32 range"
 )
-
-_LOG2_E = float(np.log2(np.e))
-
-
-@registry.register_scaled_op(lax.exp_p, family="exp", remark="dynamic scale exp(max x)")
-def scaled_exp(x: ScaledArray, **params: Any) -> ScaledArray:
-    """exp(v) = exp(v - k ln 2) * 2^k, with k from the largest input: no overflow in the data."""
-    cdtype = compute_dtype(x.dtype)
-    value = unscaled_value(x, cdtype)
-    vmax = lax.stop_gradient(jnp.max(value)) if value.size else jnp.zeros((), cdtype)
-    k = jnp.floor(vmax * _LOG2_E)
-    k = jnp.where(jnp.isfinite(k), jnp.clip(k, -125, 126), 0).astype(cdtype)
-    data = lax.exp_p.bind(value - k / _LOG2_E, **params)
-    scale = lax.stop_gradient(jnp.exp2(k).astype(jnp.float32))
-    return ScaledArray(data.astype(x.dtype), scale)
-
-
-@registry.register_scaled_op(lax.log_p, family="log", remark="log(data) + log(scale), scale 1")
 def scaled_log(x: ScaledArray, **params: Any) -> ScaledArray:
-    """log(data * scale) = log(data) + log(scale): no underflow of a tiny value."""
+    """log of the value, scale 1.
+
+    Where `data * scale` overflows or underflows float32 (a finite non-zero data
+    with a non-zero scale), `log(data) + log(scale)` is used instead.
+    """
     cdtype = compute_dtype(x.dtype)
-    log_data = lax.log_p.bind(x.data.astype(cdtype), **params)
-    log_scale = jnp.log(jnp.asarray(x.scale).astype(cdtype))
-    # log(0 * scale) is -inf whatever the data; keep log(negative) NaN.
-    out = jnp.where(jnp.asarray(x.scale) == 0, -jnp.inf, log_data + log_scale)
+    data = x.data.astype(cdtype)
+    scale = jnp.asarray(x.scale).astype(cdtype)
+    value = data * scale
+    direct = lax.log_p.bind(value, **params)
+    out_of_range = (
+        ~(jnp.isfinite(value) & (jnp.abs(value) >= _F32_TINY))
+        & jnp.isfinite(data)
+        & (data != 0)
+        & (scale != 0)
+    )
+    safe_data = jnp.where(out_of_range, data, jnp.ones_like(data))
+    safe_scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+    split = lax.log_p.bind(safe_data, **params) + jnp.log(safe_scale)
+    out = jnp.where(out_of_range, split, direct)
     return ScaledArray(out.astype(x.dtype), np.asarray(1.0, np.float32))
 
 
-_BOUNDED = (
-    lax.tanh_p,
-    lax.logistic_p,
-    lax.erf_p,
-    lax.erfc_p,
+_SCALE_ONE = (lax.cos_p, lax.acos_p, lax.acosh_p, lax.logistic_p, lax.erfc_p)
+for _prim in _SCALE_ONE:
+    register_unscaled_elementwise(_prim, output_scale="one", remark="bounded output, scale 1")
+
+_SCALE_INPUT_AT_MOST_ONE = (
     lax.sin_p,
-    lax.cos_p,
+    lax.tanh_p,
     lax.atan_p,
     lax.asin_p,
-    lax.acos_p,
-    lax.atan2_p,
+    lax.erf_p,
+    lax.erf_inv_p,
+    lax.asinh_p,
+    lax.atanh_p,
+    lax.log1p_p,
 )
-for _prim in _BOUNDED:
-    register_unscaled_unary(_prim, output_scale="one", remark="bounded output, scale 1")
+for _prim in _SCALE_INPUT_AT_MOST_ONE:
+    register_unscaled_elementwise(
+        _prim, output_scale="input_at_most_one", remark="f(x) ~ x near 0: scale min(s, 1)"
+    )
 
-for _prim, _remark in (
-    (lax.pow_p, "unscaled, dynamic output scale"),
-):
-    register_unscaled_unary(_prim, output_scale="dynamic", remark=_remark)
+_SCALE_DYNAMIC = (
+    lax.exp_p,
+    lax.exp2_p,
+    lax.expm1_p,
+    lax.sinh_p,
+    lax.cosh_p,
+    lax.tan_p,
+    lax.pow_p,
+    lax.atan2_p,
+    lax.lgamma_p,
+    lax.digamma_p,
+    lax.polygamma_p,
+    lax.zeta_p,
+    lax.igamma_p,
+    lax.igammac_p,
+    lax.igamma_grad_a_p,
+    lax.regularized_incomplete_beta_p,
+    lax.bessel_i0e_p,
+    lax.bessel_i1e_p,
+)
+for _prim in _SCALE_DYNAMIC:
+    register_unscaled_elementwise(
+        _prim, output_scale="dynamic", remark="dynamic scale from the largest finite output"
+    )
+
+
+REGISTERED = tuple(
+    info.primitive for name, info in registry.coverage().items() if name not in _REGISTERED_BEFORE
+)
+"""The primitives whose rules this module registers."""
