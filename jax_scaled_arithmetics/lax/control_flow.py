@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..core import _compat, registry
 from ..core.config import get_autoscale_config
@@ -21,6 +22,7 @@ from ..core.interpreter import operand_constants, promote_to_scaled
 from ..core.subjaxpr import (
     abstract_value,
     coerce_scaledness,
+    find_primitive,
     flatten_scaled,
     leaf_avals,
     outputs_depending_on,
@@ -606,3 +608,291 @@ def scaled_cond(index: Any, *operands: Any, branches: Sequence[Any], **params: A
 
 def _probe_specs(closed: Any, abstract: Sequence[Any], known: Sequence[Any]) -> Any:
     return trace_scaled_leaves(closed, abstract, known)
+
+
+# --- callbacks, barriers, names, placement ----------------------------------------------
+#
+# Primitives `jax.extend` does not export are found by tracing their public API once
+# (`find_primitive`); one that a JAX release renames simply gets no rule.
+
+
+def _values(args: Sequence[Any], dtype: Any = None) -> list[Any]:
+    """The represented values of the scaled operands (others unchanged)."""
+    out = []
+    for a in args:
+        if isinstance(a, ScaledArray):
+            a = a.to_array(dtype(a.dtype) if callable(dtype) else dtype)
+        out.append(a)
+    return out
+
+
+def _register_materializing(prim: Any, dtype: Any, remark: str) -> None:
+    """Register a rule that calls `prim` on the represented values of its operands."""
+    if prim is None or registry.has_scaled_rule(prim):
+        return
+
+    def rule(*args: Any, **params: Any) -> Any:
+        return prim.bind(*_values(args, dtype), **params)
+
+    rule.__name__ = f"scaled_{prim.name}"
+    registry.register_scaled_op(prim, rule, promote=False, family="callback", remark=remark)
+
+
+_F32 = jnp.dtype(jnp.float32)
+
+
+def _wide_dtype(dtype: Any) -> Any:
+    """Debug output shows the represented value without overflow: at least float32."""
+    return dtype if jnp.dtype(dtype).itemsize >= 4 else _F32
+
+
+debug_callback_p = find_primitive(
+    lambda x: jax.debug.callback(lambda v: None, x), 1.0, name="debug_callback"
+)
+debug_print_p = find_primitive(lambda x: jax.debug.print("{}", x), 1.0, name="debug_print")
+pure_callback_p = find_primitive(
+    lambda x: jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), x),
+    1.0,
+    name="pure_callback",
+)
+io_callback_p = find_primitive(
+    lambda x: jax.experimental.io_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), x),
+    1.0,
+    name="io_callback",
+)
+optimization_barrier_p = find_primitive(
+    jax.lax.optimization_barrier, 1.0, name="optimization_barrier"
+)
+
+for _prim in (debug_callback_p, debug_print_p):
+    _register_materializing(
+        _prim, _wide_dtype, "the callback sees represented values (in at least float32)"
+    )
+for _prim in (pure_callback_p, io_callback_p):
+    _register_materializing(
+        _prim, None, "the callback sees represented values; its outputs are unscaled"
+    )
+
+
+if optimization_barrier_p is not None:
+
+    @registry.register_scaled_op(
+        optimization_barrier_p,
+        promote=False,
+        family="higher-order",
+        remark="one barrier over data and scales",
+    )
+    def scaled_optimization_barrier(*args: Any, **params: Any) -> list[Any]:
+        leaves, specs = flatten_scaled(args)
+        return unflatten_scaled(optimization_barrier_p.bind(*leaves, **params), specs)
+
+
+@registry.register_scaled_op(
+    _compat.primitives.name_p, family="higher-order", remark="data and scale both named"
+)
+def scaled_checkpoint_name(x: ScaledArray, **params: Any) -> ScaledArray:
+    name_p = _compat.primitives.name_p
+    return ScaledArray(name_p.bind(x.data, **params), name_p.bind(jnp.asarray(x.scale), **params))
+
+
+@registry.register_scaled_op(
+    _compat.primitives.sharding_constraint_p,
+    family="linear",
+    remark="constraint on the data; the scalar scale is left unconstrained",
+)
+def scaled_sharding_constraint(x: ScaledArray, **params: Any) -> ScaledArray:
+    return ScaledArray(_compat.primitives.sharding_constraint_p.bind(x.data, **params), x.scale)
+
+
+@registry.register_scaled_op(
+    _compat.primitives.device_put_p,
+    promote=False,
+    family="higher-order",
+    remark="data and scale put on the same device / memory kind",
+)
+def scaled_device_put(*args: Any, **params: Any) -> list[Any]:
+    leaves, specs = flatten_scaled(args)
+    new_params = dict(params)
+    for name, value in params.items():
+        if isinstance(value, (tuple, list)) and len(value) == len(args):
+            expanded: list[Any] = []
+            for v, scaled in zip(value, specs, strict=True):
+                expanded.extend([v, v] if scaled else [v])
+            new_params[name] = type(value)(expanded)
+    outs = _compat.primitives.device_put_p.bind(*leaves, **new_params)
+    return unflatten_scaled(outs, specs)
+
+
+@registry.register_scaled_op(
+    _compat.primitives.custom_lin_p,
+    always_scaled=False,
+    promote=False,
+    family="higher-order",
+    remark="not supported: internal to jax.linearize",
+)
+def scaled_custom_lin(*args: Any, **params: Any) -> Any:
+    raise NotImplementedError(
+        "autoscale cannot interpret 'custom_lin', an internal primitive of jax.linearize's "
+        "linear function. Apply autoscale before linearizing (jax.linearize(autoscale(f)) or "
+        "autoscale(jax.grad(f))), not to the linearized function."
+    )
+
+
+# --- collectives ------------------------------------------------------------------------
+#
+# Each device may hold its own scale: reductions and gathers first bring the data to the
+# largest scale over the axes (a `pmax` of the scalar scales), then apply the collective
+# to the data. `ppermute` and `pvary` move or retype data and scale alike.
+
+
+def _axis_common_scale(x: ScaledArray, axes: Any, axis_index_groups: Any = None) -> Any:
+    scale = jax.lax.stop_gradient(jnp.asarray(x.scale))
+    return jax.lax.pmax(scale, axes, axis_index_groups=axis_index_groups)
+
+
+def _register_common_scale_collective(prim: Any, axes_param: str) -> None:
+    if prim is None or registry.has_scaled_rule(prim):
+        return
+
+    def rule(x: ScaledArray, **params: Any) -> ScaledArray:
+        common = _axis_common_scale(x, params[axes_param], params.get("axis_index_groups"))
+        data = rescale(x.data, safe_div(jnp.asarray(x.scale), common))
+        return ScaledArray(prim.bind(data, **params), common)
+
+    rule.__name__ = f"scaled_{prim.name}"
+    registry.register_scaled_op(
+        prim, rule, family="collective", remark="data at the largest scale over the axes"
+    )
+
+
+def _varying_axes(x: Any) -> frozenset[Any]:
+    """Mesh axes over which `x` varies inside `shard_map` (empty when not tracked)."""
+    # TODO(_compat): the attribute holding an aval's varying axes changes between releases.
+    aval = _compat.typeof(x)
+    mat = getattr(aval, "mat", None)
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return frozenset(varying or ())
+
+
+def _as_axes(axes: Any) -> tuple[Any, ...]:
+    return tuple(axes) if isinstance(axes, (tuple, list, frozenset, set)) else (axes,)
+
+
+def _register_leafwise_collective(prim: Any, axes_param: str | None) -> None:
+    """Register a collective that moves data and scale alike (the scale made varying first)."""
+    if prim is None or registry.has_scaled_rule(prim):
+        return
+
+    def rule(x: ScaledArray, **params: Any) -> ScaledArray:
+        if axes_param is None:  # pvary: a type cast of the data only
+            # Only over the axes the data does not vary over yet (autoscale may trace the
+            # user's function on leaves whose varying axes it does not know).
+            axes = tuple(a for a in params["axes"] if a not in _varying_axes(x.data))
+            data = prim.bind(x.data, **{**params, "axes": axes}) if axes else x.data
+            return ScaledArray(data, x.scale)
+        data = prim.bind(x.data, **params)
+        scale = jnp.asarray(x.scale)
+        axes = _as_axes(params[axes_param])
+        missing = tuple(a for a in axes if a in _varying_axes(x.data) - _varying_axes(scale))
+        if missing:
+            scale = jax.lax.pcast(scale, missing, to="varying")
+        return ScaledArray(data, prim.bind(scale, **params))
+
+    rule.__name__ = f"scaled_{prim.name}"
+    registry.register_scaled_op(
+        prim, rule, family="collective", remark="applied to data and scale alike"
+    )
+
+
+def _collective_primitive(fn: Any, name: str) -> Any:
+    return find_primitive(fn, np.ones((1, 2), np.float32), name=name, axis_env=[("i", 1)])
+
+
+_P = _compat.primitives
+for _prim, _axes in (
+    (_P.psum_p, "axes"),
+    (_P.pmax_p, "axes"),
+    (_P.pmin_p, "axes"),
+    (_P.all_gather_p, "axis_name"),
+    (_P.all_to_all_p, "axis_name"),
+    (_collective_primitive(lambda x: jax.lax.psum_scatter(x, "i"), "reduce_scatter"), "axis_name"),
+):
+    _register_common_scale_collective(_prim, _axes)
+_register_leafwise_collective(_P.ppermute_p, "axis_name")
+
+
+def _shard_map_primitive(fn: Any, name: str, in_spec: Any) -> Any:
+    """A primitive that only appears inside `shard_map` (traced on an abstract 1-device mesh)."""
+    try:
+        spec = jax.sharding.PartitionSpec
+        mesh = jax.sharding.AbstractMesh((1,), ("i",))
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_spec(spec), out_specs=spec("i"))
+    except Exception:  # an API that changed: no rule for it
+        return None
+    return find_primitive(mapped, np.ones((2,), np.float32), name=name)
+
+
+_register_common_scale_collective(
+    _shard_map_primitive(lambda x: jax.lax.psum(x, "i"), "psum_invariant", lambda p: p()),
+    "axes",
+)
+_register_leafwise_collective(
+    _shard_map_primitive(lambda x: jax.lax.pcast(x, "i", to="varying"), "pvary", lambda p: p()),
+    None,
+)
+_register_leafwise_collective(
+    _shard_map_primitive(lambda x: jax.lax.pbroadcast(x, "i", 0), "pbroadcast", lambda p: p("i")),
+    "axis_name",
+)
+
+shard_map_p = _shard_map_primitive(lambda x: x, "shard_map", lambda p: p("i"))
+
+
+def _expand_specs(specs: Sequence[Any], scaled: Sequence[bool]) -> tuple[Any, ...]:
+    """Per-leaf partition specs: a scale is a replicated scalar."""
+    out: list[Any] = []
+    for spec, s in zip(specs, scaled, strict=True):
+        out.extend([spec, jax.sharding.PartitionSpec()] if s else [spec])
+    return tuple(out)
+
+
+if shard_map_p is not None:
+
+    @registry.register_scaled_op(
+        shard_map_p,
+        always_scaled=True,
+        promote=False,
+        family="higher-order",
+        remark="jax.shard_map over leaves; scales replicated (largest over the mesh axes)",
+    )
+    def scaled_shard_map(
+        *args: Any, jaxpr: Any, mesh: Any, in_specs: Any, out_specs: Any, **params: Any
+    ) -> list[Any]:
+        known = _operand_known(len(args))
+        leaves, in_scaled = flatten_scaled(args)
+        axes = tuple(params.get("newly_manual_axes", mesh.axis_names))
+        closed = _compat.ClosedJaxpr(jaxpr, ())
+        # Every floating output is scaled, so the output structure is known before tracing.
+        out_scaled = [is_floating(v.aval.dtype) for v in jaxpr.outvars]
+
+        def body(*flat: Any) -> list[Any]:
+            values = unflatten_scaled(flat, in_scaled)
+            outs = registry.interpret_closed_jaxpr(closed, values, known)
+            unified = []
+            for out, s in zip(outs, out_scaled, strict=True):
+                out = coerce_scaledness(out, s)
+                if s:  # one scale for all the shards
+                    common = _axis_common_scale(out, axes)
+                    out = ScaledArray(rescale(out.data, safe_div(out.scale, common)), common)
+                unified.append(out)
+            return tuple(flatten_scaled(unified)[0])
+
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=_expand_specs(in_specs, in_scaled),
+            out_specs=_expand_specs(out_specs, out_scaled),
+            axis_names=frozenset(axes),
+            check_vma=params.get("check_vma", True),
+        )
+        return unflatten_scaled(mapped(*leaves), out_scaled)
