@@ -1,4 +1,10 @@
-"""Scaled rules for dot_general and convolutions (unit-scaling rule: scale * sqrt(fan-in))."""
+"""Scaled rules for dot_general and convolutions (unit-scaling rule: scale * sqrt(fan-in)).
+
+The output scale is `lhs.scale * rhs.scale * pow2(sqrt(K))`, K the number of
+products summed into each output element, and the accumulated data is divided
+by the same power of two. Low-precision data is accumulated in float32 (unless
+`preferred_element_type` says otherwise) and cast to the output dtype.
+"""
 
 from __future__ import annotations
 
@@ -26,20 +32,44 @@ def _accumulator_dtype(dtype: Any, preferred: Any) -> Any:
     return None
 
 
+def _scaled_contraction(
+    primitive: Any, lhs: ScaledArray, rhs: ScaledArray, fan_in: int, params: dict
+) -> ScaledArray:
+    factor = fan_in_factor(fan_in)
+    preferred = params.get("preferred_element_type")
+    out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if preferred is None else preferred
+    bind_params = dict(params, preferred_element_type=_accumulator_dtype(out_dtype, preferred))
+    out = primitive.bind(lhs.data, rhs.data, **bind_params)
+    out = (out * jnp.asarray(1.0 / factor, out.dtype)).astype(out_dtype)
+    scale = jnp.asarray(lhs.scale, jnp.float32) * jnp.asarray(rhs.scale, jnp.float32) * factor
+    return ScaledArray(out, scale)
+
+
 @registry.register_scaled_op(
     lax.dot_general_p, family="dot", remark="scale sa * sb * sqrt(K), any dimension numbers"
 )
 def scaled_dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> ScaledArray:
+    """K is the product of the lhs contracting dimensions (batch dimensions excluded)."""
     (lhs_contract, _), _ = params["dimension_numbers"]
     fan_in = int(np.prod([lhs.shape[d] for d in lhs_contract], dtype=np.int64))
-    factor = fan_in_factor(fan_in)
-    out_dtype = params.get("preferred_element_type") or jnp.result_type(lhs.dtype, rhs.dtype)
-    bind_params = dict(params)
-    bind_params["preferred_element_type"] = _accumulator_dtype(
-        out_dtype, params.get("preferred_element_type")
-    )
-    out = lax.dot_general_p.bind(lhs.data, rhs.data, **bind_params)
-    acc = out.dtype
-    out = (out * jnp.asarray(1.0 / factor, acc)).astype(out_dtype)
-    scale = jnp.asarray(lhs.scale, jnp.float32) * jnp.asarray(rhs.scale, jnp.float32) * factor
-    return ScaledArray(out, scale)
+    return _scaled_contraction(lax.dot_general_p, lhs, rhs, fan_in, params)
+
+
+@registry.register_scaled_op(
+    lax.conv_general_dilated_p,
+    family="dot",
+    remark="scale sa * sb * sqrt(K), K = kernel input features x kernel spatial size",
+)
+def scaled_conv_general_dilated(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> ScaledArray:
+    """K is read from the kernel (rhs) layout, whatever the dimension numbers.
+
+    The kernel's input-feature dimension already holds the features of one group
+    (feature_group_count) and all features with batch_group_count, so K is the
+    number of products summed per output element for any convolution, including
+    the transposed ones that appear in gradients (where the "kernel" is the
+    cotangent or the input). Padding and dilation only skip some of them.
+    """
+    dnums = params.get("dimension_numbers")
+    rhs_spec = tuple(range(rhs.ndim)) if dnums is None else tuple(dnums.rhs_spec)
+    fan_in = int(np.prod([rhs.shape[d] for d in rhs_spec[1:]], dtype=np.int64))
+    return _scaled_contraction(lax.conv_general_dilated_p, lhs, rhs, fan_in, params)

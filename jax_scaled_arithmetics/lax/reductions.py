@@ -1,30 +1,212 @@
-"""Scaled rules for reductions."""
+"""Scaled rules for reductions, cumulative and windowed reductions.
+
+Sums (reduce_sum, cumsum, reduce_window_sum) follow the unit-scaling rule: the
+scale grows by sqrt(N) (rounded to a power of two) for N summed values, and the
+data, accumulated in float32, is divided by the same factor. Max/min keep the
+scale. Products and generic reductions are computed in float32 and renormalised.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import registry
-from ..core.datatype import ScaledArray
-from .base import compute_dtype, register_linear, register_unscaled_output
+from ..core import _compat, registry
+from ..core.datatype import ScaledArray, is_floating
+from .base import (
+    compute_dtype,
+    dynamic_scale_of,
+    register_linear,
+    register_unscaled_output,
+    register_unscaled_unary,
+    rescale,
+    scaled_output,
+    unscaled_value,
+)
+from .indexing import masked_data
 from .linalg import fan_in_factor
 
-
-@registry.register_scaled_op(lax.reduce_sum_p, family="reduce", remark="scale * sqrt(N)")
-def scaled_reduce_sum(x: ScaledArray, *, axes: Any, **params: Any) -> ScaledArray:
-    count = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
-    factor = fan_in_factor(count)
-    cdtype = compute_dtype(x.dtype)
-    out = lax.reduce_sum_p.bind(x.data.astype(cdtype), axes=axes, **params)
-    out = (out * jnp.asarray(1.0 / factor, cdtype)).astype(x.dtype)
-    return ScaledArray(out, jnp.asarray(x.scale, jnp.float32) * factor)
+Array = Any
 
 
-register_linear(lax.reduce_max_p, remark="scale kept")
-register_linear(lax.reduce_min_p, remark="scale kept")
+def _sum_rule(primitive: Any, count_of: Any) -> Any:
+    """A sum of `count_of(x, params)` values: scale * pow2(sqrt(N)), float32 accumulation."""
+
+    def rule(x: ScaledArray, **params: Any) -> ScaledArray:
+        factor = fan_in_factor(count_of(x, params))
+        cdtype = compute_dtype(x.dtype)
+        out = primitive.bind(x.data.astype(cdtype), **params)
+        out = (out * jnp.asarray(1.0 / factor, cdtype)).astype(x.dtype)
+        return ScaledArray(out, jnp.asarray(x.scale, jnp.float32) * factor)
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    return rule
+
+
+def _prod(sizes: Sequence[int]) -> int:
+    return int(np.prod(sizes, dtype=np.int64))
+
+
+registry.register_scaled_op(
+    lax.reduce_sum_p,
+    _sum_rule(lax.reduce_sum_p, lambda x, p: _prod([x.shape[a] for a in p["axes"]])),
+    family="reduce",
+    remark="scale * sqrt(N)",
+)
+# The last element of a cumsum is the full sum: same rule as reduce_sum, so that
+# jnp.cumsum(x)[-1] and jnp.sum(x) agree (and long f16 sums do not overflow).
+registry.register_scaled_op(
+    lax.cumsum_p,
+    _sum_rule(lax.cumsum_p, lambda x, p: x.shape[p["axis"]]),
+    family="reduce",
+    remark="scale * sqrt(N), N the length of the axis (as reduce_sum)",
+)
+registry.register_scaled_op(
+    lax.reduce_window_sum_p,
+    _sum_rule(lax.reduce_window_sum_p, lambda x, p: _prod(p["window_dimensions"])),
+    family="reduce",
+    remark="scale * sqrt(window size)",
+)
+
+for _prim in (
+    lax.reduce_max_p,
+    lax.reduce_min_p,
+    lax.cummax_p,
+    lax.cummin_p,
+    lax.reduce_window_max_p,
+    lax.reduce_window_min_p,
+):
+    register_linear(_prim, remark="scale kept")
 register_unscaled_output(lax.argmax_p)
 register_unscaled_output(lax.argmin_p)
+
+register_unscaled_unary(
+    lax.cumprod_p, output_scale="dynamic", remark="float32 value, dynamic scale"
+)
+register_unscaled_unary(
+    lax.cumlogsumexp_p, output_scale="dynamic", remark="float32 value, dynamic scale"
+)
+
+
+@registry.register_scaled_op(
+    lax.reduce_prod_p, family="reduce", remark="scale ** N * pow2(max |prod(data)|)"
+)
+def scaled_reduce_prod(x: ScaledArray, *, axes: Any, **params: Any) -> ScaledArray:
+    """Product of N values: the data's product (float32) times `scale ** N`.
+
+    The data product is renormalised by its largest power of two. A `scale ** N`
+    out of the float32 range gives inf or 0, as the plain float32 product does.
+    """
+    count = _prod([x.shape[a] for a in axes])
+    out = lax.reduce_prod_p.bind(x.data.astype(compute_dtype(x.dtype)), axes=axes, **params)
+    norm = dynamic_scale_of(out)
+    scale = jnp.asarray(x.scale, jnp.float32) ** count * norm
+    return ScaledArray(rescale(out, 1.0 / norm, x.dtype), scale)
+
+
+@registry.register_scaled_op(
+    lax.select_and_scatter_add_p, family="linear", remark="source's scale; selection on data"
+)
+def scaled_select_and_scatter_add(
+    source: ScaledArray, operand: ScaledArray, **params: Any
+) -> ScaledArray:
+    """Gradient of max/min pooling: scatter `source` where `operand` is selected."""
+    out = lax.select_and_scatter_add_p.bind(source.data, masked_data(operand), **params)
+    return ScaledArray(out, source.scale)
+
+
+@registry.register_scaled_op(
+    lax.select_and_gather_add_p, family="linear", remark="tangents' scale; selection on data"
+)
+def scaled_select_and_gather_add(
+    tangents: ScaledArray, operand: ScaledArray, **params: Any
+) -> ScaledArray:
+    """Forward-mode derivative of max/min pooling: gather `tangents` where `operand` wins."""
+    out = lax.select_and_gather_add_p.bind(tangents.data, masked_data(operand), **params)
+    return ScaledArray(out, tangents.scale)
+
+
+# --- generic reductions: a body jaxpr, evaluated on float32 values ----------------------
+
+
+def _upcast(x: Any) -> Any:
+    x = jnp.asarray(x)
+    if is_floating(x) and x.dtype != compute_dtype(x.dtype):
+        return x.astype(compute_dtype(x.dtype))
+    return x
+
+
+def _eval_upcast(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Evaluate `jaxpr` with every floating value widened to float32 (float64 kept)."""
+    env: dict[Any, Any] = {}
+
+    def read(atom: Any) -> Any:
+        return _upcast(atom.val if isinstance(atom, _compat.Literal) else env[atom])
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        invals = [read(a) for a in eqn.invars]
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if isinstance(inner, _compat.ClosedJaxpr):  # jit, closed_call, custom_jvp: inlined
+            outs = _eval_upcast(inner.jaxpr, inner.consts, invals)
+        else:
+            params = dict(eqn.params)
+            new_dtype = params.get("new_dtype")
+            if eqn.primitive is lax.convert_element_type_p and is_floating(new_dtype):
+                params["new_dtype"] = compute_dtype(new_dtype)
+            outs = eqn.primitive.bind(*invals, **params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, out in zip(eqn.outvars, outs, strict=True):
+            env[var] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _widened_body(body: Any, dtypes: Sequence[Any]) -> Any:
+    """`body` (a closed jaxpr of scalars) re-traced for scalars of `dtypes`."""
+    avals = [jax.ShapeDtypeStruct((), d) for d in dtypes]
+    return jax.make_jaxpr(lambda *a: _eval_upcast(body.jaxpr, body.consts, a))(*avals)
+
+
+def _generic_reduction(
+    primitive: Any, operands: Sequence[Any], body: Any, body_params: Any, params: dict
+) -> list[Any]:
+    """Run a reduction with a body jaxpr on float32 values; floating outputs renormalised."""
+    values = [unscaled_value(o) if isinstance(o, ScaledArray) else o for o in operands]
+    num = len(operands) // 2
+    dtypes = [jnp.asarray(v).dtype for v in values[:num]]
+    if any(jnp.dtype(v.dtype) != jnp.dtype(o.dtype) for v, o in zip(values, operands, strict=True)):
+        body = _widened_body(body, dtypes * 2)
+    outs = primitive.bind(*values, **dict(params, **body_params(body)))
+    return [
+        scaled_output(out, o.dtype, "dynamic") if isinstance(o, ScaledArray) else out
+        for out, o in zip(outs, operands[:num], strict=True)
+    ]
+
+
+@registry.register_scaled_op(
+    lax.reduce_p, family="reduce", remark="any body: float32 values, dynamic scale"
+)
+def scaled_reduce(*operands: Any, jaxpr: Any, **params: Any) -> list[Any]:
+    return _generic_reduction(lax.reduce_p, operands, jaxpr, lambda b: {"jaxpr": b}, params)
+
+
+@registry.register_scaled_op(
+    lax.reduce_window_p, family="reduce", remark="any body: float32 values, dynamic scale"
+)
+def scaled_reduce_window(*operands: Any, jaxpr: Any, consts: Any, **params: Any) -> list[Any]:
+    body = _compat.ClosedJaxpr(jaxpr, consts)
+    return _generic_reduction(
+        lax.reduce_window_p,
+        operands,
+        body,
+        lambda b: {"jaxpr": b.jaxpr, "consts": tuple(b.consts)},
+        params,
+    )
