@@ -6,6 +6,7 @@ operations `set_scaling`, `stop_scaling`, `get_data_scale`, `rebalance`.
 
 from . import control_flow as control_flow
 from . import elementwise as elementwise
+from . import indexing as indexing
 from . import linalg as linalg
 from . import reductions as reductions
 from . import shape as shape
