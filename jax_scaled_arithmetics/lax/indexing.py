@@ -16,10 +16,9 @@ from jax import lax
 
 from ..core import registry
 from ..core.datatype import ScaledArray
-from ..core.pow2 import static_pow2
+from ..core.pow2 import pow2_round, static_pow2
 from .base import (
     compute_dtype,
-    dynamic_scale_of,
     register_common_scale,
     register_linear,
     rescale,
@@ -32,8 +31,22 @@ Array = Any
 
 
 def masked_data(x: ScaledArray) -> Array:
-    """The data of `x`, zeroed where the scale is 0 (order-sensitive rules need true zeros)."""
-    return jnp.where(jnp.asarray(x.scale) == 0, jnp.zeros_like(x.data), x.data)
+    """The data of `x`, or `data * 0` where the scale is 0: the (signed) zeros it represents.
+
+    Rules whose result depends on the order of the data (sort, top_k, pooling
+    selection) use it, so that a zero scale orders as the zeros it represents.
+    """
+    return jnp.where(jnp.asarray(x.scale) == 0, x.data * jnp.zeros((), x.dtype), x.data)
+
+
+def renormalised(y: Array, scale: Array, dtype: Any) -> ScaledArray:
+    """`y * scale` as a ScaledArray with `dtype` data: `y` (high precision) is divided by the
+    power of two nearest its largest finite magnitude, which joins the scale."""
+    finite = jnp.isfinite(y)
+    amax = jnp.max(jnp.where(finite, jnp.abs(y), 0), initial=0).astype(jnp.float32)
+    norm = lax.stop_gradient(jnp.where(amax > 0, pow2_round(amax), 1))
+    data = (y / norm.astype(y.dtype)).astype(dtype)
+    return ScaledArray(data, jnp.asarray(scale, jnp.float32) * norm)
 
 
 register_linear(lax.dynamic_slice_p, remark="indices plain")
@@ -143,9 +156,7 @@ def scaled_scatter_mul(
         factors,
         **_update_params(params, lax.mul, cdtype),
     )
-    norm = dynamic_scale_of(out)
-    scale = jnp.asarray(operand.scale, jnp.float32) * norm
-    return ScaledArray(rescale(out, 1.0 / norm, operand.dtype), scale)
+    return renormalised(out, operand.scale, operand.dtype)
 
 
 @registry.register_scaled_op(

@@ -20,15 +20,11 @@ from ..core import _compat, registry
 from ..core.datatype import ScaledArray, is_floating
 from .base import (
     compute_dtype,
-    dynamic_scale_of,
     register_linear,
     register_unscaled_output,
-    register_unscaled_unary,
-    rescale,
-    scaled_output,
     unscaled_value,
 )
-from .indexing import masked_data
+from .indexing import masked_data, renormalised
 from .linalg import fan_in_factor
 
 Array = Any
@@ -85,12 +81,22 @@ for _prim in (
 register_unscaled_output(lax.argmax_p)
 register_unscaled_output(lax.argmin_p)
 
-register_unscaled_unary(
-    lax.cumprod_p, output_scale="dynamic", remark="float32 value, dynamic scale"
-)
-register_unscaled_unary(
-    lax.cumlogsumexp_p, output_scale="dynamic", remark="float32 value, dynamic scale"
-)
+
+def _value_rule(primitive: Any) -> Any:
+    """Computed on the float32 value; the result renormalised to a power-of-two scale."""
+
+    def rule(x: ScaledArray, **params: Any) -> ScaledArray:
+        out = primitive.bind(unscaled_value(x), **params)
+        return renormalised(out, 1.0, x.dtype)
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    return rule
+
+
+for _prim in (lax.cumprod_p, lax.cumlogsumexp_p):
+    registry.register_scaled_op(
+        _prim, _value_rule(_prim), family="reduce", remark="float32 value, dynamic scale"
+    )
 
 
 @registry.register_scaled_op(
@@ -104,9 +110,7 @@ def scaled_reduce_prod(x: ScaledArray, *, axes: Any, **params: Any) -> ScaledArr
     """
     count = _prod([x.shape[a] for a in axes])
     out = lax.reduce_prod_p.bind(x.data.astype(compute_dtype(x.dtype)), axes=axes, **params)
-    norm = dynamic_scale_of(out)
-    scale = jnp.asarray(x.scale, jnp.float32) ** count * norm
-    return ScaledArray(rescale(out, 1.0 / norm, x.dtype), scale)
+    return renormalised(out, jnp.asarray(x.scale, jnp.float32) ** count, x.dtype)
 
 
 @registry.register_scaled_op(
@@ -186,7 +190,7 @@ def _generic_reduction(
         body = _widened_body(body, dtypes * 2)
     outs = primitive.bind(*values, **dict(params, **body_params(body)))
     return [
-        scaled_output(out, o.dtype, "dynamic") if isinstance(o, ScaledArray) else out
+        renormalised(out, 1.0, o.dtype) if isinstance(o, ScaledArray) else out
         for out, o in zip(outs, operands[:num], strict=True)
     ]
 
