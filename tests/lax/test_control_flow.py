@@ -1,0 +1,533 @@
+"""Higher-order primitives under autoscale: loops, conditionals, custom derivatives, calls."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import io_callback
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.lax import control_flow
+from tests.helpers import (
+    FLOAT_DTYPES,
+    RTOL,
+    assert_close,
+    check_autoscale_matches,
+    make_scaled,
+    represented,
+)
+
+SCALES = (2.0**-40, 1.0, 2.0**40)
+
+RNG = np.random.default_rng(42)
+X = RNG.uniform(0.5, 1.5, (5, 3)).astype(np.float32)
+V = RNG.uniform(-1.0, 1.0, (3,)).astype(np.float32)
+
+
+def _ids(value: object) -> str:
+    if isinstance(value, np.dtype):
+        return value.name
+    if isinstance(value, float):
+        return f"2^{int(np.log2(value))}"
+    return str(value)
+
+
+def _scaled_inputs(inputs, dtype, scale, scaled_mask=None):
+    mask = [True] * len(inputs) if scaled_mask is None else scaled_mask
+    args = [make_scaled(x, dtype, scale) if m else x for x, m in zip(inputs, mask, strict=True)]
+    refs = [
+        jnp.asarray(represented(a), jnp.float32) if m else a
+        for a, m in zip(args, mask, strict=True)
+    ]
+    return args, refs
+
+
+def check_matches_over_scales(fn, inputs, dtype, scales, use_jit=True, rtol=None, **kwargs):
+    """`autoscale(fn)` on scaled inputs matches `fn` on their values, for every scale.
+
+    Jitted, the program is compiled once: the scales are runtime values.
+    """
+    dtype = np.dtype(dtype)
+    scaled_fn = jax.jit(jsa.autoscale(fn)) if use_jit else jsa.autoscale(fn)
+    ref_fn = jax.jit(fn)
+    rtol = RTOL[dtype] if rtol is None else rtol
+    for scale in scales:
+        args, refs = _scaled_inputs(inputs, dtype, scale, kwargs.get("scaled_mask"))
+        out = scaled_fn(*args)
+        expected = ref_fn(*refs)
+        outs = jax.tree_util.tree_leaves(out, is_leaf=jsa.is_scaled_leaf)
+        for o, e in zip(outs, jax.tree_util.tree_leaves(expected), strict=True):
+            if jnp.issubdtype(e.dtype, jnp.floating):
+                assert isinstance(o, jsa.ScaledArray), f"expected a ScaledArray, got {type(o)}"
+                assert o.dtype == dtype
+                assert_close(o, e, rtol)
+            else:
+                np.testing.assert_array_equal(o, e)
+
+
+def check_grad_over_scales(fn, inputs, dtype, scales, rtol):
+    """`grad(autoscale(f))` w.r.t. the data is the float32 gradient times the scale."""
+    dtype = np.dtype(dtype)
+    weights = RNG.uniform(0.5, 1.5, jax.eval_shape(fn, *inputs).shape).astype(np.float32)
+
+    @jax.jit
+    def scaled_grad(datas, scale):
+        def loss(*ds):
+            xs = [jsa.ScaledArray(d, scale) for d in ds]
+            out = jsa.autoscale(lambda *v: jnp.sum(fn(*v) * weights.astype(dtype)))(*xs)
+            return out.to_array(jnp.float32)
+
+        return jax.grad(loss, argnums=tuple(range(len(datas))))(*datas)
+
+    ref_grad = jax.jit(jax.grad(lambda *v: jnp.sum(fn(*v) * weights), argnums=(0,)))
+    for scale in scales:
+        args, refs = _scaled_inputs(inputs, dtype, scale)
+        grads = scaled_grad([a.data for a in args], np.float32(scale))
+        for g, e in zip(grads, ref_grad(*refs), strict=True):
+            assert_close(np.asarray(g, np.float64), np.asarray(e, np.float64) * scale, rtol)
+
+
+def _scan_fn(xs, v):
+    def body(c, x):
+        c = c * 0.5 + x * v
+        return c, c * x
+
+    c, ys = jax.lax.scan(body, jnp.zeros_like(v), xs)
+    _, rev = jax.lax.scan(lambda c, x: (c + x, c - x), xs[0], xs, reverse=True, unroll=2)
+    return c, ys, rev
+
+
+def _fori_fn(xs, v):
+    static = jax.lax.fori_loop(0, 3, lambda i, c: c * 0.75 + v, xs[0])  # lowered to a scan
+    n = jnp.asarray(xs.shape[0] - 2)
+    dynamic = jax.lax.fori_loop(0, n, lambda i, c: c + xs[i] * v, v)  # a while loop
+    return static, dynamic
+
+
+def _while_fn(xs, v):
+    # The condition reads scaled values: it is computed on the represented values.
+    def cond(state):
+        i, c = state
+        return (i < 10) & (jnp.max(jnp.abs(c)) < 4 * jnp.max(jnp.abs(xs)))
+
+    return jax.lax.while_loop(cond, lambda s: (s[0] + 1, s[1] * 2 + xs[s[0] % 5]), (0, v))
+
+
+def _cond_fn(xs, v):
+    a = jax.lax.cond(jnp.sum(v) > 0, lambda a, b: a * b, lambda a, b: a - b, xs[0], v)
+    b = jax.lax.cond(jnp.sum(v) <= 0, lambda a, b: a * b, lambda a, b: a - b, xs[0], v)
+    index = jnp.argmax(xs[:, 0])
+    c = jax.lax.switch(index % 3, [lambda a: a * 2, lambda a: -a, lambda a: a * a], v)
+    return a, b, c
+
+
+def _barrier_fn(xs, v):
+    a, b = jax.lax.optimization_barrier((xs * 2, v))
+    return a + b[None], jax.checkpoint(lambda x, y: jnp.sin(x) * y[None])(xs, v)
+
+
+FUNCTIONS = {
+    "scan": _scan_fn,
+    "fori": _fori_fn,
+    "while": _while_fn,
+    "cond": _cond_fn,
+    "barrier_checkpoint": _barrier_fn,
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=_ids)
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_control_flow_matches_plain(name, dtype):
+    fn = FUNCTIONS[name]
+    check_matches_over_scales(fn, [X, V], dtype, SCALES, rtol=2 * RTOL[np.dtype(dtype)])
+
+
+def test_control_flow_without_jit():
+    """Eagerly (rule by rule), every function at once: one run, many primitives."""
+
+    def fn(xs, v):
+        return {name: f(xs, v) for name, f in FUNCTIONS.items()}
+
+    check_autoscale_matches(fn, [X, V], np.float16, 2.0**-40, use_jit=False, rtol=8e-3)
+
+
+def test_scan_inner_scan_and_plain_operands():
+    def fn(xs, w):
+        def outer(c, x):
+            inner, _ = jax.lax.scan(lambda d, y: (d + y * w, None), c, x[None])
+            return inner, inner * 2
+
+        return jax.lax.scan(outer, jnp.zeros(3, xs.dtype), xs)
+
+    # `w` is a plain constant: only the scaled xs make the carry scaled.
+    check_matches_over_scales(
+        fn, [X, np.float32(0.5)], np.float32, [2.0**30], scaled_mask=[True, False]
+    )
+
+
+def _jaxpr_text(fn, *args):
+    return str(jax.make_jaxpr(fn)(*args))
+
+
+def test_scan_carry_promoted_once_to_fixed_point():
+    """`b` becomes scaled only through `a`: two rounds of promotion, one scan."""
+
+    def fn(xs):
+        def body(carry, x):
+            a, b, n = carry
+            return (x * 2, a + 1.0, n + 1), b
+
+        init = (jnp.zeros(3, xs.dtype), jnp.zeros(3, xs.dtype), 0)
+        return jax.lax.scan(body, init, xs)
+
+    xs = make_scaled(X, np.float16, 2.0**20)
+    (a, b, n), ys = jsa.autoscale(fn)(xs)
+    assert isinstance(a, jsa.ScaledArray) and isinstance(b, jsa.ScaledArray)
+    assert isinstance(ys, jsa.ScaledArray) and not isinstance(n, jsa.ScaledArray)
+    (ea, eb, en), eys = fn(jnp.asarray(represented(xs), jnp.float32))
+    for out, ref in ((a, ea), (b, eb), (ys, eys)):
+        assert_close(out, ref, RTOL[np.dtype(np.float16)])
+    assert int(n) == int(en) == 5
+    text = _jaxpr_text(jsa.autoscale(fn), xs)
+    assert text.count("scan[") == 1
+
+
+def test_carry_scaled_on_input_stays_scaled():
+    def fn(x):
+        return jax.lax.fori_loop(0, 2, lambda i, c: jnp.ones_like(c), x)
+
+    out = jsa.autoscale(fn)(make_scaled(V, np.float32, 2.0**10))
+    assert isinstance(out, jsa.ScaledArray)
+    assert_close(out, np.ones(3), 0)
+
+
+def test_carry_scale_changes_per_iteration():
+    """The scale is a carried leaf: multiplying by a power of two changes only the scale."""
+    x = make_scaled(V, np.float16, 2.0**-30)
+    out = jsa.autoscale(lambda c: jax.lax.fori_loop(0, 4, lambda i, c: c * 4.0, c))(x)
+    np.testing.assert_array_equal(np.asarray(out.data), np.asarray(x.data))
+    assert float(out.scale) == 2.0**-30 * 4.0**4
+
+
+def test_scan_stacked_outputs_with_varying_and_constant_scales():
+    def fn(x):
+        def body(c, _):
+            return c * 2.0, (c, x)  # `c`'s scale doubles, `x`'s does not change
+
+        return jax.lax.scan(body, x, None, length=4)
+
+    x = make_scaled(V, np.float32, 2.0**-50)
+    c, (ys, xs) = jsa.autoscale(fn)(x)
+    ec, (eys, exs) = fn(jnp.asarray(represented(x), jnp.float32))
+    assert_close(c, ec, 1e-6)
+    assert_close(ys, eys, 1e-6)
+    assert_close(xs, exs, 0)
+    # The loop-invariant scale is kept as it is; the varying one is the largest.
+    assert float(xs.scale) == 2.0**-50 and float(ys.scale) == 2.0**-50 * 8
+
+
+def test_while_carry_promoted():
+    def fn(x):
+        return jax.lax.while_loop(
+            lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] + x, s[1]), (0, jnp.zeros(3), jnp.ones(3))
+        )
+
+    x = make_scaled(V, np.float32, 2.0**35)
+    n, acc, prev = jsa.autoscale(fn)(x)
+    assert isinstance(acc, jsa.ScaledArray) and isinstance(prev, jsa.ScaledArray)
+    en, eacc, eprev = fn(jnp.asarray(represented(x), jnp.float32))
+    assert int(n) == int(en)
+    assert_close(acc, eacc, 1e-6)
+    assert_close(prev, eprev, 1e-6)
+
+
+def test_cond_branch_outputs_share_one_structure():
+    def fn(p, x):
+        return jax.lax.cond(p, lambda v: v * 3, lambda v: jnp.zeros_like(v), x)
+
+    x = make_scaled(V, np.float16, 2.0**-35)
+    for pred in (True, False):
+        out = jsa.autoscale(fn)(pred, x)
+        assert isinstance(out, jsa.ScaledArray)
+        assert_close(out, fn(pred, jnp.asarray(represented(x), jnp.float32)), 4e-3)
+
+
+def test_cond_without_scaled_operands_unchanged():
+    fn = lambda x: jax.lax.cond(x[0] > 0, jnp.sin, jnp.cos, x)  # noqa: E731
+    out = jsa.autoscale(fn)(V)
+    assert not isinstance(out, jsa.ScaledArray)
+    np.testing.assert_allclose(out, fn(V), rtol=1e-6)
+
+
+# --- gradients ----------------------------------------------------------------------------
+
+
+def _grad_scan(x):
+    c, ys = jax.lax.scan(lambda c, xi: (c * 0.5 + xi, c * xi), x[0], x)
+    return c + jnp.sum(ys, axis=0)
+
+
+def _grad_cond(x):
+    return jax.lax.cond(jnp.sum(x) > 0, lambda v: v * v, lambda v: v * 2, x)
+
+
+def _grad_fori(x):
+    return jax.lax.fori_loop(0, 3, lambda i, c: c * 0.5 + x, x) * x[:1]
+
+
+def _grad_checkpoint(x):
+    return jax.checkpoint(lambda v: v * v * 0.5 - v)(x)
+
+
+GRAD_FUNCTIONS = {
+    "scan": _grad_scan,
+    "cond": _grad_cond,
+    "fori": _grad_fori,
+    "checkpoint": _grad_checkpoint,
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=_ids)
+@pytest.mark.parametrize("name", sorted(GRAD_FUNCTIONS))
+def test_grad_through_control_flow(name, dtype):
+    # d loss / d data = d loss / d value * scale ~ value * scale: keep it in float16's range.
+    scales = (2.0**-4, 2.0**4) if dtype == np.float16 else (2.0**-40, 2.0**40)
+    fn = GRAD_FUNCTIONS[name]
+    check_grad_over_scales(fn, [X[:3] * 0.5], dtype, scales, rtol=6 * RTOL[np.dtype(dtype)])
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_FUNCTIONS))
+def test_autoscale_of_grad_through_control_flow(name):
+    fn = GRAD_FUNCTIONS[name]
+    xs = X[:3] * 0.5
+    loss = lambda v: jnp.sum(fn(v))  # noqa: E731
+    x = make_scaled(xs, np.float32, 2.0**-20)
+    g = jax.jit(jsa.autoscale(jax.grad(loss)))(x)
+    assert isinstance(g, jsa.ScaledArray)
+    assert_close(g, jax.grad(loss)(jnp.asarray(represented(x), jnp.float32)), 1e-5)
+
+
+# --- custom derivatives ---------------------------------------------------------------------
+
+
+@jax.custom_jvp
+def _sin_fake_jvp(x):
+    return jnp.sin(x)
+
+
+@_sin_fake_jvp.defjvp
+def _sin_fake_jvp_rule(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jnp.sin(x), 3.0 * x * t  # not cos(x): the rule must win
+
+
+@jax.custom_vjp
+def _square_fake_vjp(x, y):
+    return x * y
+
+
+def _square_fwd(x, y):
+    return x * y, (x, y)
+
+
+def _square_bwd(res, ct):
+    x, y = res
+    return 5.0 * ct * y, -ct  # not (ct * y, ct * x)
+
+
+_square_fake_vjp.defvjp(_square_fwd, _square_bwd)
+
+
+def _custom_cases():
+    x = np.array([0.5, -1.0, 2.0], np.float32)
+    y = np.array([1.5, 0.25, -0.5], np.float32)
+    return [
+        ("jvp", lambda a, b: jnp.sum(_sin_fake_jvp(a) * b), x, y),
+        ("vjp", lambda a, b: jnp.sum(_square_fake_vjp(a, b)), x, y),
+    ]
+
+
+@pytest.mark.parametrize("scale", (2.0**-30, 2.0**30), ids=_ids)
+@pytest.mark.parametrize("case", _custom_cases(), ids=lambda c: c[0])
+def test_custom_derivative_rules_kept(case, scale):
+    _, loss, x, y = case
+    expected = jax.grad(loss, argnums=(0, 1))(x, y)
+    true_rule = (jnp.cos(x) * y, jnp.sin(x)) if case[0] == "jvp" else (y, x)
+    assert not np.allclose(expected[0], true_rule[0])  # the custom rule differs
+
+    sx = jsa.as_scaled_array(x, scale=np.float32(scale))
+    sy = jsa.as_scaled_array(y, scale=np.float32(1 / scale))
+
+    # grad(autoscale(f)), with respect to the represented values
+    def scaled_loss(a, b):
+        out = jsa.autoscale(loss)(jsa.as_scaled_array(a, scale=np.float32(scale)), b)
+        return out.to_array(jnp.float32)
+
+    g = jax.jit(jax.grad(scaled_loss, argnums=(0, 1)))(jnp.asarray(x), jnp.asarray(y))
+    for got, ref in zip(g, expected, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5)
+    # autoscale(grad(f)), on scaled inputs
+    ga, gb = jax.jit(jsa.autoscale(jax.grad(loss, argnums=(0, 1))))(sx, sy)
+    assert isinstance(ga, jsa.ScaledArray)
+    assert_close(ga, expected[0], 1e-5)
+    assert_close(gb, expected[1], 1e-5)
+
+
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": jax.nn.gelu,
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
+    "softplus": jax.nn.softplus,
+    "silu": jax.nn.silu,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_activations_with_custom_jvp(name):
+    fn = ACTIVATIONS[name]
+    x = np.linspace(-3, 3, 12).astype(np.float32)
+    for dtype in FLOAT_DTYPES:
+        check_matches_over_scales(fn, [x], dtype, [1.0, 2.0**-2], rtol=4 * RTOL[dtype])
+    dtype = np.dtype(jnp.bfloat16)
+    check_grad_over_scales(fn, [x], dtype, [2.0**-4, 2.0**4], rtol=4 * RTOL[dtype])
+
+
+# --- calls, nesting, batching -----------------------------------------------------------------
+
+
+def test_jit_inside_keeps_name_and_donation():
+    @jax.jit
+    def plain_inner(a):
+        return a * 2
+
+    inner = jax.jit(lambda a, b: a * b + 1.0, donate_argnums=(0,))
+
+    def fn(x, y):
+        return inner(x, y), plain_inner(y)
+
+    x, y = make_scaled(V, np.float16, 2.0**12), make_scaled(V, np.float16, 2.0**-3)
+    jaxpr = jax.make_jaxpr(jsa.autoscale(fn))(x, y)
+    jits = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+    assert [e.params["name"] for e in jits] == ["<lambda>", "plain_inner"]
+    donated = jits[0].params["donated_invars"]
+    # consts first, then (data, scale) of x, (data, scale) of y: only x's data is donated
+    assert donated[-4:] == (True, False, False, False) and not any(donated[:-4])
+    expected = represented(x) * represented(y) + 1
+    out, _ = jsa.autoscale(fn)(x, y)  # x's data is donated: not usable afterwards
+    assert_close(out, expected, 4e-3)
+
+
+def test_nested_autoscale_is_transparent():
+    inner = jsa.autoscale(lambda a: jax.lax.fori_loop(0, 2, lambda i, c: c * a, a))
+    fn = lambda a: inner(a) + 1.0  # noqa: E731
+    x = make_scaled(V, np.float32, 2.0**-10)
+    once = jsa.autoscale(fn)(x)
+    nested = jsa.autoscale(lambda a: fn(a))(x)
+    assert_close(nested, represented(once), 0)
+
+
+def _batched_fn(x):
+    c, ys = jax.lax.scan(lambda c, xi: (c + xi, c * xi), jnp.zeros((), x.dtype), x)
+    return jax.lax.cond(c > 0, lambda: ys * 2, lambda: -ys)
+
+
+def test_vmap_of_autoscale_with_control_flow():
+    x = make_scaled(X, np.float32, 2.0**25)
+    expected = jax.vmap(_batched_fn)(jnp.asarray(represented(x), jnp.float32))
+    batched_value = lambda out: np.asarray(out.data) * np.asarray(out.scale)[:, None]  # noqa: E731
+    # one scale shared by the batch (the output scales are computed per example)
+    out = jax.jit(jax.vmap(jsa.autoscale(_batched_fn), in_axes=(jsa.ScaledArray(0, None),)))(x)
+    np.testing.assert_allclose(batched_value(out), expected, rtol=1e-5)
+    # one scale per example
+    scales = jnp.asarray(2.0 ** np.arange(-20, 30, 10), jnp.float32)
+    outb = jax.jit(jax.vmap(jsa.autoscale(_batched_fn)))(jsa.ScaledArray(x.data, scales))
+    ref = jax.vmap(_batched_fn)(x.data * scales[:, None])
+    np.testing.assert_allclose(batched_value(outb), ref, rtol=1e-5)
+
+
+def test_autoscale_of_vmap_with_control_flow():
+    x = make_scaled(X, np.float16, 2.0**-35)
+    out = jax.jit(jsa.autoscale(jax.vmap(_batched_fn)))(x)
+    assert isinstance(out, jsa.ScaledArray)
+    assert_close(out, jax.vmap(_batched_fn)(jnp.asarray(represented(x), jnp.float32)), 8e-3)
+
+
+# --- callbacks and other higher-order primitives ---------------------------------------------
+
+
+def test_debug_print_and_callback_see_represented_values(capsys):
+    seen = []
+
+    def fn(x):
+        jax.debug.print("value={v}", v=x)
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), x * 2)
+        return x
+
+    x = make_scaled(np.array([1.0, 1.5]), np.float16, 2.0**40)
+    jax.jit(jsa.autoscale(fn))(x)
+    jax.effects_barrier()
+    printed = capsys.readouterr().out
+    values = [float(v) for v in re.findall(r"[-\d.]+e[+-]\d+", printed)]
+    np.testing.assert_allclose(values, [2.0**40, 1.5 * 2.0**40], rtol=1e-6)
+    np.testing.assert_allclose(seen[-1], [2.0**41, 3 * 2.0**40], rtol=1e-6)
+
+
+def test_pure_and_io_callbacks_receive_values():
+    def fn(x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        a = jax.pure_callback(lambda v: np.cos(v).astype(v.dtype), shape, x)
+        b = io_callback(lambda v: (v * 2).astype(v.dtype), shape, x)
+        return a, b
+
+    x = make_scaled(V, np.float32, 2.0**-10)
+    a, b = jsa.autoscale(fn)(x)
+    np.testing.assert_allclose(a, np.cos(represented(x)), rtol=1e-6)
+    np.testing.assert_allclose(b, 2 * represented(x), rtol=1e-6)
+
+
+def test_checkpoint_name_policy_and_placement():
+    policy = jax.checkpoint_policies.save_only_these_names("hidden")
+
+    def fn(x):
+        h = checkpoint_name(jnp.sin(x) * 2, "hidden")
+        h = jax.lax.with_sharding_constraint(h, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        return jnp.sum(jax.device_put(h) * x)
+
+    loss = jax.checkpoint(fn, policy=policy)
+    x = make_scaled(V, np.float32, 2.0**-20)
+    g = jax.jit(jsa.autoscale(jax.grad(loss)))(x)
+    assert_close(g, jax.grad(loss)(jnp.asarray(represented(x))), 1e-5)
+    text = _jaxpr_text(jsa.autoscale(jax.grad(loss)), x)
+    assert "name=hidden" in text
+
+
+def test_shard_map_and_collectives():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
+
+    def per_shard(x, y):
+        total = jax.lax.psum(x, "i")
+        gathered = jax.lax.all_gather(y, "i", tiled=True)
+        return total * 2, gathered + jax.lax.pmax(x, "i"), jax.lax.ppermute(x, "i", [(0, 0)])
+
+    def fn(x, y):
+        specs = (P("i"), P())
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=P("i"))(x, y)
+
+    x, y = make_scaled(V, np.float16, 2.0**30), make_scaled(V, np.float16, 2.0**-30)
+    outs = jax.jit(jsa.autoscale(fn))(x, y)
+    expected = fn(*[jnp.asarray(represented(a), jnp.float32) for a in (x, y)])
+    for out, ref in zip(outs, expected, strict=True):
+        assert isinstance(out, jsa.ScaledArray)
+        assert_close(out, ref, 4e-3)
+
+
+def test_custom_lin_has_a_clear_error():
+    with pytest.raises(NotImplementedError, match="linearize"):
+        control_flow.scaled_custom_lin(make_scaled(V, np.float32, 1.0))
