@@ -10,6 +10,7 @@ Examples:
 
 from . import lax as lax
 from . import mp as mp
+from . import ops as ops
 from . import quantization as quantization
 from . import tree as tree
 from .core.config import AutoScaleConfig as AutoScaleConfig
@@ -37,6 +38,7 @@ __all__ = [
     "is_scaled_leaf",
     "lax",
     "mp",
+    "ops",
     "quantization",
     "register_scaled_op",
     "scaled_array",

@@ -1,4 +1,9 @@
-"""Test-session settings: strict JAX promotion, rule output checks on, no leaked tracers."""
+"""Test-session settings: strict rank promotion, and the rule output check always on.
+
+Leaked-tracer checking (`jax.check_tracer_leaks`) makes every trace several times
+slower, so it runs in dedicated tests (tests/core/test_tracer_leaks.py) rather
+than around every test.
+"""
 
 import jax
 import pytest
@@ -11,6 +16,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 @pytest.fixture(autouse=True)
 def _strict_autoscale():
-    """Every test runs with the rule output check on and leaked-tracer checks."""
-    with default_config(jsa.AutoScaleConfig(check=True)), jax.check_tracer_leaks():
+    """Every test runs with the rule output check on."""
+    with default_config(jsa.AutoScaleConfig(check=True)):
         yield

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .config import Pow2RoundMode, get_autoscale_config
 
@@ -21,20 +22,39 @@ def _as_float_array(x: Array) -> Array:
     return x
 
 
+_EXPONENT_MASK = np.uint32(0x7F800000)
+_MANTISSA_MASK = np.uint32(0x007FFFFF)
+_EXPONENT_ONE = np.uint32(0x00800000)
+
+
+def _pow2_bits(x: Array, round_up: bool) -> Array:
+    """Power-of-two rounding of `|x|` by float32 bit manipulation (exact, cheap)."""
+    x = _as_float_array(x)
+    dtype = x.dtype
+    bits = lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32), jnp.uint32)
+    exponent = bits & _EXPONENT_MASK
+    if round_up:
+        has_mantissa = (bits & _MANTISSA_MASK) != 0
+        exponent = jnp.where(has_mantissa & (exponent != 0), exponent + _EXPONENT_ONE, exponent)
+    out = lax.bitcast_convert_type(exponent, jnp.float32)
+    # NaN stays NaN (its exponent bits alone would read as inf); a subnormal float32 stays
+    # itself (not a power of two, but never rounded to zero).
+    keep = jnp.isnan(x) | (exponent == 0)
+    out = jnp.where(keep, jnp.abs(x).astype(jnp.float32), out)
+    return out.astype(dtype)
+
+
 def pow2_round_down(x: Array) -> Array:
     """The largest power of two not above `|x|`; 0, inf and NaN map to themselves.
+
+    Scales are float32: a value below the smallest normal float32 (2^-126) is kept as is.
 
     Examples:
         >>> from jax_scaled_arithmetics.core.pow2 import pow2_round_down
         >>> pow2_round_down(3.0)
         Array(2., dtype=float32)
     """
-    x = _as_float_array(x)
-    abs_x = jnp.abs(x)
-    mantissa, exponent = jnp.frexp(abs_x)
-    del mantissa
-    out = jnp.ldexp(jnp.ones_like(abs_x), exponent - 1)
-    return jnp.where(jnp.isfinite(abs_x) & (abs_x != 0), out, abs_x)
+    return _pow2_bits(x, round_up=False)
 
 
 def pow2_round_up(x: Array) -> Array:
@@ -45,12 +65,7 @@ def pow2_round_up(x: Array) -> Array:
         >>> pow2_round_up(3.0)
         Array(4., dtype=float32)
     """
-    x = _as_float_array(x)
-    abs_x = jnp.abs(x)
-    mantissa, exponent = jnp.frexp(abs_x)
-    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
-    out = jnp.ldexp(jnp.ones_like(abs_x), exponent)
-    return jnp.where(jnp.isfinite(abs_x) & (abs_x != 0), out, abs_x)
+    return _pow2_bits(x, round_up=True)
 
 
 def pow2_round(x: Array, mode: Pow2RoundMode | None = None) -> Array:
