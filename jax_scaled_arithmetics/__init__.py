@@ -27,6 +27,16 @@ from .core.registry import register_scaled_op as register_scaled_op
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # `jsa.optax` needs optax, which the core does not depend on: import it on first use.
+    if name == "optax":
+        import importlib
+
+        return importlib.import_module(".optax", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "AutoScaleConfig",
     "Pow2RoundMode",
@@ -39,6 +49,7 @@ __all__ = [
     "lax",
     "mp",
     "ops",
+    "optax",
     "quantization",
     "register_scaled_op",
     "scaled_array",
