@@ -1,0 +1,96 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scaled_arithmetics as jsa
+from tests.helpers import FLOAT_DTYPES, make_scaled
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_set_scaling_inside_autoscale(dtype, use_jit):
+    x = make_scaled(np.array([1.0, 2.0]), dtype, 2.0**-10)
+
+    def fn(a):
+        return jsa.lax.set_scaling(a, jnp.float32(2.0**-9))
+
+    fn_t = jax.jit(jsa.autoscale(fn)) if use_jit else jsa.autoscale(fn)
+    out = fn_t(x)
+    assert float(out.scale) == 2.0**-9
+    np.testing.assert_array_equal(np.asarray(out.data, np.float32), [0.5, 1.0])
+    # An unscaled input becomes scaled.
+    plain_out = jsa.autoscale(fn)(jnp.array([2.0**-8], dtype))
+    assert isinstance(plain_out, jsa.ScaledArray) and float(plain_out.scale) == 2.0**-9
+    np.testing.assert_array_equal(np.asarray(plain_out.data, np.float32), [2.0])
+
+
+def test_scaling_primitives_are_identities_outside_autoscale():
+    x = jnp.array([1.0, 2.0])
+
+    def fn(a):
+        a = jsa.lax.set_scaling(a, 4.0)
+        a = jsa.lax.rebalance(a, 2.0)
+        data, scale = jsa.lax.get_data_scale(a)
+        return jsa.lax.stop_scaling(data * scale, jnp.float16)
+
+    for f in (fn, jax.jit(fn)):
+        out = f(x)
+        assert out.dtype == jnp.float16
+        np.testing.assert_array_equal(out, [1.0, 2.0])
+    # vmap and grad work through them.
+    np.testing.assert_array_equal(jax.vmap(fn)(jnp.ones((3, 2))), np.ones((3, 2)))
+    g = jax.grad(lambda a: fn(a).astype(jnp.float32).sum())(x)
+    np.testing.assert_array_equal(g, [1.0, 1.0])
+
+
+def test_scaling_primitives_under_autoscale_of_vmap_and_grad():
+    x = make_scaled(np.array([[1.0, 2.0], [3.0, 4.0]]), np.float16, 2.0**-12)
+
+    def fn(a):
+        a = jsa.lax.rebalance(a, jnp.float32(4.0))
+        return jnp.sum(a * a)
+
+    out = jsa.autoscale(jax.vmap(fn))(x)
+    np.testing.assert_allclose(
+        out.to_array(np.float32), np.array([5.0, 25.0]) * 2.0**-24, rtol=1e-3
+    )
+    grad = jsa.autoscale(jax.grad(fn))(x)
+    np.testing.assert_allclose(
+        grad.to_array(np.float32), 2 * np.array([[1.0, 2.0], [3.0, 4.0]]) * 2.0**-12, rtol=1e-3
+    )
+
+
+def test_get_data_scale_and_stop_scaling_inside_autoscale():
+    x = make_scaled(np.array([1.0, 3.0]), np.float16, 2.0**-20)
+
+    def fn(a):
+        data, scale = jsa.lax.get_data_scale(a * 2.0)
+        return data, scale, jsa.lax.stop_scaling(a, jnp.float32)
+
+    data, scale, value = jsa.autoscale(fn)(x)
+    assert not isinstance(data, jsa.ScaledArray) and data.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(data, np.float32) * float(scale), [2.0**-19, 3 * 2.0**-19])
+    assert not isinstance(value, jsa.ScaledArray)
+    np.testing.assert_array_equal(value, np.array([1.0, 3.0], np.float32) * 2.0**-20)
+
+
+def test_public_helpers_accept_scaled_arrays_directly():
+    x = make_scaled(np.array([1.0, 2.0]), np.float32, 4.0)
+    y = jsa.lax.rebalance(x, 2.0)
+    np.testing.assert_array_equal(y.data, [2.0, 4.0])
+    assert float(y.scale) == 2.0
+    z = jsa.lax.set_scaling(x, 8.0)
+    np.testing.assert_array_equal(z.data, [0.5, 1.0])
+    data, scale = jsa.lax.get_data_scale(x)
+    assert float(scale) == 4.0
+    np.testing.assert_array_equal(jsa.lax.stop_scaling(x), [4.0, 8.0])
+
+
+def test_bad_scaling_arguments():
+    with pytest.raises(ValueError, match="set_scaling: the scale must be a scalar"):
+        jsa.lax.set_scaling(jnp.ones(2), jnp.ones(2))
+    with pytest.raises(ValueError, match="rebalance: the factor must be a scalar"):
+        jsa.lax.rebalance(jnp.ones(2), jnp.ones(2))
+    with pytest.raises(ValueError, match="set_scaling: the scale must be the same for the whole batch"):
+        jax.vmap(jsa.lax.set_scaling)(jnp.ones((2, 3)), jnp.ones(2))
