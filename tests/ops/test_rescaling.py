@@ -61,6 +61,6 @@ def test_dynamic_rescale_grad_variant_rescales_the_gradient_only():
     # The gradient value is 2e-3 * x, and its data was rescaled to [1, 2).
     np.testing.assert_allclose(np.asarray(grad.to_array(jnp.float32)), [2e-3, 4e-3], rtol=1e-3)
     assert 1.0 <= float(jnp.max(jnp.abs(grad.data))) < 2.0
-    # Without the rescaling, the gradient's data is far from unit range.
+    # Without the rescaling, the gradient's data is not normalised.
     raw = jsa.autoscale(jax.grad(lambda a: jnp.sum(a * a * 1e-3)))(x)
-    assert float(jnp.max(jnp.abs(raw.data))) < 0.5
+    assert not 1.0 <= float(jnp.max(jnp.abs(raw.data))) < 2.0
