@@ -1,0 +1,308 @@
+"""Optax hooks for low-precision training state: scaled optimizer states and parameters.
+
+An optimizer state is stored as ScaledArrays with low-precision data (float16
+by default) and a float32 power-of-two scale per tensor. Each update runs the
+wrapped optax transformation in scaled arithmetic (data upcast to
+`compute_dtype`), then moves a power of two from data to scale
+(:func:`jax_scaled_arithmetics.ops.dynamic_rescale_max`) and casts the data back
+to the storage dtype, so the stored data always sits at the top of its range.
+
+Where it runs: `update` and :func:`apply_updates` wrap themselves with
+:func:`jax_scaled_arithmetics.autoscale`. Inside an autoscaled step (the usual
+case: forward, backward and optimizer in one `@jax.jit @jsa.autoscale`
+function) that wrapper is the identity; called directly on ScaledArrays outside
+`autoscale`, it interprets the update in scaled arithmetic itself.
+
+Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jax_scaled_arithmetics as jsa
+    >>> params = jsa.as_scaled_array({"w": jnp.array([1.0, -2.0])}, dtype=jnp.float16)
+    >>> opt = jsa.optax.scale_optimizer(optax.adam(1e-2))
+    >>> state = opt.init(params)
+    >>> @jax.jit
+    ... @jsa.autoscale
+    ... def step(params, state):
+    ...     grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params)
+    ...     updates, state = opt.update(grads, state, params)
+    ...     return jsa.optax.apply_updates(params, updates), state
+    >>> params, state = step(params, state)
+    >>> [round(float(v), 3) for v in params["w"].to_array()]  # Adam moves each by lr
+    [0.99, -1.99]
+    >>> state[0].mu["w"].dtype, state[0].count
+    (dtype('float16'), Array(1, dtype=int32))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .core.datatype import ScaledArray, as_scaled_array, is_floating, is_scaled_leaf
+from .core.interpreter import autoscale
+from .lax.scaling import get_data_scale, rebalance, set_scaling, stop_scaling
+from .ops.rescaling import dynamic_rescale_l2, dynamic_rescale_max
+
+__all__ = [
+    "apply_updates",
+    "default_data_exponent",
+    "scale_optimizer",
+    "scaled_state",
+    "state_nbytes",
+]
+
+Rescale = Callable[[Any], Any]
+DTypeLike = Any
+
+
+def default_data_exponent(state_dtype: DTypeLike) -> int:
+    """Power of two that max-rescaled data (largest magnitude in [1, 2)) is shifted by.
+
+    Shifting the data up to just below the format's largest binade keeps the
+    whole range of the format below the largest element, which matters for
+    Adam's second moment (it spans the square of the gradients' range). It is
+    `finfo(dtype).maxexp - 2`, capped at 14: 14 for float16, 7 for float8_e4m3fn.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> jsa.optax.default_data_exponent(jnp.float16)
+        14
+        >>> jsa.optax.default_data_exponent(jnp.float8_e4m3fn)
+        7
+    """
+    return int(min(jnp.finfo(jnp.dtype(state_dtype)).maxexp - 2, 14))
+
+
+def _is_stored_scaled(x: Any) -> bool:
+    """Floating leaves with at least one dimension are stored scaled; scalars stay as they are."""
+    return x is not None and is_floating(x) and np.ndim(x) >= 1
+
+
+def _cast(tree: Any, dtype: DTypeLike | None) -> Any:
+    """Cast floating leaves (plain or scaled) to `dtype`; no-op for `dtype=None`."""
+    if dtype is None:
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if x is not None and is_floating(x) else x,
+        tree,
+        is_leaf=is_scaled_leaf,
+    )
+
+
+def _store_leaf(x: Any, state_dtype: DTypeLike, rescale: Rescale | None, data_exponent: int) -> Any:
+    """Inside autoscale: make `x` scaled, rescale it and cast its data to `state_dtype`."""
+    _, scale = get_data_scale(x)
+    x = set_scaling(x, scale)  # a plain value becomes a ScaledArray (no-op when already scaled)
+    if rescale is not None:
+        x = rescale(x)
+        if data_exponent:
+            x = rebalance(x, jnp.float32(2.0**data_exponent))
+    return x.astype(state_dtype)
+
+
+def _store_state(
+    new_state: Any,
+    old_state: Any,
+    state_dtype: DTypeLike,
+    rescale: Rescale | None,
+    data_exponent: int,
+) -> Any:
+    """Bring `new_state` back to the storage layout of `old_state` (inside autoscale)."""
+
+    def store(new: Any, old: Any) -> Any:
+        if not (old is not None and is_floating(old)):
+            return new
+        if _is_stored_scaled(old):
+            return _store_leaf(new, state_dtype, rescale, data_exponent)
+        return stop_scaling(new, dtype=jnp.dtype(old.dtype))  # scalars: plain, original dtype
+
+    return jax.tree_util.tree_map(store, new_state, old_state, is_leaf=is_scaled_leaf)
+
+
+def _to_storage(x: Any, state_dtype: DTypeLike, rescale: Rescale | None, exp: int) -> Any:
+    """Outside autoscale: one initial state leaf to its storage layout."""
+    if not _is_stored_scaled(x):
+        return x
+    x = as_scaled_array(jnp.asarray(x, jnp.float32))
+    return autoscale(lambda v: _store_leaf(v, state_dtype, rescale, exp))(x)
+
+
+def _outer_dtypes(tree: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jnp.dtype(x.dtype) if hasattr(x, "dtype") else None, tree, is_leaf=is_scaled_leaf
+    )
+
+
+def scaled_state(
+    inner: optax.GradientTransformation,
+    state_dtype: DTypeLike = jnp.float16,
+    rescale: Rescale | None = dynamic_rescale_max,
+    *,
+    compute_dtype: DTypeLike | None = jnp.float32,
+    data_exponent: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Store the state of an optax transformation as ScaledArrays with `state_dtype` data.
+
+    `init` runs `inner.init` on the float32 values of the parameters, then stores
+    every floating state leaf with at least one dimension as a ScaledArray:
+    data in `state_dtype`, float32 scale. Integer leaves (Adam's `count`) and
+    scalar floating leaves (hyperparameters, loss scales) are kept as they are.
+
+    `update` runs `inner.update` in scaled arithmetic, with the data of the
+    state, gradients and parameters upcast to `compute_dtype` (float32 by
+    default: optax's constants such as Adam's `eps=1e-8` are zero in float16),
+    then applies `rescale` to every new state leaf, shifts its data up by
+    `2**data_exponent` and casts it to `state_dtype`. The updates come back with
+    the gradients' dtype. `update` wraps itself in :func:`~jax_scaled_arithmetics.autoscale`:
+    call it inside an autoscaled step, or directly on ScaledArrays.
+
+    Args:
+        inner: the optax transformation whose state is stored scaled.
+        state_dtype: data dtype of the stored state (float16, bfloat16, float8, ...).
+        rescale: dynamic rescaling applied to each new state leaf (and to the
+            updates); `None` keeps the scales the scaled rules produced.
+        compute_dtype: data dtype the inner update computes in; `None` computes
+            in the stored dtypes.
+        data_exponent: power of two the rescaled data is multiplied by before the
+            cast (default :func:`default_data_exponent`; 0 keeps it at ~1). Only
+            meaningful with max rescaling, which bounds the data by 2.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> import jax_scaled_arithmetics as jsa
+        >>> opt = jsa.optax.scaled_state(optax.sgd(0.1, momentum=0.9))
+        >>> state = opt.init({"w": jnp.ones(3)})
+        >>> trace = state[0].trace["w"]
+        >>> type(trace).__name__, trace.dtype, trace.to_array().tolist()
+        ('ScaledArray', dtype('float16'), [0.0, 0.0, 0.0])
+        >>> grads = {"w": jsa.scaled_array([1.0, 2.0, -4.0], 2.0**-30, dtype=jnp.float16)}
+        >>> updates, state = opt.update(grads, state)  # outside autoscale: wraps itself
+        >>> state[0].trace["w"].to_array(jnp.float32) * 2**30  # 2**-30: zero in plain float16
+        Array([ 1.,  2., -4.], dtype=float32)
+    """
+    inner = optax.with_extra_args_support(inner)
+    exp = default_data_exponent(state_dtype) if data_exponent is None else int(data_exponent)
+    if rescale is None:
+        exp = 0
+
+    def init_fn(params: Any) -> Any:
+        plain = jax.tree_util.tree_map(
+            lambda p: p.to_array(jnp.float32) if isinstance(p, ScaledArray) else p,
+            params,
+            is_leaf=is_scaled_leaf,
+        )
+        state = inner.init(plain)
+        return jax.tree_util.tree_map(
+            lambda x: _to_storage(x, state_dtype, rescale, exp), state, is_leaf=is_scaled_leaf
+        )
+
+    def _update(updates: Any, state: Any, params: Any, extra_args: dict[str, Any]) -> Any:
+        out_dtypes = _outer_dtypes(updates)
+        new_updates, new_state = inner.update(
+            _cast(updates, compute_dtype),
+            _cast(state, compute_dtype),
+            _cast(params, compute_dtype),
+            **extra_args,
+        )
+        new_state = _store_state(new_state, state, state_dtype, rescale, exp)
+        if rescale is not None:
+            new_updates = rescale(new_updates)
+        new_updates = jax.tree_util.tree_map(
+            lambda u, d: u if d is None or u is None else u.astype(d),
+            new_updates,
+            out_dtypes,
+            is_leaf=lambda x: x is None,
+        )
+        return new_updates, new_state
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        return autoscale(_update)(updates, state, params, extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def scale_optimizer(
+    opt: optax.GradientTransformation,
+    state_dtype: DTypeLike = jnp.float16,
+    grad_rescale: Rescale | None = dynamic_rescale_l2,
+    *,
+    rescale: Rescale | None = dynamic_rescale_max,
+    compute_dtype: DTypeLike | None = jnp.float32,
+    data_exponent: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Turn any optax optimizer into its scaled-state version, rescaling incoming gradients.
+
+    The incoming gradients go through `grad_rescale` (root-mean-square in
+    [1, 2) by default, value unchanged), then through :func:`scaled_state`.
+    Pair it with :func:`apply_updates`.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> import jax_scaled_arithmetics as jsa
+        >>> adam = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+        >>> opt = jsa.optax.scale_optimizer(adam)
+        >>> state = opt.init({"w": jnp.ones((2, 2))})
+        >>> state[1][0].nu["w"].dtype
+        dtype('float16')
+    """
+    inner = scaled_state(
+        opt, state_dtype, rescale, compute_dtype=compute_dtype, data_exponent=data_exponent
+    )
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        def _update(updates: Any, state: Any, params: Any, extra_args: dict[str, Any]) -> Any:
+            if grad_rescale is not None:
+                updates = grad_rescale(updates)
+            return inner.update(updates, state, params, **extra_args)
+
+        return autoscale(_update)(updates, state, params, extra_args)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def apply_updates(params: Any, updates: Any, rescale: Rescale | None = dynamic_rescale_max) -> Any:
+    """Like `optax.apply_updates`, then dynamically rescale the new parameters.
+
+    Each floating parameter becomes `(p + u).astype(p.dtype)` (the dtype of a
+    ScaledArray is its data's); then `rescale` moves a power of two into the
+    scale of every scaled parameter. `None` updates leave their parameter as it
+    is. Wraps itself in :func:`~jax_scaled_arithmetics.autoscale`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> p = jsa.scaled_array(jnp.array([1.0, 2.0], jnp.float16), 1.0)
+        >>> u = jsa.scaled_array(jnp.array([1.0, 1.0], jnp.float16), 2.0**-4)
+        >>> new = jsa.optax.apply_updates(p, u)
+        >>> new.dtype, new.scale, new.to_array().tolist()
+        (dtype('float16'), Array(2., dtype=float32), [1.0625, 2.0625])
+    """
+
+    def _apply(params: Any, updates: Any) -> Any:
+        def add(p: Any, u: Any) -> Any:
+            if u is None or p is None or not is_floating(p):
+                return p
+            return (p + u).astype(p.dtype)
+
+        new = jax.tree_util.tree_map(add, params, updates, is_leaf=lambda x: x is None)
+        return new if rescale is None else rescale(new)
+
+    return autoscale(_apply)(params, updates)
+
+
+def state_nbytes(tree: Any) -> int:
+    """Bytes held by the arrays of a pytree (a ScaledArray counts its data and its scale).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> scaled = jsa.as_scaled_array(jnp.ones(4), dtype=jnp.float16)  # 8 + 4 bytes
+        >>> jsa.optax.state_nbytes({"w": jnp.ones(4), "s": scaled})
+        28
+    """
+    return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
