@@ -77,8 +77,10 @@ def main(steps: int = 300) -> tuple[float, float]:
 
     loss32_final = float(loss32)
     loss16_final = float(loss16.to_array(jnp.float32))
-    print(f"loss after {steps} SGD steps: float32 {loss32_final:.4f}, "
-          f"scaled float16 {loss16_final:.4f}")
+    print(
+        f"loss after {steps} SGD steps: float32 {loss32_final:.4f}, "
+        f"scaled float16 {loss16_final:.4f}"
+    )
     return loss32_final, loss16_final
 
 

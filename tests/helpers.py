@@ -74,8 +74,7 @@ def check_autoscale_matches(
     dtype = np.dtype(dtype)
     scaled_mask = [True] * len(inputs) if scaled_mask is None else scaled_mask
     args = [
-        make_scaled(x, dtype, scale) if m else np.asarray(x)
-        for x, m in zip(inputs, scaled_mask)
+        make_scaled(x, dtype, scale) if m else np.asarray(x) for x, m in zip(inputs, scaled_mask)
     ]
     ref_args = [
         jnp.asarray(represented(a), jnp.float32) if m else a for a, m in zip(args, scaled_mask)

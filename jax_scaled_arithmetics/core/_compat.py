@@ -28,7 +28,9 @@ jaxpr_as_fun = jex_core.jaxpr_as_fun
 primitives = jex_primitives
 
 # Higher-order primitives. `pjit_p` was renamed `jit_p` in JAX 0.7.
-jit_p: Primitive = getattr(jex_primitives, "jit_p", None) or jex_primitives.pjit_p
+jit_p: Primitive = (
+    getattr(jex_primitives, "jit_p", None) or jex_primitives.pjit_p  # type: ignore[attr-defined]
+)
 custom_jvp_call_p: Primitive = jex_primitives.custom_jvp_call_p
 custom_vjp_call_p: Primitive = jex_primitives.custom_vjp_call_p
 closed_call_p: Primitive = jex_primitives.closed_call_p
@@ -104,7 +106,7 @@ def typeof(x: Any) -> Any:
         return typeof_fn(x)
     from jax._src import core
 
-    return core.get_aval(x)
+    return core.get_aval(x)  # type: ignore[attr-defined]
 
 
 def is_tracer(x: Any) -> bool:

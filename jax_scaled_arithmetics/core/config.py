@@ -53,9 +53,7 @@ class AutoScaleConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding_mode, Pow2RoundMode):
-            raise TypeError(
-                f"rounding_mode must be a Pow2RoundMode, got {self.rounding_mode!r}."
-            )
+            raise TypeError(f"rounding_mode must be a Pow2RoundMode, got {self.rounding_mode!r}.")
         if not np.issubdtype(np.dtype(self.scale_dtype), np.floating):
             raise TypeError(f"scale_dtype must be a floating dtype, got {self.scale_dtype!r}.")
 

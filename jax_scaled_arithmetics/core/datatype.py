@@ -239,9 +239,8 @@ def _is_concrete(x: Any) -> bool:
 def _check_scale(data: Array, scale: Array) -> None:
     scale_shape = np.shape(scale)
     if not is_floating(scale):
-        raise TypeError(
-            f"ScaledArray scale must have a floating dtype, got {getattr(scale, 'dtype', type(scale))}."
-        )
+        scale_dtype = getattr(scale, "dtype", type(scale))
+        raise TypeError(f"ScaledArray scale must have a floating dtype, got {scale_dtype}.")
     try:
         np.broadcast_shapes(scale_shape, np.shape(data))
     except ValueError:

@@ -79,8 +79,27 @@ _SCALAR_PRESERVING = {
 }
 # Elementwise primitives folded when every operand is a known scalar.
 _FOLDABLE_ELEMENTWISE = {
-    "neg", "abs", "add", "sub", "mul", "div", "max", "min", "sqrt", "rsqrt", "exp", "log",
-    "integer_pow", "pow", "square", "sign", "exp2", "log1p", "expm1", "tanh", "logistic",
+    "neg",
+    "abs",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "max",
+    "min",
+    "sqrt",
+    "rsqrt",
+    "exp",
+    "log",
+    "integer_pow",
+    "pow",
+    "square",
+    "sign",
+    "exp2",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
 }
 
 
@@ -116,12 +135,16 @@ def _fold_known(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any]:
         if value is None:
             return [None]
         if name == "convert_element_type":
-            value = np.asarray(value).astype(eqn.outvars[0].aval.dtype).item()
+            out_dtype = getattr(eqn.outvars[0].aval, "dtype", None)
+            with np.errstate(over="ignore", invalid="ignore"):
+                value = np.asarray(value).astype(out_dtype).item()
         return [value]
     if name in _FOLDABLE_ELEMENTWISE and all(k is not None for k in in_known):
-        args = [
-            np.asarray(k, dtype=atom.aval.dtype) for k, atom in zip(in_known, eqn.invars)
-        ]
+        with np.errstate(over="ignore", invalid="ignore"):
+            args = [
+                np.asarray(k, dtype=getattr(atom.aval, "dtype", None))
+                for k, atom in zip(in_known, eqn.invars)
+            ]
         with jax.ensure_compile_time_eval():
             out = eqn.primitive.bind(*args, **eqn.params)
         return [np.asarray(out).item()]
@@ -158,7 +181,7 @@ def _check_outputs(eqn: _compat.JaxprEqn, outs: Sequence[Any]) -> None:
         )
     for out, var in zip(outs, eqn.outvars):
         data = out.data if isinstance(out, ScaledArray) else out
-        expected = var.aval
+        expected: Any = var.aval
         shape, dtype = tuple(np.shape(data)), getattr(data, "dtype", None)
         if shape != tuple(expected.shape) or (
             dtype is not None and jnp.dtype(dtype) != jnp.dtype(expected.dtype)
@@ -357,7 +380,7 @@ def autoscale(
 
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs), is_leaf=_is_scaled)
         paths = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs), is_leaf=_is_scaled)[0]
-        for (path, leaf) in paths:
+        for path, leaf in paths:
             if isinstance(leaf, ScaledArray):
                 _validate_scaled_input(leaf, jax.tree_util.keystr(path))
 
@@ -376,8 +399,8 @@ def autoscale(
         with _tracing_user_function():
             closed = jax.make_jaxpr(flat_fun)(*[_leaf_aval(leaf) for leaf in leaves])
         in_avals = closed.in_avals
-        values = []
-        known = []
+        values: list[Any] = []
+        known: list[Any] = []
         for leaf, aval in zip(leaves, in_avals):
             if isinstance(leaf, ScaledArray):
                 values.append(leaf)

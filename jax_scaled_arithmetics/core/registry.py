@@ -88,8 +88,12 @@ def register_scaled_op(
                 f"({_RULES[primitive].rule.__qualname__})."
             )
         _RULES[primitive] = RuleInfo(
-            primitive, fn, always_scaled=always_scaled, promote=promote,
-            family=family, remark=remark,
+            primitive,
+            fn,
+            always_scaled=always_scaled,
+            promote=promote,
+            family=family,
+            remark=remark,
         )
         return fn
 

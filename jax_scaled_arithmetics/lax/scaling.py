@@ -59,7 +59,10 @@ _compat.register_jvp(set_scaling_p, _set_scaling_jvp)
 
 
 @registry.register_scaled_op(
-    set_scaling_p, always_scaled=True, promote=False, family="scaling",
+    set_scaling_p,
+    always_scaled=True,
+    promote=False,
+    family="scaling",
     remark="rescale to the given scale",
 )
 def scaled_set_scaling(x: Any, scale: Any) -> ScaledArray:
@@ -117,7 +120,10 @@ _compat.register_jvp(stop_scaling_p, _stop_scaling_jvp)
 
 
 @registry.register_scaled_op(
-    stop_scaling_p, always_scaled=True, promote=False, family="scaling",
+    stop_scaling_p,
+    always_scaled=True,
+    promote=False,
+    family="scaling",
     remark="materialise the value",
 )
 def scaled_stop_scaling(x: Any, *, dtype: Any) -> Array:
@@ -151,9 +157,7 @@ def _get_data_scale_impl(x: Array) -> list[Array]:
 
 
 get_data_scale_p.def_impl(_get_data_scale_impl)
-get_data_scale_p.def_abstract_eval(
-    lambda x: [x, jax.core.ShapedArray((), jnp.float32)]
-)
+get_data_scale_p.def_abstract_eval(lambda x: [x, jax.core.ShapedArray((), jnp.float32)])
 _compat.register_lowering(get_data_scale_p, _get_data_scale_impl, multiple_results=True)
 _compat.register_batching(
     get_data_scale_p, lambda args, dims: (get_data_scale_p.bind(*args), [dims[0], None])
@@ -170,7 +174,10 @@ _compat.register_jvp(get_data_scale_p, _get_data_scale_jvp)
 
 
 @registry.register_scaled_op(
-    get_data_scale_p, always_scaled=True, promote=False, family="scaling",
+    get_data_scale_p,
+    always_scaled=True,
+    promote=False,
+    family="scaling",
     remark="(data, scale) as plain arrays",
 )
 def scaled_get_data_scale(x: Any) -> list[Array]:
@@ -215,7 +222,10 @@ _compat.register_jvp(rebalance_p, _rebalance_jvp)
 
 
 @registry.register_scaled_op(
-    rebalance_p, always_scaled=True, promote=False, family="scaling",
+    rebalance_p,
+    always_scaled=True,
+    promote=False,
+    family="scaling",
     remark="move a factor from scale to data",
 )
 def scaled_rebalance(x: Any, factor: Any) -> Any:

@@ -48,8 +48,10 @@ def test_mlp_forward_and_backward(dtype, scale, use_jit):
     assert_close(out, mlp(plain(sparams), plain(sx)), 4 * RTOL[np.dtype(dtype)])
     grads = jsa.autoscale(jax.grad(mlp))(sparams, sx)
     expected = jax.grad(mlp)(plain(sparams), plain(sx))
-    for g, e in zip(jax.tree_util.tree_leaves(grads, is_leaf=jsa.is_scaled_leaf),
-                    jax.tree_util.tree_leaves(expected)):
+    for g, e in zip(
+        jax.tree_util.tree_leaves(grads, is_leaf=jsa.is_scaled_leaf),
+        jax.tree_util.tree_leaves(expected),
+    ):
         assert isinstance(g, jsa.ScaledArray) and g.dtype == dtype
         assert_close(g, e, 8 * RTOL[np.dtype(dtype)])
 
@@ -85,8 +87,14 @@ def _expected_composition():
             jax.vmap(jsa.autoscale(jax.jit(f)), in_axes=(SCALED_AXES,) * 2, out_axes=SCALED_AXES)
         ),
     ],
-    ids=["jit(autoscale)", "autoscale(jit)", "autoscale(autoscale)", "vmap(autoscale)",
-         "autoscale(vmap)", "jit(vmap(autoscale(jit)))"],
+    ids=[
+        "jit(autoscale)",
+        "autoscale(jit)",
+        "autoscale(autoscale)",
+        "vmap(autoscale)",
+        "autoscale(vmap)",
+        "jit(vmap(autoscale(jit)))",
+    ],
 )
 def test_composition_forward(transform):
     x, y = _composition_inputs()
@@ -129,7 +137,9 @@ def test_grad_with_respect_to_whole_scaled_array():
     value = represented(x)
     # d/d data = 2 v * scale; d/d scale = sum(2 v * data).
     np.testing.assert_allclose(grads.data, 2 * value * 4.0, rtol=1e-6)
-    np.testing.assert_allclose(grads.scale, np.sum(2 * value * np.array([1.0, 2.0, 3.0])), rtol=1e-6)
+    np.testing.assert_allclose(
+        grads.scale, np.sum(2 * value * np.array([1.0, 2.0, 3.0])), rtol=1e-6
+    )
 
 
 @jax.custom_jvp
@@ -219,9 +229,9 @@ def test_relu_custom_jvp_kept_in_jaxpr():
     out = jsa.autoscale(jax.nn.relu)(x)
     assert float(out.scale) == 2.0**-10  # relu keeps the input scale
     grads = jax.grad(
-        lambda d: jsa.autoscale(jax.nn.relu)(jsa.ScaledArray(d, x.scale))
-        .to_array(jnp.float32)
-        .sum()
+        lambda d: (
+            jsa.autoscale(jax.nn.relu)(jsa.ScaledArray(d, x.scale)).to_array(jnp.float32).sum()
+        )
     )(x.data)
     np.testing.assert_array_equal(np.asarray(grads, np.float64), [0.0, 2.0**-10])
 
@@ -354,7 +364,9 @@ def test_check_mode_reports_wrong_rule_output():
 
     try:
         with jsa.AutoScaleConfig(check=True):
-            with pytest.raises(TypeError, match="Scaled rule of 'bad_rule_example' returned float16"):
+            with pytest.raises(
+                TypeError, match="Scaled rule of 'bad_rule_example' returned float16"
+            ):
                 jsa.autoscale(prim.bind)(make_scaled(np.ones(2), np.float32, 1.0))
     finally:
         from jax_scaled_arithmetics.core.registry import unregister_scaled_op
@@ -406,7 +418,9 @@ def test_import_prints_no_warning():
 
     result = subprocess.run(
         [sys.executable, "-W", "error", "-c", "import jax_scaled_arithmetics as jsa"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr == "" and result.stdout == ""

@@ -82,9 +82,13 @@ def test_register_scaled_op_decorator_and_function_forms():
 
         assert get_scaled_rule(prim).rule is rule
         assert jsa.coverage()["double_scale_example"].remark == "doubles the value"
-        out = jsa.autoscale(lambda a: prim.bind(a, flag=True))(make_scaled(np.ones(2), np.float32, 1.0))
+        out = jsa.autoscale(lambda a: prim.bind(a, flag=True))(
+            make_scaled(np.ones(2), np.float32, 1.0)
+        )
         np.testing.assert_array_equal(out.to_array(), [2.0, 2.0])
-        with pytest.raises(ValueError, match="already registered for primitive 'double_scale_example'"):
+        with pytest.raises(
+            ValueError, match="already registered for primitive 'double_scale_example'"
+        ):
             jsa.register_scaled_op(prim, rule)
     finally:
         unregister_scaled_op(prim)
@@ -108,11 +112,27 @@ def test_missing_rule_message():
 
 
 def test_public_names_are_pinned():
-    assert sorted(jsa.__all__) == sorted([
-        "AutoScaleConfig", "Pow2RoundMode", "ScaledArray", "as_scaled_array", "asarray",
-        "autoscale", "coverage", "is_scaled_leaf", "lax", "mp", "ops", "optax", "quantization",
-        "register_scaled_op", "scaled_array", "scalify", "tree",
-    ])
+    assert sorted(jsa.__all__) == sorted(
+        [
+            "AutoScaleConfig",
+            "Pow2RoundMode",
+            "ScaledArray",
+            "as_scaled_array",
+            "asarray",
+            "autoscale",
+            "coverage",
+            "is_scaled_leaf",
+            "lax",
+            "mp",
+            "ops",
+            "optax",
+            "quantization",
+            "register_scaled_op",
+            "scaled_array",
+            "scalify",
+            "tree",
+        ]
+    )
     for name in jsa.__all__:
         assert getattr(jsa, name) is not None
     assert sorted(jsa.lax.__all__) == ["get_data_scale", "rebalance", "set_scaling", "stop_scaling"]

@@ -70,7 +70,9 @@ def test_get_data_scale_and_stop_scaling_inside_autoscale():
 
     data, scale, value = jsa.autoscale(fn)(x)
     assert not isinstance(data, jsa.ScaledArray) and data.dtype == jnp.float16
-    np.testing.assert_array_equal(np.asarray(data, np.float32) * float(scale), [2.0**-19, 3 * 2.0**-19])
+    np.testing.assert_array_equal(
+        np.asarray(data, np.float32) * float(scale), [2.0**-19, 3 * 2.0**-19]
+    )
     assert not isinstance(value, jsa.ScaledArray)
     np.testing.assert_array_equal(value, np.array([1.0, 3.0], np.float32) * 2.0**-20)
 
@@ -92,5 +94,7 @@ def test_bad_scaling_arguments():
         jsa.lax.set_scaling(jnp.ones(2), jnp.ones(2))
     with pytest.raises(ValueError, match="rebalance: the factor must be a scalar"):
         jsa.lax.rebalance(jnp.ones(2), jnp.ones(2))
-    with pytest.raises(ValueError, match="set_scaling: the scale must be the same for the whole batch"):
+    with pytest.raises(
+        ValueError, match="set_scaling: the scale must be the same for the whole batch"
+    ):
         jax.vmap(jsa.lax.set_scaling)(jnp.ones((2, 3)), jnp.ones(2))

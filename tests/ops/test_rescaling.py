@@ -20,7 +20,9 @@ def test_dynamic_rescale_keeps_value_and_normalises_data(name, dtype, scale):
     rescale, norm = RESCALERS[name]
     x = make_scaled(np.array([0.001, -0.003, 0.0025]), dtype, scale)
     out = rescale(x)
-    np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32)), np.asarray(x.to_array(jnp.float32)))
+    np.testing.assert_array_equal(
+        np.asarray(out.to_array(jnp.float32)), np.asarray(x.to_array(jnp.float32))
+    )
     assert 1.0 <= norm(np.asarray(out.data, np.float64)) < 2.0
     assert out.dtype == dtype
 
@@ -36,7 +38,9 @@ def test_dynamic_rescale_inside_autoscale_on_pytrees(use_jit):
     out = fn_t(tree)
     assert int(out["n"]) == 2
     assert 1.0 <= float(jnp.max(jnp.abs(out["a"].data))) < 2.0
-    np.testing.assert_allclose(np.asarray(out["a"].to_array(jnp.float32)), np.full(4, 3e-3), rtol=1e-3)
+    np.testing.assert_allclose(
+        np.asarray(out["a"].to_array(jnp.float32)), np.full(4, 3e-3), rtol=1e-3
+    )
 
 
 def test_dynamic_rescale_zeros_and_plain_arrays():
