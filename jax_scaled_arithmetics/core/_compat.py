@@ -25,7 +25,45 @@ JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
 Var = jex_core.Var
 jaxpr_as_fun = jex_core.jaxpr_as_fun
-primitives = jex_primitives
+
+
+class _PrimitiveNamespace:
+    """`jax.extend.core.primitives`, falling back to JAX's internal modules for primitives that
+    older releases did not export there yet (e.g. remat_p, name_p before JAX 0.8)."""
+
+    _INTERNAL_MODULES = (
+        "jax._src.ad_checkpoint",
+        "jax._src.lax.lax",
+        "jax._src.lax.control_flow",
+        "jax._src.lax.slicing",
+        "jax._src.lax.windowed_reductions",
+        "jax._src.lax.special",
+        "jax._src.debugging",
+        "jax._src.pjit",
+        "jax._src.dispatch",
+        "jax._src.interpreters.ad",
+        "jax._src.custom_derivatives",
+        "jax._src.callback",
+    )
+
+    def __getattr__(self, name: str) -> Any:
+        prim = getattr(jex_primitives, name, None)
+        if prim is not None:
+            return prim
+        import importlib
+
+        for module_name in self._INTERNAL_MODULES:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            prim = getattr(module, name, None)
+            if prim is not None:
+                return prim
+        raise AttributeError(f"JAX {jax.__version__} has no primitive {name!r}.")
+
+
+primitives: Any = _PrimitiveNamespace()
 
 # Higher-order primitives. `pjit_p` was renamed `jit_p` in JAX 0.7.
 jit_p: Primitive = (
@@ -34,7 +72,7 @@ jit_p: Primitive = (
 custom_jvp_call_p: Primitive = jex_primitives.custom_jvp_call_p
 custom_vjp_call_p: Primitive = jex_primitives.custom_vjp_call_p
 closed_call_p: Primitive = jex_primitives.closed_call_p
-remat_p: Primitive = jex_primitives.remat_p
+remat_p: Primitive = primitives.remat_p
 scan_p: Primitive = jex_primitives.scan_p
 while_p: Primitive = jex_primitives.while_p
 cond_p: Primitive = jex_primitives.cond_p
