@@ -69,9 +69,23 @@ registry.register_scaled_op(
     remark="scale * sqrt(window size)",
 )
 
+
+def _extremum_rule(primitive: Any) -> Any:
+    """max/min keep the scale; an empty reduction gives the identity (-inf/inf), scale 1."""
+
+    def rule(x: ScaledArray, *, axes: Any, **params: Any) -> ScaledArray:
+        out = primitive.bind(x.data, axes=axes, **params)
+        if _prod([x.shape[a] for a in axes]) == 0:
+            return ScaledArray(out, jnp.ones((), jnp.float32))
+        return ScaledArray(out, x.scale)
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    return rule
+
+
+for _prim in (lax.reduce_max_p, lax.reduce_min_p):
+    registry.register_scaled_op(_prim, _extremum_rule(_prim), family="linear", remark="scale kept")
 for _prim in (
-    lax.reduce_max_p,
-    lax.reduce_min_p,
     lax.cummax_p,
     lax.cummin_p,
     lax.reduce_window_max_p,

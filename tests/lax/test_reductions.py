@@ -1,0 +1,165 @@
+"""Table-driven tests of the reduction rules: full, cumulative, windowed and generic."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.lax import reductions as reductions_module
+from tests.helpers import FLOAT_DTYPES, make_scaled, represented
+from tests.lax.test_shape import (
+    JIT_CASES,
+    Case,
+    assert_table_covers,
+    case_params,
+    check_case,
+    grad_params,
+    normal,
+    run_grads,
+    run_grid,
+    vjp_of,
+)
+
+
+def factors(*shape: int):
+    """Inputs of magnitude in [0.5, 2] with random signs (products stay in range)."""
+    return lambda rng: [
+        (rng.uniform(0.5, 2.0, shape) * rng.choice([-1.0, 1.0], shape)).astype(np.float32)
+    ]
+
+
+# Init values are NumPy scalars: a jnp one makes jax.vjp of lax.reduce_window fail in JAX.
+def _zero(x):
+    return np.zeros((), x.dtype)
+
+
+def _one(x):
+    return np.ones((), x.dtype)
+
+
+def avg_pool(x):
+    """flax-style average pooling, NHWC."""
+    summed = lax.reduce_window(x, _zero(x), lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "SAME")
+    return summed / 4
+
+
+def max_pool(x):
+    return lax.reduce_window(
+        x, np.array(-np.inf, x.dtype), lax.max, (1, 3, 3, 1), (1, 2, 1, 1), "SAME"
+    )
+
+
+def min_pool(x):
+    return lax.reduce_window(x, np.array(np.inf, x.dtype), lax.min, (2, 2), (1, 1), "VALID")
+
+
+def _argmax_body(a, b):
+    (av, ai), (bv, bi) = a, b
+    pick = av >= bv
+    return lax.select(pick, av, bv), lax.select(pick, ai, bi)
+
+
+def variadic_argmax(x):
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    init = (np.array(-np.inf, x.dtype), jnp.int32(0))
+    return lax.reduce((x, iota), init, _argmax_body, (1,))
+
+
+CASES = [
+    Case("reduce_sum", lambda x: jnp.sum(x, axis=1), normal(3, 5), grad=True),
+    Case("reduce_sum_all", lambda x: jnp.sum(x), normal(4, 6)),
+    Case("reduce_sum_empty_axes", lambda x: lax.reduce(x, _zero(x), lax.add, ()), normal(3, 2)),
+    Case("reduce_sum_zero_size", lambda x: jnp.sum(x, axis=0), normal(0, 3)),
+    Case("mean", lambda x: jnp.mean(x, axis=0), normal(4, 3)),
+    Case("norm", lambda x: jnp.linalg.norm(x), normal(4, 3), grad=True),
+    Case("norm_axis", lambda x: jnp.linalg.norm(x, axis=1), normal(4, 3)),
+    Case("reduce_max", lambda x: jnp.max(x, axis=0), normal(4, 3), grad=True),
+    Case("reduce_min", lambda x: jnp.min(x, axis=(0, 2)), normal(2, 3, 4)),
+    Case("reduce_max_zero_size", lambda x: jnp.max(x, axis=0, initial=-1.0), normal(0, 3)),
+    Case("argmax", lambda x: jnp.argmax(x, axis=1), normal(3, 5)),
+    Case("argmin", lambda x: jnp.argmin(x, axis=0), normal(3, 5)),
+    Case("cumsum", lambda x: jnp.cumsum(x, axis=1), normal(3, 6), grad=True),
+    Case("cumsum_reverse", lambda x: lax.cumsum(x, axis=0, reverse=True), normal(5, 2)),
+    Case("cummax", lambda x: lax.cummax(x, axis=1), normal(3, 6)),
+    Case("cummin", lambda x: lax.cummin(x, axis=0, reverse=True), normal(5, 2)),
+    Case("cumprod", lambda x: jnp.cumprod(x, axis=1), factors(3, 4), grad=True),
+    Case("cumlogsumexp", lambda x: lax.cumlogsumexp(x, axis=1), normal(3, 5)),
+    Case("reduce_prod", lambda x: jnp.prod(x, axis=0), factors(3, 4), grad=True),
+    Case("avg_pool", avg_pool, normal(2, 5, 4, 3), grad=True),
+    Case("avg_pool_vjp", vjp_of(avg_pool), normal((2, 5, 4, 3), (2, 3, 2, 3))),
+    Case("max_pool", max_pool, normal(2, 5, 4, 3), grad=True),
+    Case("max_pool_vjp", vjp_of(max_pool), normal((2, 5, 4, 3), (2, 3, 4, 3))),
+    Case(
+        "max_pool_jvp",
+        lambda x, t: jax.jvp(max_pool, (x,), (t,))[1],
+        normal((2, 5, 4, 3), (2, 5, 4, 3)),
+    ),
+    Case("min_pool", min_pool, normal(4, 5)),
+    Case(
+        "reduce_window_mul",
+        lambda x: lax.reduce_window(x, _one(x), lax.mul, (2, 2), (1, 1), "VALID"),
+        factors(4, 3),  # no grad: JAX cannot reverse-differentiate a generic reduce_window
+    ),
+    Case(
+        "reduce_window_add_init",
+        lambda x: lax.reduce_window(x, _one(x), lax.add, (3,), (2,), "SAME"),
+        normal(7),
+    ),
+    Case(
+        "reduce_generic",
+        lambda x: lax.reduce(x, _one(x), lambda a, b: a + b, (1,)),
+        normal(3, 4),
+    ),
+    Case("reduce_variadic_argmax", variadic_argmax, normal(3, 6)),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", case_params(CASES))
+def test_reductions_table(case, dtype):
+    run_grid(case, dtype)
+
+
+@pytest.mark.parametrize("dtype,scale", JIT_CASES, ids=str)
+@pytest.mark.parametrize("case", case_params(CASES[::3]))
+def test_reductions_table_jit(case, dtype, scale):
+    check_case(case, dtype, scale, use_jit=True)
+
+
+@pytest.mark.parametrize("case", grad_params(CASES))
+def test_reductions_table_grad(case):
+    run_grads(case)
+
+
+def test_reductions_table_covers_every_rule():
+    assert_table_covers(reductions_module, CASES)
+
+
+def test_sum_scales_by_sqrt_n():
+    x = make_scaled(np.ones((16, 3)), np.float16, 2.0**-20)
+    out = jsa.autoscale(lambda a: jnp.sum(a, axis=0))(x)
+    assert float(out.scale) == 2.0**-18  # sqrt(16) = 4
+    np.testing.assert_array_equal(represented(out), np.full(3, 16 * 2.0**-20))
+    cum = jsa.autoscale(lambda a: jnp.cumsum(a, axis=0))(x)
+    assert float(cum.scale) == 2.0**-18
+    np.testing.assert_array_equal(represented(cum)[-1], represented(out))
+
+
+def test_long_float16_sum_does_not_overflow():
+    # 4096 values of 500: the sum (2e6) overflows a plain float16 cumsum, not the scaled one.
+    x = make_scaled(np.full((4096,), 500.0), np.float16, 1.0)
+    assert not np.isfinite(np.asarray(jnp.cumsum(x.data))).all()
+    out = jsa.autoscale(lambda a: jnp.cumsum(a))(x)
+    assert np.isfinite(np.asarray(out.data, np.float32)).all()
+    np.testing.assert_allclose(represented(out)[-1], 4096 * 500.0, rtol=1e-3)
+
+
+def test_max_keeps_the_scale():
+    x = make_scaled(np.array([[1.0, -3.0], [2.0, 0.5]]), np.float16, 2.0**40)
+    out = jsa.autoscale(lambda a: jnp.max(a, axis=0))(x)
+    assert float(out.scale) == 2.0**40
+    np.testing.assert_array_equal(represented(out), np.array([2.0, 0.5]) * 2.0**40)
