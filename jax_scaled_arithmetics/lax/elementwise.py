@@ -5,7 +5,10 @@ Scale strategies:
 - add/sub: both operands rescaled in float32 to `sqrt(sa^2 + sb^2)` (power of two).
 - mul/div/square/sqrt/rsqrt/cbrt/integer_pow with `y` in {1, 2}: data and scale
   transformed separately (the scales multiply, divide, or take the root).
-- neg/abs: data only; max/min/select_n/clamp: operands at their largest scale.
+- neg/abs: data only; select_n: cases at their largest scale; max/min: at the
+  larger scale, except against a constant bound that cannot exceed the other
+  operand (max(x, c <= 0), min(x, c >= 0): clip, relu), where x's scale is kept;
+  clamp: x's scale between constant bounds around 0, else a dynamic scale.
 - floor/ceil/round: value computed in float32, scale `max(s, 1)`, so that an
   integer output of a tiny-scale input (ceil(1e-20) = 1) is not out of range.
 - rem: scale `min(sx, sy)` (|rem(x, y)| <= min(|x|, |y|)); reduce_precision:
@@ -25,6 +28,7 @@ from jax import lax
 
 from ..core import _compat, registry
 from ..core.datatype import ScaledArray
+from ..core.interpreter import operand_constants
 from .base import (
     choose_scale,
     compute_dtype,
@@ -155,13 +159,76 @@ def scaled_div(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
 register_linear(lax.neg_p)
 register_linear(lax.abs_p, remark="scales are non-negative")
 
-for _prim in (lax.max_p, lax.min_p):
-    register_common_scale(_prim, remark="common scale: the larger one")
+
+def _keeps_scale(constant: Any, is_max: bool) -> bool:
+    """Whether max/min with this constant is always the other operand or a smaller value.
+
+    max(x, c) with c <= 0 is x, or c where x < c, so |c| < |x|: x's scale holds it.
+    """
+    if not isinstance(constant, (int, float)) or not np.isfinite(constant):
+        return False
+    return constant <= 0 if is_max else constant >= 0
+
+
+def _minmax_rule(primitive: Any, is_max: bool) -> Any:
+    def rule(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
+        if same_scale(a.scale, b.scale):
+            return ScaledArray(primitive.bind(a.data, b.data, **params), a.scale)
+        known = list(operand_constants()) or [None, None]
+        sa = jnp.asarray(a.scale, jnp.float32)
+        sb = jnp.asarray(b.scale, jnp.float32)
+        if _keeps_scale(known[1], is_max) and known[0] is None:
+            scale = sa
+        elif _keeps_scale(known[0], is_max) and known[1] is None:
+            scale = sb
+        else:
+            scale = jnp.maximum(sa, sb)
+        scale = lax.stop_gradient(scale)
+        cdtype = compute_dtype(a.dtype)
+        out = primitive.bind(
+            value_at_scale(a, scale, cdtype), value_at_scale(b, scale, cdtype), **params
+        )
+        return ScaledArray(out.astype(a.dtype), scale)
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    return rule
+
+
+for _prim, _is_max in ((lax.max_p, True), (lax.min_p, False)):
+    registry.register_scaled_op(
+        _prim,
+        _minmax_rule(_prim, _is_max),
+        family="common scale",
+        remark="the larger scale; the array's own against a constant bound (clip, relu)",
+    )
 
 register_common_scale(
     lax.select_n_p, scaled_operands=lambda n: range(1, n), remark="cases at a common scale"
 )
-register_common_scale(lax.clamp_p, remark="bounds and operand at a common scale")
+
+
+@registry.register_scaled_op(
+    lax.clamp_p, family="common scale", remark="at a common scale in float32; dynamic output scale"
+)
+def scaled_clamp(lo: ScaledArray, x: ScaledArray, hi: ScaledArray, **params: Any) -> ScaledArray:
+    """clamp in float32 at x's scale when the bounds are constants around 0 (the output
+    is then x or a bound smaller in magnitude); otherwise at the largest scale, with a
+    dynamic output scale: keeping the bounds' scale would push a small-scale `x` into
+    the subnormals of the data dtype.
+    """
+    cdtype = compute_dtype(x.dtype)
+    known = list(operand_constants()) or [None] * 3
+    lo_c, hi_c = known[0], known[2]
+    if _keeps_scale(lo_c, is_max=True) and _keeps_scale(hi_c, is_max=False):
+        scale = lax.stop_gradient(jnp.asarray(x.scale, jnp.float32))
+        datas = [value_at_scale(o, scale, cdtype) for o in (lo, x, hi)]
+        return ScaledArray(lax.clamp_p.bind(*datas, **params).astype(x.dtype), scale)
+    scales = [jnp.asarray(o.scale, jnp.float32) for o in (lo, x, hi)]
+    common = lax.stop_gradient(jnp.maximum(jnp.maximum(scales[0], scales[1]), scales[2]))
+    datas = [value_at_scale(o, common, cdtype) for o in (lo, x, hi)]
+    out = lax.clamp_p.bind(*datas, **params)
+    factor = finite_dynamic_scale(out)
+    return ScaledArray((out / factor).astype(x.dtype), common * factor)
 
 
 @registry.register_scaled_op(lax.sign_p, family="unscaled output", remark="scale 1")
@@ -295,12 +362,13 @@ register_unscaled_elementwise(
 def scaled_nextafter(x1: ScaledArray, x2: ScaledArray, **params: Any) -> ScaledArray:
     """The next value after x1 towards x2 among `data * scale` with x1's scale.
 
-    The step is one unit in the last place of x1's data dtype (at x1's scale; at
-    x2's scale when x1's is 0). The direction is found by comparing the values.
+    The step is one unit in the last place of x1's data dtype at x1's scale. When
+    that scale is 0, the scale is float32's smallest normal number, so that the step
+    from zero is as small as float32's. The direction is found by comparing the values.
     """
     s1 = jnp.asarray(x1.scale, jnp.float32)
-    s2 = jnp.asarray(x2.scale, jnp.float32)
-    scale = lax.stop_gradient(jnp.where(s1 == 0, nonzero_or_one(s2), s1))
+    tiny = np.finfo(np.float32).tiny
+    scale = lax.stop_gradient(jnp.where(s1 == 0, jnp.full_like(s1, tiny), s1))
     c1, c2 = compare_operands(x1, x2)
     d1 = value_at_scale(x1, scale, x1.dtype)
     d2 = value_at_scale(x2, scale, x1.dtype)  # used where the values are equal (or NaN)
