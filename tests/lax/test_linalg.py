@@ -1,0 +1,184 @@
+"""Table-driven tests of the dot_general and convolution rules."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.lax import linalg as linalg_module
+from tests.helpers import FLOAT_DTYPES, make_scaled, represented
+from tests.lax.test_shape import (
+    JIT_CASES,
+    Case,
+    assert_table_covers,
+    case_params,
+    check_case,
+    check_mixed_scales,
+    grad_params,
+    normal,
+    run_grads,
+    run_grid,
+    vjp_of,
+)
+
+NHWC = ("NHWC", "HWIO", "NHWC")
+NCHW = ("NCHW", "OIHW", "NCHW")
+
+
+def conv_nhwc_groups(x, w):
+    """Strides, kernel dilation and 2 feature groups, NHWC / HWIO."""
+    return lax.conv_general_dilated(
+        x, w, (2, 1), "SAME", rhs_dilation=(1, 2), dimension_numbers=NHWC, feature_group_count=2
+    )
+
+
+def conv_nchw_lhs_dilation(x, w):
+    """Explicit padding and input (lhs) dilation, NCHW / OIHW."""
+    return lax.conv_general_dilated(
+        x, w, (1, 2), ((1, 1), (2, 0)), lhs_dilation=(2, 1), dimension_numbers=NCHW
+    )
+
+
+def bilinear(*args, **kwargs) -> Case:
+    """A case whose output is a product of two scaled inputs (its reference: see Case.degree)."""
+    return Case(*args, degree=2, **kwargs)
+
+
+CASES = [
+    bilinear("matmul", lambda a, b: a @ b, normal((3, 4), (4, 5)), grad=True),
+    bilinear("dot_vector", lambda a, b: jnp.dot(a, b), normal((6,), (6,))),
+    bilinear("matvec", lambda a, b: a @ b, normal((3, 5), (5,))),
+    bilinear(
+        "einsum_batch",
+        lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
+        normal((2, 3, 4), (2, 4, 5)),
+        grad=True,
+    ),
+    bilinear(
+        "einsum_two_contracting",
+        lambda a, b: jnp.einsum("ijk,jkl->il", a, b),
+        normal((2, 3, 4), (3, 4, 5)),
+    ),
+    bilinear(
+        "dot_general_preferred_f32",
+        lambda a, b: lax.dot_general(
+            a, b, (((0,), (1,)), ((2,), (0,))), preferred_element_type=jnp.float32
+        ).astype(a.dtype),
+        normal((5, 3, 2), (2, 5, 4)),
+    ),
+    bilinear("matmul_vjp", vjp_of(lambda a, b: a @ b), normal((3, 4), (4, 5), (3, 5))),
+    bilinear("conv_nhwc_groups", conv_nhwc_groups, normal((2, 6, 5, 4), (3, 2, 2, 6)), grad=True),
+    bilinear(
+        "conv_nhwc_groups_vjp",
+        vjp_of(conv_nhwc_groups),
+        normal((2, 6, 5, 4), (3, 2, 2, 6), (2, 3, 5, 6)),
+    ),
+    bilinear(
+        "conv_nchw_lhs_dilation",
+        conv_nchw_lhs_dilation,
+        normal((2, 3, 4, 5), (4, 3, 2, 3)),
+        grad=True,
+    ),
+    bilinear(
+        "conv_nchw_vjp",
+        vjp_of(conv_nchw_lhs_dilation),
+        normal((2, 3, 4, 5), (4, 3, 2, 3), (2, 4, 8, 3)),
+    ),
+    bilinear(
+        "conv_depthwise",
+        lambda x, w: lax.conv_general_dilated(
+            x, w, (1, 1), "VALID", dimension_numbers=NHWC, feature_group_count=3
+        ),
+        normal((1, 5, 5, 3), (2, 2, 1, 3)),
+    ),
+    bilinear(
+        "conv_batch_groups",
+        lambda x, w: lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=NCHW, batch_group_count=2
+        ),
+        normal((4, 3, 4, 4), (4, 3, 3, 3)),
+    ),
+    bilinear(
+        "conv_transpose",
+        lambda x, w: lax.conv_transpose(x, w, (2, 2), "SAME", dimension_numbers=NHWC),
+        normal((1, 3, 3, 2), (3, 3, 2, 4)),
+        grad=True,
+    ),
+    bilinear(
+        "conv_1d_preferred_f32",
+        lambda x, w: lax.conv_general_dilated(
+            x, w, (1,), "SAME", preferred_element_type=jnp.float32
+        ).astype(x.dtype),
+        normal((2, 3, 8), (4, 3, 3)),
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", case_params(CASES))
+def test_linalg_table(case, dtype):
+    run_grid(case, dtype)
+
+
+@pytest.mark.parametrize("dtype,scale", JIT_CASES, ids=str)
+@pytest.mark.parametrize("case", case_params(CASES[::3]))
+def test_linalg_table_jit(case, dtype, scale):
+    check_case(case, dtype, scale, use_jit=True)
+
+
+@pytest.mark.parametrize("case", grad_params(CASES))
+def test_linalg_table_grad(case):
+    run_grads(case)
+
+
+def test_linalg_table_covers_every_rule():
+    assert_table_covers(linalg_module, CASES)
+
+
+def _conv_vjp_fan_ins(dtype):
+    """Output scales of the two convolutions of a conv's gradient (unit input scales)."""
+    x = make_scaled(np.ones((2, 6, 5, 4)), dtype, 1.0)
+    w = make_scaled(np.ones((3, 2, 2, 6)), dtype, 1.0)
+    ct = make_scaled(np.ones((2, 3, 5, 6)), dtype, 1.0)
+    return jsa.autoscale(vjp_of(conv_nhwc_groups))(x, w, ct)
+
+
+def test_conv_gradient_scales_use_the_contracted_size():
+    gx, gw = _conv_vjp_fan_ins(np.float16)
+    # d/dx contracts 3 output features per group x 3x2 kernel taps = 18 -> pow2(sqrt) = 4.
+    assert float(gx.scale) == 4.0
+    # d/dw contracts batch x output positions = 2 * 3 * 5 = 30 -> pow2(sqrt(30)) = 4.
+    assert float(gw.scale) == 4.0
+
+
+def test_dot_scale_and_float32_accumulation():
+    a = make_scaled(np.full((2, 64), 1.0), np.float16, 2.0**-30)
+    b = make_scaled(np.full((64, 3), 1.0), np.float16, 2.0**-30)
+    out = jsa.autoscale(lambda u, v: u @ v)(a, b)
+    assert float(out.scale) == 2.0**-60 * 8  # sqrt(64)
+    np.testing.assert_array_equal(represented(out), np.full((2, 3), 64 * 2.0**-60))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_conv_different_scales(dtype):
+    rng = np.random.default_rng(3)
+    x, w = rng.normal(size=(2, 6, 5, 4)), rng.normal(size=(3, 2, 2, 6))
+    check_mixed_scales(conv_nhwc_groups, [x, w], dtype, [2.0**-40, 2.0**25])
+
+
+def test_einsum_under_jit_and_vmap():
+    rng = np.random.default_rng(4)
+    a = make_scaled(rng.normal(size=(3, 2, 4)), np.float16, 2.0**10)
+    b = make_scaled(rng.normal(size=(3, 4, 5)), np.float16, 2.0**-12)
+    axes = jsa.ScaledArray(0, None)
+    fn = jax.jit(
+        jax.vmap(jsa.autoscale(lambda u, v: jnp.einsum("ij,jk->ik", u, v)), in_axes=(axes, axes))
+    )
+    out = fn(a, b)  # one scale per example
+    value = np.asarray(out.data, np.float64) * np.asarray(out.scale)[:, None, None]
+    expected = np.einsum("bij,bjk->bik", represented(a), represented(b))
+    np.testing.assert_allclose(value, expected, rtol=4e-3, atol=4e-3 * abs(expected).max())
