@@ -1,9 +1,34 @@
-"""Scaled rules for higher-order primitives: jit, remat, closed_call, custom_jvp/vjp.
+"""Scaled rules for higher-order primitives, callbacks and collectives.
 
-Each re-interprets its inner jaxpr(s) with the scaled interpreter over flattened
-leaves (a ScaledArray becomes its `data` and `scale`) and binds the original
-primitive on the result, so that `jit` keeps its shardings and donation, and
-custom derivative rules stay what `grad` uses.
+Every rule re-interprets the inner jaxpr(s) with the scaled interpreter over
+flattened leaves (a ScaledArray becomes its `data` and its `scale`), then emits
+the original construct over those leaves:
+
+- `jit` and `remat` are bound again with their per-argument params expanded
+  (shardings, layouts, donation, `prevent_cse`); `closed_call` is inlined.
+- `custom_jvp` / `custom_vjp` become new `jax.custom_jvp` / `jax.custom_vjp`
+  over leaves whose rules run the user's rules scaled (leaf tangents and
+  cotangents converted to and from value tangents), so `grad` still uses them.
+- `scan`, `while` and `cond` are re-emitted with the public `jax.lax.scan`,
+  `while_loop` and `switch` rather than by binding the primitives: their params
+  (`linear`, `_split_transpose`, jaxpr layouts, const counts...) change between
+  JAX releases, while the public signatures do not. Only `length`, `reverse`
+  and `unroll` (and `_split_transpose` where present) are forwarded.
+- A loop carry keeps one structure: a carry scaled on input stays scaled; one
+  the body returns scaled is promoted on input and the body traced again, until
+  a fixed point. The scale is a carried leaf, so it can change per iteration.
+  A scaled stacked output of `scan` gets one scale: its loop-invariant scale,
+  or else the largest, the data of each iteration rescaled to it.
+- A `cond` output scaled in one branch is scaled (promoted) in all; the index
+  stays plain.
+- `custom_linear_solve` runs the public `jax.lax.custom_linear_solve` on the data
+  of the right-hand side with fixed scales, so its implicit derivatives apply.
+- `shard_map` is re-emitted with `jax.shard_map`, a scale being a replicated
+  scalar (the largest over the mesh axes, for every floating output).
+- Callbacks (`jax.debug.print`/`callback`, `pure_callback`, `io_callback`) see
+  represented values; barriers, `checkpoint_name`, `device_put` and sharding
+  constraints act on data and scale; collectives bring data to the largest scale
+  over the axes first.
 """
 
 from __future__ import annotations
@@ -336,6 +361,15 @@ def _plain_like(value: Any) -> Any:
 # over leaves, and that jaxpr is what the public API's body evaluates.
 
 
+def _split(values: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
+    """`values` cut into consecutive groups of the given sizes, and the rest."""
+    groups, start = [], 0
+    for n in sizes:
+        groups.append(list(values[start : start + n]))
+        start += n
+    return [*groups, list(values[start:])]
+
+
 def _operand_known(n: int) -> list[Any]:
     known = list(operand_constants())
     return known if len(known) == n else [None] * n
@@ -435,20 +469,10 @@ def scaled_scan(
     num_carry: int,
     **params: Any,
 ) -> list[Any]:
-    known = _operand_known(len(args))
-    consts, init, xs = (
-        args[:num_consts],
-        args[num_consts : num_consts + num_carry],
-        args[num_consts + num_carry :],
-    )
-    k_consts, k_init, k_xs = (
-        known[:num_consts],
-        known[num_consts : num_consts + num_carry],
-        known[num_consts + num_carry :],
-    )
-    in_avals = jaxpr.in_avals
-    carry_avals = in_avals[num_consts : num_consts + num_carry]
-    x_avals = in_avals[num_consts + num_carry :]
+    sizes = (num_consts, num_carry)
+    consts, init, xs = _split(args, sizes)
+    k_consts, k_init, k_xs = _split(_operand_known(len(args)), sizes)
+    _, carry_avals, x_avals = _split(jaxpr.in_avals, sizes)
     const_abs = [abstract_value(c) for c in consts]
     x_abs = [
         ScaledArray(_carry_abstract(a, False, None), abstract_value(x.scale))
@@ -526,11 +550,10 @@ def scaled_while(
     **params: Any,
 ) -> list[Any]:
     del params
-    known = _operand_known(len(args))
-    nc, nb = cond_nconsts, body_nconsts
-    cconsts, bconsts, init = args[:nc], args[nc : nc + nb], args[nc + nb :]
-    k_cconsts, k_bconsts, k_init = known[:nc], known[nc : nc + nb], known[nc + nb :]
-    carry_avals = body_jaxpr.in_avals[nb:]
+    sizes = (cond_nconsts, body_nconsts)
+    cconsts, bconsts, init = _split(args, sizes)
+    k_cconsts, k_bconsts, k_init = _split(_operand_known(len(args)), sizes)
+    carry_avals = body_jaxpr.in_avals[body_nconsts:]
     scale_avals = [_scale_aval(c) for c in init]
     body, carry_specs, carry_abs, _ = _loop_fixed_point(
         body_jaxpr,
@@ -542,7 +565,7 @@ def scaled_while(
         [*k_bconsts, *([None] * len(init))],
         0,
     )
-    cond, cond_specs = trace_scaled_leaves(
+    cond, _ = trace_scaled_leaves(
         cond_jaxpr,
         [*[abstract_value(c) for c in cconsts], *carry_abs],
         [*k_cconsts, *([None] * len(init))],
@@ -581,11 +604,13 @@ def scaled_cond(index: Any, *operands: Any, branches: Sequence[Any], **params: A
         index = index.to_array()
     known = _operand_known(len(operands) + 1)[1:]
     abstract = [abstract_value(o) for o in operands]
-    out_specs = [False] * len(branches[0].out_avals)
-    for branch in branches:
-        _, specs = _probe_specs(branch, abstract, known)
-        out_specs = [a or b for a, b in zip(out_specs, specs, strict=True)]
-    traced = [trace_scaled_leaves(b, abstract, known, out_specs)[0] for b in branches]
+    probes = [trace_scaled_leaves(b, abstract, known) for b in branches]
+    out_specs = tuple(any(specs) for specs in zip(*(p[1] for p in probes), strict=True))
+    # Branches whose outputs are not all scaled as the union is are traced again, promoted.
+    traced = [
+        jaxpr if specs == out_specs else trace_scaled_leaves(b, abstract, known, out_specs)[0]
+        for b, (jaxpr, specs) in zip(branches, probes, strict=True)
+    ]
     leaves, _ = flatten_scaled(operands)
     # Every branch returns leaves of one type: the original dtypes, strong scales.
     scale_dtype = get_autoscale_config().scale_dtype
@@ -604,10 +629,6 @@ def scaled_cond(index: Any, *operands: Any, branches: Sequence[Any], **params: A
 
     out_leaves = jax.lax.switch(index, [make_branch(j) for j in traced], *leaves)
     return unflatten_scaled(out_leaves, out_specs)
-
-
-def _probe_specs(closed: Any, abstract: Sequence[Any], known: Sequence[Any]) -> Any:
-    return trace_scaled_leaves(closed, abstract, known)
 
 
 # --- callbacks, barriers, names, placement ----------------------------------------------
@@ -896,3 +917,76 @@ if shard_map_p is not None:
             check_vma=params.get("check_vma", True),
         )
         return unflatten_scaled(mapped(*leaves), out_scaled)
+
+
+# --- custom_linear_solve ----------------------------------------------------------------
+#
+# Re-emitted with the public `jax.lax.custom_linear_solve` on the *data* of the right-hand
+# side, so that its implicit derivatives still apply. With fixed scales s_b (of b) and s_x
+# (chosen for x), the data-space system is D_b^-1 A D_x: its matvec, solve and transpose
+# solve are the original jaxprs interpreted on ScaledArrays and rescaled to the fixed
+# scales. Any s_x is exact; s_x = s_b / (scale matvec gives to a unit-scale x) keeps the
+# solution's data in range.
+
+
+def _interpret_fixed_scales(
+    closed: Any,
+    consts: Sequence[Any],
+    datas: Sequence[Any],
+    in_scales: Sequence[Any],
+    out_scales: Sequence[Any],
+) -> list[Any]:
+    """`closed(consts, data * in_scale)` as data at `out_scales` (plain arrays)."""
+    values = [ScaledArray(d, s) for d, s in zip(datas, in_scales, strict=True)]
+    outs = registry.interpret_closed_jaxpr(closed, [*consts, *values])
+    result = []
+    for out, scale, like in zip(outs, out_scales, datas, strict=True):
+        out = coerce_scaledness(out, True)
+        ratio = safe_div(jnp.asarray(out.scale, jnp.float32), scale)
+        result.append(rescale(out.data, ratio, like.dtype))
+    return result
+
+
+@registry.register_scaled_op(
+    _compat.primitives.linear_solve_p,
+    promote=False,
+    family="higher-order",
+    remark="lax.custom_linear_solve on the data of b, scales fixed: implicit derivatives kept",
+)
+def scaled_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any) -> list[Any]:
+    *groups, b = _split(args, tuple(const_lengths))
+    *_, k_b = _split(_operand_known(len(args)), tuple(const_lengths))
+    b = [promote_to_scaled(v, k) for v, k in zip(b, k_b, strict=True)]
+    matvec_c, _, solve_c, tsolve_c = groups
+    matvec_j, _, solve_j, tsolve_j = jaxprs
+    # x's scales follow b's (differentiably): x = x_data * s_b / c, c from the matvec alone.
+    b_scales = [jnp.asarray(v.scale, jnp.float32) for v in b]
+    b_data = [v.data for v in b]
+    ones = [jnp.ones((), jnp.float32)] * len(b)
+    unit_outs = registry.interpret_closed_jaxpr(
+        matvec_j, [*matvec_c, *[ScaledArray(d, o) for d, o in zip(b_data, ones, strict=True)]]
+    )
+    x_scales = [
+        safe_div(s, jax.lax.stop_gradient(jnp.asarray(o.scale, jnp.float32)))
+        if isinstance(o, ScaledArray)
+        else s
+        for s, o in zip(b_scales, unit_outs, strict=True)
+    ]
+    x_scales = [jnp.where(s > 0, s, 1.0) for s in x_scales]
+    inv_x = [safe_div(1.0, s) for s in x_scales]
+    inv_b = [safe_div(1.0, s) for s in b_scales]
+
+    def matvec(x: list[Any]) -> list[Any]:
+        return _interpret_fixed_scales(matvec_j, matvec_c, x, x_scales, b_scales)
+
+    def solve(_: Any, rhs: list[Any]) -> list[Any]:
+        return _interpret_fixed_scales(solve_j, solve_c, rhs, b_scales, x_scales)
+
+    def transpose_solve(_: Any, rhs: list[Any]) -> list[Any]:
+        # (D_b^-1 A D_x)^-T c = s_b A^-T (c / s_x): data at scale 1 / s_b.
+        return _interpret_fixed_scales(tsolve_j, tsolve_c, rhs, inv_x, inv_b)
+
+    x_data = jax.lax.custom_linear_solve(
+        matvec, b_data, solve, transpose_solve if tsolve_j is not None else None
+    )
+    return [ScaledArray(d, s) for d, s in zip(x_data, x_scales, strict=True)]

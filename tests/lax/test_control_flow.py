@@ -531,3 +531,67 @@ def test_shard_map_and_collectives():
 def test_custom_lin_has_a_clear_error():
     with pytest.raises(NotImplementedError, match="linearize"):
         control_flow.scaled_custom_lin(make_scaled(V, np.float32, 1.0))
+
+
+def _diag_solve(d, v):
+    return jax.lax.custom_linear_solve(lambda x: d * x, v, lambda mv, r: r / d, lambda mv, r: r / d)
+
+
+def _cg_solve(a, v):
+    return jax.scipy.sparse.linalg.cg(lambda x: a @ x, v, tol=1e-6)[0]
+
+
+@pytest.mark.parametrize("solver", [_diag_solve, _cg_solve], ids=["diag", "cg"])
+def test_custom_linear_solve_forward_and_implicit_gradients(solver):
+    """The solve is kept (cg's while loop has no reverse-mode): gradients are implicit."""
+    a = RNG.normal(size=(3, 3)).astype(np.float32)
+    mat = np.abs(V) + 1 if solver is _diag_solve else a @ a.T + 3 * np.eye(3, dtype=np.float32)
+    b = X[0]
+    sa = jsa.as_scaled_array(mat, scale=np.float32(2.0**20))
+    sb = jsa.as_scaled_array(b, scale=np.float32(2.0**-10))
+    out = jax.jit(jsa.autoscale(solver))(sa, sb)
+    assert isinstance(out, jsa.ScaledArray)
+    assert_close(out, solver(mat, b), 1e-4)
+
+    loss = lambda m, v: jnp.sum(solver(m, v) * jnp.arange(3.0))  # noqa: E731
+    expected = jax.grad(loss, argnums=(0, 1))(mat, b)
+    grads = jax.jit(jsa.autoscale(jax.grad(loss, argnums=(0, 1))))(sa, sb)
+    for g, e in zip(grads, expected, strict=True):
+        assert_close(g, e, 1e-4)
+
+    def data_loss(md, vd):
+        return jsa.autoscale(loss)(jsa.ScaledArray(md, sa.scale), jsa.ScaledArray(vd, sb.scale))
+
+    grads = jax.jit(jax.grad(lambda *d: data_loss(*d).to_array(), argnums=(0, 1)))(sa.data, sb.data)
+    for g, e, s in zip(grads, expected, (sa.scale, sb.scale), strict=True):
+        assert_close(np.asarray(g) / np.float64(s), e, 1e-4)
+
+
+@pytest.mark.parametrize(
+    "fn", [_grad_scan, _grad_cond, _grad_fori, _diag_solve], ids=["scan", "cond", "fori", "solve"]
+)
+def test_gradient_with_respect_to_scales(fn):
+    """Scales are differentiable leaves: d/d scale = sum(d/d value * data)."""
+    if fn is _diag_solve:
+        args = [make_scaled(np.abs(X[0]) + 1, np.float32, 0.5), make_scaled(X[1], np.float32, 4.0)]
+    else:
+        args = [make_scaled(X[:3] * 0.5, np.float32, 0.5)]
+
+    def leaf_loss(leaves):
+        values = [jsa.ScaledArray(d, s) for d, s in leaves]
+        return jsa.autoscale(lambda *v: weighted_sum(fn(*v)))(*values).to_array()
+
+    def plain_loss(leaves):
+        return weighted_sum(fn(*[d * s for d, s in leaves]))
+
+    leaves = [(a.data, a.scale) for a in args]
+    got = jax.jit(jax.grad(leaf_loss))(leaves)
+    expected = jax.grad(plain_loss)(leaves)
+    for g, e in zip(
+        jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected), strict=True
+    ):
+        assert_close(g, e, 1e-5)
+
+
+def weighted_sum(y):
+    return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape))
