@@ -534,6 +534,41 @@ def scaled_scan(
 _SCAN_PUBLIC_PARAMS = ("_split_transpose",)
 
 
+def _unbatch_predicate(
+    cond_jaxpr: Any, body_jaxpr: Any, cond_nconsts: int, body_nconsts: int
+) -> tuple[Any, Any]:
+    """The plain jaxprs of a while loop whose predicate is a vector (`vmap` of a loop).
+
+    Such a loop runs while any predicate holds, each carry keeping its value
+    where its own predicate is false. Returned: a scalar-predicate cond (over the
+    cond consts and carries) and a body selecting per element (over the cond
+    consts, body consts and carries), which the scaled rule then handles as usual.
+    """
+    cond_fun, body_fun = _compat.jaxpr_as_fun(cond_jaxpr), _compat.jaxpr_as_fun(body_jaxpr)
+    cconst_avals = cond_jaxpr.in_avals[:cond_nconsts]
+    bconst_avals, carry_avals = _split(body_jaxpr.in_avals, (body_nconsts,))
+
+    def any_cond(*args: Any) -> Any:
+        return jnp.any(cond_fun(*args)[0])
+
+    def select_body(*args: Any) -> list[Any]:
+        cconsts, bconsts, carry = _split(args, (cond_nconsts, body_nconsts))
+        pred = cond_fun(*cconsts, *carry)[0]
+        new = body_fun(*bconsts, *carry)
+        outs = []
+        for n, old in zip(new, carry, strict=True):
+            dims = tuple(range(pred.ndim))
+            mask = jax.lax.broadcast_in_dim(pred, jnp.shape(old), dims)
+            outs.append(jax.lax.select(mask, n, old))
+        return outs
+
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*cconst_avals, *carry_avals)]
+    body_avals = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*cconst_avals, *bconst_avals, *carry_avals)
+    ]
+    return jax.make_jaxpr(any_cond)(*avals), jax.make_jaxpr(select_body)(*body_avals)
+
+
 @registry.register_scaled_op(
     _compat.while_p,
     always_scaled=True,
@@ -553,6 +588,12 @@ def scaled_while(
     sizes = (cond_nconsts, body_nconsts)
     cconsts, bconsts, init = _split(args, sizes)
     k_cconsts, k_bconsts, k_init = _split(_operand_known(len(args)), sizes)
+    if cond_jaxpr.out_avals[0].shape:  # a batched predicate (from vmap)
+        cond_jaxpr, body_jaxpr = _unbatch_predicate(
+            cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts
+        )
+        bconsts, k_bconsts = [*cconsts, *bconsts], [*k_cconsts, *k_bconsts]
+        body_nconsts = cond_nconsts + body_nconsts
     carry_avals = body_jaxpr.in_avals[body_nconsts:]
     scale_avals = [_scale_aval(c) for c in init]
     body, carry_specs, carry_abs, _ = _loop_fixed_point(

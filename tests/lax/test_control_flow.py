@@ -595,3 +595,13 @@ def test_gradient_with_respect_to_scales(fn):
 
 def weighted_sum(y):
     return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape))
+
+
+def test_while_with_batched_predicate():
+    """`vmap` of a while loop gives a vector predicate: each element stops on its own."""
+
+    def loop(r):
+        return jax.lax.while_loop(lambda c: jnp.sum(c) < 20 * jnp.max(r), lambda c: c * 2, r)
+
+    x = np.abs(X) + np.arange(5, dtype=np.float32)[:, None] ** 2  # different trip counts
+    check_matches_over_scales(jax.vmap(loop), [x], np.float16, [2.0**-20, 2.0**20])
