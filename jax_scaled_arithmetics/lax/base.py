@@ -242,7 +242,6 @@ OUTPUT_SCALES = (
     "one",
     "dynamic",
     "input",
-    "input_at_most_one",
     "input_at_least_one",
     "smallest_input",
 )
@@ -271,9 +270,8 @@ def elementwise_output_scale(strategy: str, scales: Sequence[Array], y: Array) -
     """The output scale of an elementwise function `y` of operands with `scales`.
 
     `strategy` is one of `OUTPUT_SCALES`: `"one"`; `"dynamic"` (from `max |y|`);
-    `"input"`, `"input_at_most_one"`, `"input_at_least_one"` (from the first
-    operand's scale, capped at 1 or floored at 1); `"smallest_input"`. A zero
-    scale becomes 1.
+    `"input"`, `"input_at_least_one"` (the first operand's scale, or at least 1);
+    `"smallest_input"`. A zero scale becomes 1.
     """
     if strategy == "one":
         return np.asarray(1.0, np.float32)
@@ -282,8 +280,6 @@ def elementwise_output_scale(strategy: str, scales: Sequence[Array], y: Array) -
     first = jnp.asarray(scales[0], jnp.float32)
     if strategy == "input":
         scale = first
-    elif strategy == "input_at_most_one":
-        scale = jnp.minimum(first, 1)
     elif strategy == "input_at_least_one":
         scale = jnp.maximum(first, 1)
     elif strategy == "smallest_input":

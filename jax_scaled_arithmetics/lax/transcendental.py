@@ -6,13 +6,14 @@ function does; the families differ in the output scale:
 
 - `"one"`: outputs bounded away from zero on their typical range (cos, acos,
   acosh, logistic, erfc).
-- `"input_at_most_one"`: odd functions with f(x) ~ x near 0 and |f(x)| <= C min(|x|, 1)
-  (sin, tanh, atan, asin, erf, erf_inv, asinh, atanh, log1p): the input's
-  scale capped at 1 keeps tiny inputs accurate without a reduction.
-- `"dynamic"`: fast-growing or unbounded outputs, or outputs that may all be
-  tiny (exp, exp2, expm1, sinh, cosh, tan, pow, atan2, lgamma, digamma,
-  polygamma, zeta, igamma*, regularized_incomplete_beta, bessel_i0e/i1e): a power
-  of two near the largest finite output.
+- `"dynamic"`, a power of two near the largest finite output, for everything
+  else: fast-growing or unbounded outputs (exp, exp2, expm1, sinh, cosh, tan, pow,
+  lgamma, digamma, polygamma, zeta, igamma_grad_a), and outputs that are all tiny
+  for tiny inputs (sin, tanh, atan, asin, erf, erf_inv, asinh, atanh, log1p,
+  atan2, igamma, igammac, regularized_incomplete_beta, bessel_i0e/i1e): tanh of
+  values ~2^-60 is ~2^-60, which a scale of 1 would flush to zero in the data.
+  (A scale `min(s, 1)` taken from the input would avoid the reduction, but
+  overflows the data for tanh(inf) = 1 or log1p near -1 at tiny scales.)
 - log: `log(data) + log(scale)` where the value leaves the float32 range.
 """
 
@@ -64,7 +65,7 @@ _SCALE_ONE = (lax.cos_p, lax.acos_p, lax.acosh_p, lax.logistic_p, lax.erfc_p)
 for _prim in _SCALE_ONE:
     register_unscaled_elementwise(_prim, output_scale="one", remark="bounded output, scale 1")
 
-_SCALE_INPUT_AT_MOST_ONE = (
+_SCALE_DYNAMIC = (
     lax.sin_p,
     lax.tanh_p,
     lax.atan_p,
@@ -74,13 +75,6 @@ _SCALE_INPUT_AT_MOST_ONE = (
     lax.asinh_p,
     lax.atanh_p,
     lax.log1p_p,
-)
-for _prim in _SCALE_INPUT_AT_MOST_ONE:
-    register_unscaled_elementwise(
-        _prim, output_scale="input_at_most_one", remark="f(x) ~ x near 0: scale min(s, 1)"
-    )
-
-_SCALE_DYNAMIC = (
     lax.exp_p,
     lax.exp2_p,
     lax.expm1_p,
