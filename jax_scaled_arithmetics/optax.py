@@ -190,16 +190,19 @@ def scaled_state(
     if rescale is None:
         exp = 0
 
+    @jax.jit
+    def to_storage(state: Any) -> Any:
+        return jax.tree_util.tree_map(
+            lambda x: _to_storage(x, state_dtype, rescale, exp), state, is_leaf=is_scaled_leaf
+        )
+
     def init_fn(params: Any) -> Any:
         plain = jax.tree_util.tree_map(
             lambda p: p.to_array(jnp.float32) if isinstance(p, ScaledArray) else p,
             params,
             is_leaf=is_scaled_leaf,
         )
-        state = inner.init(plain)
-        return jax.tree_util.tree_map(
-            lambda x: _to_storage(x, state_dtype, rescale, exp), state, is_leaf=is_scaled_leaf
-        )
+        return to_storage(inner.init(plain))
 
     def _update(updates: Any, state: Any, params: Any, extra_args: dict[str, Any]) -> Any:
         out_dtypes = _outer_dtypes(updates)

@@ -1,0 +1,341 @@
+"""Tests for `jsa.optax`: scaled optimizer states against plain float32 optax."""
+
+from __future__ import annotations
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_scaled_arithmetics as jsa
+import jax_scaled_arithmetics.optax as jsa_optax
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.05),
+    "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "lamb": lambda: optax.lamb(1e-2),
+    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+}
+
+
+def _represented(x):
+    if isinstance(x, jsa.ScaledArray):
+        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
+    return np.asarray(x, np.float64)
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves(tree, is_leaf=jsa.is_scaled_leaf)
+
+
+def _assert_tree_close(actual, expected, rtol, what):
+    a_leaves, e_leaves = _leaves(actual), _leaves(expected)
+    assert len(a_leaves) == len(e_leaves), what
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        a, e = _represented(a), _represented(e)
+        assert a.shape == e.shape, (what, i)
+        atol = rtol * max(float(np.max(np.abs(e), initial=0.0)), 1e-30)
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"{what} leaf {i}")
+
+
+def _assert_stored_scaled(state, dtype=jnp.float16):
+    """Array state leaves are finite ScaledArrays with `dtype` data; ints and scalars are plain."""
+    n_scaled = 0
+    for leaf in _leaves(state):
+        if isinstance(leaf, jsa.ScaledArray):
+            n_scaled += 1
+            assert leaf.dtype == jnp.dtype(dtype)
+            assert jnp.asarray(leaf.scale).dtype == jnp.float32
+            assert np.all(np.isfinite(np.asarray(leaf.data, np.float32)))
+            assert np.isfinite(float(leaf.scale)) and float(leaf.scale) > 0
+        elif leaf is not None and hasattr(leaf, "dtype"):
+            assert np.ndim(leaf) == 0 or not jnp.issubdtype(leaf.dtype, jnp.floating)
+    return n_scaled
+
+
+def _problem(seed=0):
+    """A two-layer MLP regression problem; float16-representable parameters."""
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
+    params = {
+        "w1": jax.random.normal(k1, (8, 16)) / np.sqrt(8),
+        "b1": 0.1 * jax.random.normal(k2, (16,)),
+        "w2": jax.random.normal(k3, (16, 4)) / 4.0,
+        "b2": jnp.zeros(4),
+    }
+    params = jsa.tree.astype(jsa.tree.astype(params, jnp.float16), jnp.float32)
+    x = jax.random.normal(k4, (32, 8)).astype(jnp.float16).astype(jnp.float32)
+    y = jnp.tanh(x[:, :4])
+    return params, x, y
+
+
+def _loss(params, x, y):
+    h = jax.nn.relu(x @ params["w1"] + params["b1"][None, :])
+    return jnp.mean((h @ params["w2"] + params["b2"][None, :] - y) ** 2)
+
+
+def _grads(params, scale_exponent):
+    """Gradient-like values of magnitude ~2**scale_exponent, exactly representable in float16."""
+    keys = jax.random.split(jax.random.PRNGKey(7), len(params))
+    flat, tree = jax.tree_util.tree_flatten(params)
+    grads = [
+        jax.random.normal(k, p.shape).astype(jnp.float16).astype(jnp.float32)
+        for k, p in zip(keys, flat)
+    ]
+    grads = jax.tree_util.tree_unflatten(tree, grads)
+    plain = jax.tree_util.tree_map(lambda g: g * 2.0**scale_exponent, grads)
+    # Values `plain`, data `grads` (float16), scale 2**scale_exponent.
+    scaled = jsa.as_scaled_array(plain, scale=2.0**scale_exponent, dtype=jnp.float16)
+    return plain, scaled
+
+
+def test_doctests():
+    result = doctest.testmod(jsa_optax, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+def test_all_is_explicit():
+    assert set(jsa_optax.__all__) == {
+        "apply_updates",
+        "default_data_exponent",
+        "scale_optimizer",
+        "scaled_state",
+        "state_nbytes",
+    }
+    assert jsa.optax is jsa_optax
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_init_stores_scaled_float16(name):
+    params, _, _ = _problem()
+    opt = jsa_optax.scale_optimizer(OPTIMIZERS[name]())
+    state = opt.init(params)
+    plain_state = OPTIMIZERS[name]().init(params)
+    assert jax.tree_util.tree_structure(jsa.tree.asarray(state)) == jax.tree_util.tree_structure(
+        plain_state
+    )
+    n_scaled = _assert_stored_scaled(state)
+    assert n_scaled == sum(1 for x in _leaves(plain_state) if np.ndim(x) >= 1)
+    _assert_tree_close(state, plain_state, 0.0, "init state")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_update_matches_float32_optax(name):
+    """Same gradients in: scaled FP16 state and plain float32 optax agree for a few steps.
+
+    Gradients of magnitude 2**-24 underflow plain float16 and 2**20 overflow it;
+    scaled, they are represented exactly.
+    """
+    params, _, _ = _problem()
+    opt = jsa_optax.scale_optimizer(OPTIMIZERS[name]())
+
+    @jax.jit
+    @jsa.autoscale
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return jsa_optax.apply_updates(params, updates), state, updates
+
+    ref = OPTIMIZERS[name]()
+
+    @jax.jit
+    def ref_step(params, state, grads):
+        updates, state = ref.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    for scale_exponent in (0, -24, 20):  # one compilation: the scale is a value
+        plain_grads, scaled_grads = _grads(params, scale_exponent)
+        ref_params, ref_state = params, ref.init(params)
+        s_params = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
+        s_params = jsa.ops.dynamic_rescale_max(s_params)
+        s_state = opt.init(s_params)
+        for i in range(3):
+            what = f"2**{scale_exponent} gradients, step {i}"
+            ref_params, ref_state, ref_updates = ref_step(ref_params, ref_state, plain_grads)
+            s_params, s_state, s_updates = step(s_params, s_state, scaled_grads)
+            _assert_tree_close(s_updates, ref_updates, 5e-3, f"updates, {what}")
+            _assert_tree_close(s_state, ref_state, 5e-3, f"state, {what}")
+            _assert_tree_close(s_params, ref_params, 2e-3, f"params, {what}")
+            _assert_stored_scaled(s_state)
+            assert all(leaf.dtype == jnp.float16 for leaf in _leaves(s_params))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_full_step_in_one_autoscale_function(name):
+    """Forward, backward and optimizer inside one `@jax.jit @jsa.autoscale` function."""
+    params, x, y = _problem()
+    ref = OPTIMIZERS[name]()
+    opt = jsa_optax.scale_optimizer(OPTIMIZERS[name]())
+
+    @jax.jit
+    def ref_step(params, state):
+        loss, grads = jax.value_and_grad(_loss)(params, x, y)
+        updates, state = ref.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    @jax.jit
+    @jsa.autoscale
+    def step(params, state, x, y):
+        loss, grads = jax.value_and_grad(_loss)(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return jsa_optax.apply_updates(params, updates), state, loss
+
+    ref_params, ref_state = params, ref.init(params)
+    s_params = jsa.ops.dynamic_rescale_max(jsa.tree.astype(jsa.as_scaled_array(params), "float16"))
+    s_state = opt.init(s_params)
+    s_x, s_y = jsa.as_scaled_array((x, y), dtype=jnp.float16)
+    structure = jax.tree_util.tree_structure(s_state)
+    for _ in range(4):
+        ref_params, ref_state, ref_loss = ref_step(ref_params, ref_state)
+        s_params, s_state, s_loss = step(s_params, s_state, s_x, s_y)
+        assert jax.tree_util.tree_structure(s_state) == structure
+        np.testing.assert_allclose(_represented(s_loss), float(ref_loss), rtol=1e-2)
+        _assert_stored_scaled(s_state)
+    # FP16 gradients (~1e-3 relative) feed Adam's ratio mu / sqrt(nu): compare the parameters.
+    _assert_tree_close(s_params, ref_params, 1e-2, "params after 4 steps")
+    assert all(isinstance(p, jsa.ScaledArray) and p.dtype == jnp.float16 for p in _leaves(s_params))
+
+
+@pytest.mark.parametrize("name", ["momentum", "adam"])
+def test_outside_autoscale_matches_inside(name):
+    """`update` and `apply_updates` wrap themselves in autoscale when given ScaledArrays."""
+    params, _, _ = _problem()
+    _, grads = _grads(params, -10)
+    opt = jsa_optax.scale_optimizer(OPTIMIZERS[name]())
+    s_params = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
+    state = opt.init(s_params)
+
+    updates_out, state_out = opt.update(grads, state, s_params)
+    params_out = jsa_optax.apply_updates(s_params, updates_out)
+
+    @jax.jit
+    @jsa.autoscale
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return jsa_optax.apply_updates(params, updates), state, updates
+
+    params_in, state_in, updates_in = step(s_params, state, grads)
+    _assert_stored_scaled(state_out)
+    for out, inside in ((updates_out, updates_in), (state_out, state_in), (params_out, params_in)):
+        assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(inside)
+        _assert_tree_close(out, inside, 1e-3, "outside vs inside")
+
+
+def test_plain_inputs_outside_autoscale_still_store_scaled():
+    params, _, _ = _problem()
+    plain_grads, _ = _grads(params, 0)
+    opt = jsa_optax.scaled_state(optax.adam(1e-3))
+    state = opt.init(params)
+    updates, new_state = opt.update(plain_grads, state, params)
+    _assert_stored_scaled(new_state)
+    assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
+    # Updates computed from the scaled state are ScaledArrays, with the gradients' dtype.
+    assert all(u.dtype == jnp.float32 for u in _leaves(updates))
+
+
+def test_rescaling_keeps_values():
+    """Dynamic rescaling moves powers of two only: the stored values do not change."""
+    params, _, _ = _problem()
+    _, grads = _grads(params, -12)
+    states = {}
+    for rescale in (jsa.ops.dynamic_rescale_max, None):
+        # float32 data: no rounding in the final cast, so the values must be identical.
+        opt = jsa_optax.scaled_state(optax.adam(1e-3), state_dtype=jnp.float32, rescale=rescale)
+        _, states[rescale] = opt.update(grads, opt.init(params), params)
+    rescaled, not_rescaled = states[jsa.ops.dynamic_rescale_max], states[None]
+    for a, b in zip(_leaves(rescaled), _leaves(not_rescaled)):
+        np.testing.assert_array_equal(_represented(a), _represented(b))
+    # Stored in float16: the same values up to float16 rounding, the largest at the top of
+    # float16's range (max-rescaled into [1, 2), then shifted by 2**14).
+    opt = jsa_optax.scale_optimizer(optax.adam(1e-3))
+    _, state = opt.update(grads, opt.init(params), params)
+    _assert_tree_close(state, rescaled, 2.0**-11, "float16 vs float32 state")
+    for leaf in _leaves(state[0].mu) + _leaves(state[0].nu):
+        top = float(np.max(np.abs(np.asarray(leaf.data, np.float32))))
+        assert 2.0**14 <= top < 2.0**15
+
+
+def test_data_exponent_keeps_second_moment_range():
+    """Adam's second moment spans the squared gradient range: the top of float16 is needed.
+
+    With gradients 1 and 2**-16, `nu` spans 2**-32 of its maximum: below float16's
+    smallest subnormal (2**-24) when the largest element is stored near 1
+    (`data_exponent=0`), so the small entries lose their history and their
+    update grows; stored near 2**14 (the default), they keep it.
+    """
+    g = jnp.array([1.0, 2.0**-16, -(2.0**-16), 0.5])
+    grads = {"w": jsa.as_scaled_array(g, dtype=jnp.float16)}
+    params = {"w": jnp.ones(4)}
+    ref = optax.adam(1e-3)
+    ref_state = ref.init(params)
+    for _ in range(5):
+        ref_updates, ref_state = ref.update({"w": g}, ref_state, params)
+    ref_u = np.asarray(ref_updates["w"], np.float64)
+    results = {}
+    for exponent in (None, 0):
+        opt = jsa_optax.scale_optimizer(optax.adam(1e-3), data_exponent=exponent)
+        update = jax.jit(opt.update)
+        state = opt.init(params)
+        for _ in range(5):
+            updates, state = update(grads, state, params)
+        results[exponent] = _represented(updates["w"])
+    np.testing.assert_allclose(results[None], ref_u, rtol=1e-2)
+    ratio = results[0][1:3] / ref_u[1:3]
+    assert np.all(ratio > 2.0), ratio  # nu_hat ~ g**2 / 5 instead of g**2: update * sqrt(5)
+
+
+def test_scalar_state_leaves_stay_plain():
+    """Hyperparameters (scalar floats) keep their dtype and stay plain ArrayS."""
+    params, _, _ = _problem()
+    _, grads = _grads(params, 0)
+    opt = jsa_optax.scale_optimizer(optax.inject_hyperparams(optax.adam)(learning_rate=1e-2))
+    state = opt.init(params)
+    lr = state.hyperparams["learning_rate"]
+    assert not isinstance(lr, jsa.ScaledArray) and lr.dtype == jnp.float32
+    step = jax.jit(jsa.autoscale(opt.update))
+    _, new_state = step(grads, state, params)
+    assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
+    new_lr = new_state.hyperparams["learning_rate"]
+    assert not isinstance(new_lr, jsa.ScaledArray) and float(new_lr) == pytest.approx(1e-2)
+    _assert_stored_scaled(new_state)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_other_state_dtypes(state_dtype):
+    params, _, _ = _problem()
+    plain_grads, grads = _grads(params, -6)
+    opt = jsa_optax.scale_optimizer(optax.sgd(0.1, momentum=0.9), state_dtype=state_dtype)
+    _, state = jax.jit(jsa.autoscale(opt.update))(grads, opt.init(params), params)
+    _assert_stored_scaled(state, state_dtype)
+    rtol = 2.0 ** -(jnp.finfo(state_dtype).nmant)
+    _assert_tree_close(state[0].trace, plain_grads, rtol, "momentum trace")
+
+
+def test_apply_updates():
+    p = {
+        "w": jsa.scaled_array(jnp.array([1.0, -2.0], jnp.float16), 4.0),
+        "b": jnp.array([0.5], jnp.float16),
+        "n": jnp.array([3], jnp.int32),
+    }
+    u = {"w": jsa.scaled_array(jnp.array([1.0, 1.0], jnp.float16), 1.0), "b": None, "n": None}
+    new = jsa_optax.apply_updates(p, u)
+    assert new["w"].dtype == jnp.float16
+    np.testing.assert_array_equal(_represented(new["w"]), [5.0, -7.0])
+    assert float(jnp.max(jnp.abs(new["w"].data))) < 2.0  # rescaled: largest data in [1, 2)
+    assert new["b"].dtype == jnp.float16 and float(new["b"][0]) == 0.5
+    assert int(new["n"][0]) == 3
+    kept = jsa_optax.apply_updates(p, u, rescale=None)
+    assert float(kept["w"].scale) == 4.0
+    np.testing.assert_array_equal(_represented(kept["w"]), [5.0, -7.0])
+
+
+def test_state_nbytes_halves_for_adam():
+    params, _, _ = _problem()
+    f32 = jsa_optax.state_nbytes(optax.adam(1e-3).init(params))
+    f16 = jsa_optax.state_nbytes(jsa_optax.scale_optimizer(optax.adam(1e-3)).init(params))
+    n_arrays = 2 * len(params)
+    assert f16 == (f32 - 4) // 2 + 4 + 4 * n_arrays  # half the data, + count, + one scale each
