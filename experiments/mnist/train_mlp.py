@@ -231,11 +231,10 @@ def fp16_adam_diagnostics(
     zero in float16 (those entries then get `mu / eps` = `mu / 0` updates).
     """
     x, y = jnp.asarray(images), jax.nn.one_hot(labels, 10)
-    g32 = jax.tree_util.tree_leaves(jax.grad(cross_entropy)(params32, x, y))
+    grad_fn = jax.jit(jax.grad(cross_entropy))
+    g32 = jax.tree_util.tree_leaves(grad_fn(params32, x, y))
     p16 = jsa.tree.astype(params32, jnp.float16)
-    g16 = jax.tree_util.tree_leaves(
-        jax.grad(cross_entropy)(p16, x.astype(jnp.float16), y.astype(jnp.float16))
-    )
+    g16 = jax.tree_util.tree_leaves(grad_fn(p16, x.astype(jnp.float16), y.astype(jnp.float16)))
     g32 = np.concatenate([np.ravel(g) for g in g32])
     g16 = np.concatenate([np.ravel(g) for g in g16])
     nu16 = (1 - np.float16(b2)) * np.square(g16)
