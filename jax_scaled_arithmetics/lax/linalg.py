@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -33,13 +34,18 @@ def _accumulator_dtype(dtype: Any, preferred: Any) -> Any:
 
 
 def _scaled_contraction(
-    primitive: Any, lhs: ScaledArray, rhs: ScaledArray, fan_in: int, params: dict
+    primitive: Any,
+    lhs: ScaledArray,
+    rhs: ScaledArray,
+    fan_in: int,
+    params: dict,
+    *others: Any,
 ) -> ScaledArray:
     factor = fan_in_factor(fan_in)
     preferred = params.get("preferred_element_type")
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if preferred is None else preferred
     bind_params = dict(params, preferred_element_type=_accumulator_dtype(out_dtype, preferred))
-    out = primitive.bind(lhs.data, rhs.data, **bind_params)
+    out = primitive.bind(lhs.data, rhs.data, *others, **bind_params)
     out = (out * jnp.asarray(1.0 / factor, out.dtype)).astype(out_dtype)
     scale = jnp.asarray(lhs.scale, jnp.float32) * jnp.asarray(rhs.scale, jnp.float32) * factor
     return ScaledArray(out, scale)
@@ -73,3 +79,28 @@ def scaled_conv_general_dilated(lhs: ScaledArray, rhs: ScaledArray, **params: An
     rhs_spec = tuple(range(rhs.ndim)) if dnums is None else tuple(dnums.rhs_spec)
     fan_in = int(np.prod([rhs.shape[d] for d in rhs_spec[1:]], dtype=np.int64))
     return _scaled_contraction(lax.conv_general_dilated_p, lhs, rhs, fan_in, params)
+
+
+def _ragged_dot_general_p() -> Any:
+    """The primitive of `lax.ragged_dot` (not exported by jax.lax), read from its jaxpr."""
+    f32, i32 = jnp.float32, jnp.int32
+    avals = (((2, 2), f32), ((1, 2, 2), f32), ((1,), i32))
+    jaxpr = jax.make_jaxpr(lax.ragged_dot)(*(jax.ShapeDtypeStruct(s, d) for s, d in avals))
+    return next(e.primitive for e in jaxpr.eqns if e.primitive.name == "ragged_dot_general")
+
+
+ragged_dot_general_p = _ragged_dot_general_p()
+
+
+@registry.register_scaled_op(
+    ragged_dot_general_p,
+    family="dot",
+    remark="scale sa * sb * sqrt(K), group sizes plain",
+)
+def scaled_ragged_dot_general(
+    lhs: ScaledArray, rhs: ScaledArray, group_sizes: Any, **params: Any
+) -> ScaledArray:
+    """K: the lhs contracting dimensions (a ragged contracting dimension counted whole)."""
+    (lhs_contract, _), _ = params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+    fan_in = int(np.prod([lhs.shape[d] for d in lhs_contract], dtype=np.int64))
+    return _scaled_contraction(ragged_dot_general_p, lhs, rhs, fan_in, params, group_sizes)

@@ -56,7 +56,6 @@ CASES = [
         "einsum_batch",
         lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
         normal((2, 3, 4), (2, 4, 5)),
-        grad=True,
     ),
     bilinear(
         "einsum_two_contracting",
@@ -106,6 +105,12 @@ CASES = [
         "conv_transpose",
         lambda x, w: lax.conv_transpose(x, w, (2, 2), "SAME", dimension_numbers=NHWC),
         normal((1, 3, 3, 2), (3, 3, 2, 4)),
+    ),
+    bilinear(
+        "ragged_dot",
+        lambda a, b, g: lax.ragged_dot(a, b, g),
+        lambda rng: [rng.normal(size=(6, 4)), rng.normal(size=(3, 4, 2)), np.int32([2, 0, 4])],
+        plain=(2,),
         grad=True,
     ),
     bilinear(

@@ -42,7 +42,6 @@ from tests.helpers import (
 # Gradients wrt the data are `grad * scale`: in float16 they only fit near scale 1.
 GRAD_CASES = (
     (np.dtype(np.float32), 2.0**-40),
-    (np.dtype(np.float32), 2.0**30),
     (np.dtype(np.float16), 2.0**-3),
     (np.dtype(ml_dtypes.bfloat16), 2.0**20),
 )
@@ -302,13 +301,12 @@ CASES = [
         "broadcast_in_dim",
         lambda x: jnp.broadcast_to(x[:, None, :], (3, 2, 4)),
         normal(3, 4),
-        grad=True,
     ),
     Case("reshape", lambda x: x.reshape(2, 6), normal(3, 4)),
     Case("squeeze", lambda x: lax.squeeze(x, (1,)), normal(3, 1, 4)),
     Case("transpose", lambda x: jnp.transpose(x, (2, 0, 1)), normal(2, 3, 4)),
     Case("rev", lambda x: x[::-1], normal(3, 4)),
-    Case("slice_strided", lambda x: x[1:, ::2], normal(3, 5), grad=True),
+    Case("slice_strided", lambda x: x[1:, ::2], normal(3, 5)),
     Case("copy", lambda x: jnp.array(x, copy=True), normal(3, 4)),
     Case("split", lambda x: jnp.split(x, [1, 3], axis=1), normal(3, 4)),
     Case("unstack", lambda x: jnp.unstack(x, axis=1), normal(3, 4)),
