@@ -169,8 +169,8 @@ def scaled_state(
         compute_dtype: data dtype the inner update computes in; `None` computes
             in the stored dtypes.
         data_exponent: power of two the rescaled data is multiplied by before the
-            cast (default :func:`default_data_exponent`; 0 keeps it at ~1). Only
-            meaningful with max rescaling, which bounds the data by 2.
+            cast; 0 keeps it at ~1. Default: :func:`default_data_exponent` with
+            `dynamic_rescale_max` (which bounds the data by 2), 0 otherwise.
 
     Examples:
         >>> import jax.numpy as jnp, optax
@@ -186,9 +186,10 @@ def scaled_state(
         Array([ 1.,  2., -4.], dtype=float32)
     """
     inner = optax.with_extra_args_support(inner)
-    exp = default_data_exponent(state_dtype) if data_exponent is None else int(data_exponent)
-    if rescale is None:
-        exp = 0
+    if data_exponent is not None:
+        exp = int(data_exponent) if rescale is not None else 0
+    else:  # only max rescaling bounds the data (by 2): shift it to the top of the range
+        exp = default_data_exponent(state_dtype) if rescale is dynamic_rescale_max else 0
 
     @jax.jit
     def to_storage(state: Any) -> Any:

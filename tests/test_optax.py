@@ -339,3 +339,12 @@ def test_state_nbytes_halves_for_adam():
     f16 = jsa_optax.state_nbytes(jsa_optax.scale_optimizer(optax.adam(1e-3)).init(params))
     n_arrays = 2 * len(params)
     assert f16 == (f32 - 4) // 2 + 4 + 4 * n_arrays  # half the data, + count, + one scale each
+
+
+def test_l2_rescale_keeps_data_near_one():
+    """With a rescale that does not bound the maximum, the data is not shifted up (no overflow)."""
+    g = jnp.ones(1024).at[0].set(1000.0)  # max / rms ~ 32
+    opt = jsa_optax.scaled_state(optax.sgd(0.1, momentum=0.9), rescale=jsa.ops.dynamic_rescale_l2)
+    _, state = opt.update({"w": g}, opt.init({"w": jnp.zeros(1024)}))
+    _assert_stored_scaled(state)
+    np.testing.assert_array_equal(_represented(state[0].trace["w"]), np.asarray(g))
