@@ -243,6 +243,8 @@ OUTPUT_SCALES = (
     "dynamic",
     "input",
     "input_at_least_one",
+    "input_at_most_one",
+    "ratio_at_most_one",
     "smallest_input",
 )
 
@@ -266,12 +268,32 @@ def finite_dynamic_scale(y: Array) -> Array:
     return lax.stop_gradient(nonzero_or_one(choose_scale(amax)))
 
 
-def elementwise_output_scale(strategy: str, scales: Sequence[Array], y: Array) -> Array:
+def smallest_scale_for(bound: float, dtype: Any) -> float:
+    """The smallest power of two `s` such that `bound / s` is at most half `dtype`'s maximum."""
+    finfo = jnp.finfo(dtype)
+    tiny = float(np.finfo(np.float32).tiny)
+    if bound <= 0:
+        return tiny
+    return max(tiny, float(2.0 ** np.ceil(np.log2(2 * bound / float(finfo.max)))))
+
+
+def elementwise_output_scale(
+    strategy: str, scales: Sequence[Array], y: Array, dtype: Any = None, bound: float = 0.0
+) -> Array:
     """The output scale of an elementwise function `y` of operands with `scales`.
 
-    `strategy` is one of `OUTPUT_SCALES`: `"one"`; `"dynamic"` (from `max |y|`);
-    `"input"`, `"input_at_least_one"` (the first operand's scale, or at least 1);
-    `"smallest_input"`. A zero scale becomes 1.
+    `strategy` is one of `OUTPUT_SCALES`:
+
+    - `"one"`; `"dynamic"` (a power of two near the largest finite `|y|`);
+    - `"input"`, `"input_at_least_one"`: the first operand's scale, or at least 1;
+    - `"smallest_input"`: the smallest operand scale;
+    - `"input_at_most_one"` (the first scale) and `"ratio_at_most_one"` (first /
+      second), clipped to `[smallest_scale_for(bound, dtype), 1]`: for functions
+      with `|f(x)| <= C min(|x|, bound)`, tiny inputs keep their precision and the
+      largest output `bound` still fits the data dtype.
+
+    All but `"dynamic"` depend on the scales only (so scales stay unbatched under
+    `vmap`). A zero scale becomes 1.
     """
     if strategy == "one":
         return np.asarray(1.0, np.float32)
@@ -282,6 +304,12 @@ def elementwise_output_scale(strategy: str, scales: Sequence[Array], y: Array) -
         scale = first
     elif strategy == "input_at_least_one":
         scale = jnp.maximum(first, 1)
+    elif strategy in ("input_at_most_one", "ratio_at_most_one"):
+        if strategy == "ratio_at_most_one":
+            first = safe_div(first, jnp.asarray(scales[1], jnp.float32))
+            first = jnp.where(jnp.asarray(scales[1]) == 0, 1, first)
+        floor = smallest_scale_for(bound, y.dtype if dtype is None else dtype)
+        scale = jnp.clip(first, floor, 1)
     elif strategy == "smallest_input":
         scale = first
         for s in scales[1:]:
@@ -295,6 +323,7 @@ def register_unscaled_elementwise(
     primitive: Any,
     fn: Callable[..., Array] | None = None,
     output_scale: str = "dynamic",
+    bound: float = 0.0,
     remark: str = "",
 ) -> None:
     """Register an elementwise primitive computed on the unscaled values in float32.
@@ -302,7 +331,8 @@ def register_unscaled_elementwise(
     `fn(*values, **params)` (default: the primitive) runs on the represented
     values in at least float32, so it overflows or underflows only where the
     plain function does. The result is stored as data `y / scale` in the data
-    dtype, with `scale` chosen by `output_scale` (see `elementwise_output_scale`).
+    dtype, with `scale` chosen by `output_scale` (and `bound`, the largest finite
+    `|f|`, for the `*_at_most_one` strategies; see `elementwise_output_scale`).
     """
     if output_scale not in OUTPUT_SCALES:
         raise ValueError(f"Unknown output_scale {output_scale!r}; use one of {OUTPUT_SCALES}.")
@@ -313,7 +343,9 @@ def register_unscaled_elementwise(
         cdtype = compute_dtype(dtype)
         values = [unscaled_value(o, cdtype) if isinstance(o, ScaledArray) else o for o in operands]
         y = fn(*values, **params) if fn is not None else primitive.bind(*values, **params)
-        scale = elementwise_output_scale(output_scale, [o.scale for o in scaled], y)
+        scale = elementwise_output_scale(
+            output_scale, [o.scale for o in scaled], y, dtype=dtype, bound=bound
+        )
         data = y / jnp.asarray(scale, y.dtype)
         return ScaledArray(data.astype(dtype), jnp.asarray(scale, jnp.float32))
 

@@ -8,7 +8,7 @@ Scale strategies:
 - neg/abs: data only; select_n: cases at their largest scale; max/min: at the
   larger scale, except against a constant bound that cannot exceed the other
   operand (max(x, c <= 0), min(x, c >= 0): clip, relu), where x's scale is kept;
-  clamp: x's scale between constant bounds around 0, else a dynamic scale.
+  clamp likewise. Output scales depend on input scales only (unbatched under vmap).
 - floor/ceil/round: value computed in float32, scale `max(s, 1)`, so that an
   integer output of a tiny-scale input (ceil(1e-20) = 1) is not out of range.
 - rem: scale `min(sx, sy)` (|rem(x, y)| <= min(|x|, |y|)); reduce_precision:
@@ -32,7 +32,6 @@ from ..core.interpreter import operand_constants
 from .base import (
     choose_scale,
     compute_dtype,
-    finite_dynamic_scale,
     nonzero_or_one,
     register_common_scale,
     register_linear,
@@ -208,27 +207,26 @@ register_common_scale(
 
 
 @registry.register_scaled_op(
-    lax.clamp_p, family="common scale", remark="at a common scale in float32; dynamic output scale"
+    lax.clamp_p,
+    family="common scale",
+    remark="x's scale between constant bounds around 0, else the largest scale",
 )
 def scaled_clamp(lo: ScaledArray, x: ScaledArray, hi: ScaledArray, **params: Any) -> ScaledArray:
     """clamp in float32 at x's scale when the bounds are constants around 0 (the output
-    is then x or a bound smaller in magnitude); otherwise at the largest scale, with a
-    dynamic output scale: keeping the bounds' scale would push a small-scale `x` into
-    the subnormals of the data dtype.
+    is then x, or a bound smaller in magnitude), otherwise at the largest scale.
     """
     cdtype = compute_dtype(x.dtype)
     known = list(operand_constants()) or [None] * 3
-    lo_c, hi_c = known[0], known[2]
-    if _keeps_scale(lo_c, is_max=True) and _keeps_scale(hi_c, is_max=False):
-        scale = lax.stop_gradient(jnp.asarray(x.scale, jnp.float32))
-        datas = [value_at_scale(o, scale, cdtype) for o in (lo, x, hi)]
-        return ScaledArray(lax.clamp_p.bind(*datas, **params).astype(x.dtype), scale)
-    scales = [jnp.asarray(o.scale, jnp.float32) for o in (lo, x, hi)]
-    common = lax.stop_gradient(jnp.maximum(jnp.maximum(scales[0], scales[1]), scales[2]))
-    datas = [value_at_scale(o, common, cdtype) for o in (lo, x, hi)]
-    out = lax.clamp_p.bind(*datas, **params)
-    factor = finite_dynamic_scale(out)
-    return ScaledArray((out / factor).astype(x.dtype), common * factor)
+    if _keeps_scale(known[0], is_max=True) and _keeps_scale(known[2], is_max=False):
+        scale = jnp.asarray(x.scale, jnp.float32)
+    else:
+        scale = jnp.maximum(
+            jnp.maximum(jnp.asarray(lo.scale, jnp.float32), jnp.asarray(x.scale, jnp.float32)),
+            jnp.asarray(hi.scale, jnp.float32),
+        )
+    scale = lax.stop_gradient(scale)
+    datas = [value_at_scale(o, scale, cdtype) for o in (lo, x, hi)]
+    return ScaledArray(lax.clamp_p.bind(*datas, **params).astype(x.dtype), scale)
 
 
 @registry.register_scaled_op(lax.sign_p, family="unscaled output", remark="scale 1")
@@ -280,22 +278,20 @@ def scaled_is_finite(x: ScaledArray, **params: Any) -> Array:
 # --- powers and roots --------------------------------------------------------------------
 
 
-@registry.register_scaled_op(
-    lax.integer_pow_p, family="pow", remark="y in {1, 2}: scale ** y; else dynamic scale"
-)
+@registry.register_scaled_op(lax.integer_pow_p, family="pow", remark="scale ** y")
 def scaled_integer_pow(x: ScaledArray, *, y: int, **params: Any) -> ScaledArray:
-    """x ** y. For y in {1, 2}, data ** y with scale ** y; otherwise (y = 0, y > 2 or y < 0:
-    the data could overflow) computed on the value in float32 with a dynamic scale.
+    """data ** y (computed in float32) with scale ** y; x ** 0 is 1 with scale 1.
+
+    Static, like mul: unit-range data stays in range (float16 data in
+    [2^-14, 2^16] has reciprocals in range), while subnormal float16 data
+    overflows for y < 0.
     """
     cdtype = compute_dtype(x.dtype)
-    if y in (1, 2):
-        data = lax.integer_pow_p.bind(x.data.astype(cdtype), y=y, **params)
-        scale = jnp.asarray(x.scale, jnp.float32)
-        return ScaledArray(data.astype(x.dtype), scale**y)
-    value = x.data.astype(cdtype) * jnp.asarray(x.scale).astype(cdtype)
-    out = lax.integer_pow_p.bind(value, y=y, **params)
-    scale = finite_dynamic_scale(out)
-    return ScaledArray((out / scale.astype(cdtype)).astype(x.dtype), scale)
+    data = lax.integer_pow_p.bind(x.data.astype(cdtype), y=y, **params)
+    if y == 0:
+        return ScaledArray(data.astype(x.dtype), np.asarray(1.0, np.float32))
+    scale = jnp.asarray(x.scale, jnp.float32)
+    return ScaledArray(data.astype(x.dtype), lax.integer_pow(scale, y))
 
 
 def _sqrt_scale(scale: Any) -> tuple[Any, Any]:

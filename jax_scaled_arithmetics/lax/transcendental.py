@@ -4,16 +4,19 @@ Every function is computed on the represented values in float32 (for float16
 and bfloat16 data), so it overflows or underflows only where the plain
 function does; the families differ in the output scale:
 
-- `"one"`: outputs bounded away from zero on their typical range (cos, acos,
-  acosh, logistic, erfc).
-- `"dynamic"`, a power of two near the largest finite output, for everything
-  else: fast-growing or unbounded outputs (exp, exp2, expm1, sinh, cosh, tan, pow,
-  lgamma, digamma, polygamma, zeta, igamma_grad_a), and outputs that are all tiny
-  for tiny inputs (sin, tanh, atan, asin, erf, erf_inv, asinh, atanh, log1p,
-  atan2, igamma, igammac, regularized_incomplete_beta, bessel_i0e/i1e): tanh of
-  values ~2^-60 is ~2^-60, which a scale of 1 would flush to zero in the data.
-  (A scale `min(s, 1)` taken from the input would avoid the reduction, but
-  overflows the data for tanh(inf) = 1 or log1p near -1 at tiny scales.)
+- `"one"`: outputs bounded and not small on their range (cos, acos, acosh,
+  logistic, erfc).
+- `"input_at_most_one"`: functions with |f(x)| <= C min(|x|, bound) (sin, tanh,
+  atan, asin, erf, asinh, and log1p, atanh, erf_inv whose float32 outputs stay
+  below 17): the input scale, capped at 1 and floored so that `bound` fits the
+  data dtype (float16: 2^-14 or 2^-10). Tiny inputs keep their precision
+  (tanh(2^-60) = 2^-60) and tanh(inf) = 1 still fits; the scale depends on the
+  input scale only, so it stays unbatched under `vmap`.
+- atan2: the same with the ratio of the scales (atan2(y, x) ~ y / x).
+- `"dynamic"`, a power of two near the largest finite output: fast-growing or
+  unbounded outputs (exp, exp2, expm1, sinh, cosh, tan, pow, lgamma, digamma,
+  polygamma, zeta, igamma_grad_a) and special functions whose outputs may all
+  be tiny (igamma, igammac, regularized_incomplete_beta, bessel_i0e/i1e).
 - log: `log(data) + log(scale)` where the value leaves the float32 range.
 """
 
@@ -65,16 +68,34 @@ _SCALE_ONE = (lax.cos_p, lax.acos_p, lax.acosh_p, lax.logistic_p, lax.erfc_p)
 for _prim in _SCALE_ONE:
     register_unscaled_elementwise(_prim, output_scale="one", remark="bounded output, scale 1")
 
+# Largest finite |f| in float32 over the domain (log1p(-1 + 2^-24) = -16.6).
+_BOUNDED_BY_INPUT = (
+    (lax.sin_p, 1.0),
+    (lax.tanh_p, 1.0),
+    (lax.erf_p, 1.0),
+    (lax.atan_p, np.pi / 2),
+    (lax.asin_p, np.pi / 2),
+    (lax.asinh_p, 0.0),  # |asinh(x)| <= |x|: data never grows
+    (lax.log1p_p, 17.0),
+    (lax.atanh_p, 17.0),
+    (lax.erf_inv_p, 17.0),
+)
+for _prim, _bound in _BOUNDED_BY_INPUT:
+    register_unscaled_elementwise(
+        _prim,
+        output_scale="input_at_most_one",
+        bound=_bound,
+        remark="f(x) ~ x near 0: input scale capped at 1, floored so |f| <= bound fits",
+    )
+
+register_unscaled_elementwise(
+    lax.atan2_p,
+    output_scale="ratio_at_most_one",
+    bound=float(np.pi),
+    remark="atan2(y, x) ~ y / x: scale sy / sx capped at 1, floored so pi fits",
+)
+
 _SCALE_DYNAMIC = (
-    lax.sin_p,
-    lax.tanh_p,
-    lax.atan_p,
-    lax.asin_p,
-    lax.erf_p,
-    lax.erf_inv_p,
-    lax.asinh_p,
-    lax.atanh_p,
-    lax.log1p_p,
     lax.exp_p,
     lax.exp2_p,
     lax.expm1_p,
@@ -82,7 +103,6 @@ _SCALE_DYNAMIC = (
     lax.cosh_p,
     lax.tan_p,
     lax.pow_p,
-    lax.atan2_p,
     lax.lgamma_p,
     lax.digamma_p,
     lax.polygamma_p,
