@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import jax
@@ -44,8 +45,8 @@ def as_e8m0(scale: Any, rounding: Literal["up", "down"] = "up") -> jax.Array:
 
     E8M0 holds ``2**k`` for ``k`` in ``[-127, 127]`` and NaN, nothing else. A power of two
     in that range converts exactly; other positive values have their exponent rounded
-    ``"up"`` (``ceil(log2(scale))``, the default: dividing by the scale cannot overflow
-    more than dividing by `scale`) or ``"down"`` (``floor``), then clamped to
+    ``"up"`` (``ceil(log2(scale))``, the default, so the E8M0 scale is never smaller than
+    `scale`) or ``"down"`` (``floor``), then clamped to
     ``[-127, 127]``. ``±0`` gives the smallest scale ``2**-127`` (there is no zero);
     negative values, ``+inf`` and NaN give NaN.
 
@@ -73,7 +74,12 @@ def as_e8m0(scale: Any, rounding: Literal["up", "down"] = "up") -> jax.Array:
     """
     if rounding not in ("up", "down"):
         raise ValueError(f"Unknown rounding {rounding!r} for as_e8m0; expected 'up' or 'down'")
-    bits = _bits.to_bits(jnp.asarray(scale, dtype=jnp.float32))
+    return _as_e8m0_impl(jnp.asarray(scale, dtype=jnp.float32), rounding)
+
+
+@functools.partial(jax.jit, static_argnames=("rounding",))
+def _as_e8m0_impl(scale: jax.Array, rounding: str) -> jax.Array:
+    bits = _bits.to_bits(scale)
     a = bits & _bits.u32(_bits.ABS_MASK)
     exp = _floor_log2(a)
     if rounding == "up":
@@ -111,7 +117,11 @@ def from_e8m0(scale: Any) -> jax.Array:
         >>> from_e8m0(jnp.array([127, 130, 255], dtype=jnp.uint8))
         Array([ 1.,  8., nan], dtype=float32)
     """
-    codes = _e8m0_codes(jnp.asarray(scale))
+    return _from_e8m0_impl(_e8m0_codes(jnp.asarray(scale)))
+
+
+@jax.jit
+def _from_e8m0_impl(codes: jax.Array) -> jax.Array:
     bits = jnp.where(
         codes == 0,
         _bits.u32(0x00400000),
@@ -245,19 +255,33 @@ def block_quantize(
         raise ValueError(f"axis {axis!r} is out of range for an array of rank {x.ndim}")
     axis = axis % x.ndim
     length = x.shape[axis]
-    n_blocks = -(-length // block_size)
-    if length % block_size:
-        if not pad:
-            raise ValueError(
-                f"block_size {block_size} does not divide the length {length} of axis {axis}; "
-                "pass pad=True to zero-pad the last block"
-            )
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, -length % block_size)
-        x = jnp.pad(x, widths)
+    if length % block_size and not pad:
+        raise ValueError(
+            f"block_size {block_size} does not divide the length {length} of axis {axis}; "
+            "pass pad=True to zero-pad the last block"
+        )
+    data_dtype = fmt.jax_dtype or np.dtype(np.float32)
+    key = key if mode == "stochastic" else None
+    data, scales = _block_quantize_impl(x, key, fmt, block_size, axis, mode, data_dtype)
+    return MXArray(data, scales, fmt, block_size, axis - x.ndim, length)
 
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "axis", "mode", "data_dtype"))
+def _block_quantize_impl(
+    x: jax.Array,
+    key: jax.Array | None,
+    fmt: FloatFormat,
+    block_size: int,
+    axis: int,
+    mode: str,
+    data_dtype: np.dtype,
+) -> tuple[jax.Array, jax.Array]:
+    if x.shape[axis] % block_size:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, -x.shape[axis] % block_size)
+        x = jnp.pad(x, widths)
     xt = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
-    blocks = xt.reshape(*xt.shape[:-1], n_blocks, block_size)
+    blocks = xt.reshape(*xt.shape[:-1], xt.shape[-1] // block_size, block_size)
     bits = _bits.to_bits(blocks)
     sign = bits & _bits.u32(_bits.SIGN_MASK)
     a = bits & _bits.u32(_bits.ABS_MASK)
@@ -274,9 +298,9 @@ def block_quantize(
     codes = jnp.where(special, E8M0_NAN, shared + E8M0_BIAS)
 
     data = jnp.moveaxis(elements.reshape(xt.shape), -1, axis)
-    data = data.astype(fmt.jax_dtype or jnp.float32)
+    data = data.astype(data_dtype)
     scales = jnp.moveaxis(_e8m0_from_codes(codes[..., 0]), -1, axis)
-    return MXArray(data, scales, fmt, block_size, axis - x.ndim, length)
+    return data, scales
 
 
 def block_dequantize(mx: MXArray) -> jax.Array:
@@ -296,9 +320,16 @@ def block_dequantize(mx: MXArray) -> jax.Array:
     """
     if not isinstance(mx, MXArray):
         raise TypeError(f"block_dequantize expects an MXArray, got {type(mx).__name__}")
-    data = jnp.moveaxis(mx.data.astype(jnp.float32), mx.axis, -1)
-    blocks = data.reshape(*data.shape[:-1], data.shape[-1] // mx.block_size, mx.block_size)
-    codes = jnp.moveaxis(_e8m0_codes(mx.scales), mx.axis, -1)[..., None]
+    return _block_dequantize_impl(mx.data, mx.scales, mx.block_size, mx.axis, mx.length)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "axis", "length"))
+def _block_dequantize_impl(
+    data_in: jax.Array, scales: jax.Array, block_size: int, axis: int, length: int
+) -> jax.Array:
+    data = jnp.moveaxis(data_in.astype(jnp.float32), axis, -1)
+    blocks = data.reshape(*data.shape[:-1], data.shape[-1] // block_size, block_size)
+    codes = jnp.moveaxis(_e8m0_codes(scales), axis, -1)[..., None]
     bits = _bits.to_bits(blocks)
     sign = bits & _bits.u32(_bits.SIGN_MASK)
     a = bits & _bits.u32(_bits.ABS_MASK)
@@ -307,5 +338,5 @@ def block_dequantize(mx: MXArray) -> jax.Array:
     out = jnp.where(a == _bits.u32(_bits.INF_BITS), bits, out)
     out = jnp.where(a > _bits.u32(_bits.INF_BITS), bits, out)
     values = _bits.from_bits(out).reshape(data.shape)
-    values = jnp.moveaxis(values, -1, mx.axis)
-    return lax.slice_in_dim(values, 0, mx.length, axis=mx.axis % values.ndim)
+    values = jnp.moveaxis(values, -1, axis)
+    return lax.slice_in_dim(values, 0, length, axis=axis % values.ndim)

@@ -55,24 +55,28 @@ def _fixed_point_f32(
     return _bits.from_bits(out)
 
 
+@functools.partial(jax.jit, static_argnames=("word_bits", "frac_bits", "rounding", "clamp"))
+def _fixed_point_jit(
+    x: jax.Array, key: Any, word_bits: int, frac_bits: int, rounding: str, clamp: bool
+) -> jax.Array:
+    rbits = _bits.random_bits(key, x.shape) if rounding == "stochastic" else None
+    return _fixed_point_f32(x, word_bits, frac_bits, rounding, clamp, rbits).astype(x.dtype)
+
+
+# Straight-through gradient around the compiled function (see float_quantize.py).
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
 def _fixed_point_ste(
-    word_bits: int,
-    frac_bits: int,
-    rounding: str,
-    clamp: bool,
-    x: jax.Array,
-    rbits: jax.Array | None,
+    word_bits: int, frac_bits: int, rounding: str, clamp: bool, x: jax.Array, key: Any
 ) -> jax.Array:
-    return _fixed_point_f32(x, word_bits, frac_bits, rounding, clamp, rbits).astype(x.dtype)
+    return _fixed_point_jit(x, key, word_bits, frac_bits, rounding, clamp)
 
 
 @_fixed_point_ste.defjvp
 def _fixed_point_jvp(
     word_bits: int, frac_bits: int, rounding: str, clamp: bool, primals: Any, tangents: Any
 ) -> tuple[jax.Array, jax.Array]:
-    x, rbits = primals
-    return _fixed_point_ste(word_bits, frac_bits, rounding, clamp, x, rbits), tangents[0]
+    x, key = primals
+    return _fixed_point_ste(word_bits, frac_bits, rounding, clamp, x, key), tangents[0]
 
 
 def fixed_point_quantize(
@@ -126,6 +130,7 @@ def fixed_point_quantize(
     mode = _bits.check_rounding(rounding, key)
     x = jnp.asarray(x)
     dtype = _bits.compute_dtype(x, "fixed_point_quantize")
-    x = x.astype(dtype)
-    rbits = _bits.random_bits(key, x.shape) if mode == "stochastic" else None
-    return _fixed_point_ste(word_bits, frac_bits, mode, bool(clamp), x, rbits)
+    if x.dtype != dtype:
+        x = x.astype(dtype)
+    key = key if mode == "stochastic" else None
+    return _fixed_point_ste(word_bits, frac_bits, mode, bool(clamp), x, key)

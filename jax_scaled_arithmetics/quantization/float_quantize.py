@@ -40,14 +40,16 @@ def _float_quantize_f32(
     r = quantize_abs_bits(a, 0, fmt, rounding, rbits)
 
     max_bits = _bits.u32(_bits.float_bits(fmt.max))
-    overflow = is_inf | (r > max_bits)
     if saturate or fmt.nan_encoding == "none":
         overflow_bits = max_bits
     elif fmt.has_inf:
         overflow_bits = _bits.u32(_bits.INF_BITS)
     else:
         overflow_bits = _bits.u32(_bits.QNAN_BITS)
-    r = jnp.where(overflow, overflow_bits, r)
+    # IEEE 754: rounding toward zero never overflows a finite value past the largest one.
+    finite_overflow_bits = max_bits if rounding == "toward_zero" else overflow_bits
+    r = jnp.where(r > max_bits, finite_overflow_bits, r)
+    r = jnp.where(is_inf, overflow_bits, r)
     if not fmt.has_zero:  # No zero: positive underflow goes to the smallest value.
         min_bits = _bits.u32(_bits.float_bits(fmt.min_normal))
         r = jnp.maximum(r, min_bits)
@@ -66,19 +68,29 @@ def _float_quantize_f32(
     return _bits.from_bits(out)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "rounding", "saturate"))
+def _float_quantize_jit(
+    x: jax.Array, key: Any, fmt: FloatFormat, rounding: str, saturate: bool
+) -> jax.Array:
+    rbits = _bits.random_bits(key, x.shape) if rounding == "stochastic" else None
+    return _float_quantize_f32(x, fmt, rounding, saturate, rbits).astype(x.dtype)
+
+
+# The straight-through custom_jvp wraps the compiled function rather than the other way
+# round: eager calls then run one cached executable and never trace a custom_jvp.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _float_quantize_ste(
-    fmt: FloatFormat, rounding: str, saturate: bool, x: jax.Array, rbits: jax.Array | None
+    fmt: FloatFormat, rounding: str, saturate: bool, x: jax.Array, key: Any
 ) -> jax.Array:
-    return _float_quantize_f32(x, fmt, rounding, saturate, rbits).astype(x.dtype)
+    return _float_quantize_jit(x, key, fmt, rounding, saturate)
 
 
 @_float_quantize_ste.defjvp
 def _float_quantize_jvp(
     fmt: FloatFormat, rounding: str, saturate: bool, primals: Any, tangents: Any
 ) -> tuple[jax.Array, jax.Array]:
-    x, rbits = primals
-    return _float_quantize_ste(fmt, rounding, saturate, x, rbits), tangents[0]
+    x, key = primals
+    return _float_quantize_ste(fmt, rounding, saturate, x, key), tangents[0]
 
 
 def float_quantize(
@@ -108,6 +120,9 @@ def float_quantize(
       with neither (float6 / float4).
     * ``saturate=True``: values that round above ``format.max`` *and* infinities are
       clamped to ±max, so every non-NaN output is finite.
+    * ``rounding="toward_zero"`` never rounds a finite value past ±max (as in IEEE 754),
+      whatever `saturate`; ``"stochastic"`` overflows like ``"nearest"`` when it rounds up
+      past ±max.
     * "fnuz" formats have no negative zero: negative values rounding to zero give +0.
     * float8_e8m0fnu (unsigned, no zero): negative inputs and ±0 give NaN, positive
       values below its smallest value ``2**-127`` give ``2**-127``; with nearest rounding,
@@ -147,6 +162,7 @@ def float_quantize(
     mode = _bits.check_rounding(rounding, key)
     x = jnp.asarray(x)
     dtype = _bits.compute_dtype(x, "float_quantize")
-    x = x.astype(dtype)
-    rbits = _bits.random_bits(key, x.shape) if mode == "stochastic" else None
-    return _float_quantize_ste(fmt, mode, bool(saturate), x, rbits)
+    if x.dtype != dtype:
+        x = x.astype(dtype)
+    key = key if mode == "stochastic" else None
+    return _float_quantize_ste(fmt, mode, bool(saturate), x, key)
