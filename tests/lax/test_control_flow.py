@@ -130,7 +130,7 @@ def _cond_fn(xs, v):
 
 def _barrier_fn(xs, v):
     a, b = jax.lax.optimization_barrier((xs * 2, v))
-    return a + b[None], jax.checkpoint(lambda x, y: jnp.sin(x) * y[None])(xs, v)
+    return a + b[None], jax.checkpoint(lambda x, y: x * y[None] - x)(xs, v)
 
 
 FUNCTIONS = {
