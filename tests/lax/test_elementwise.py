@@ -534,6 +534,7 @@ def test_table_covers_every_elementwise_rule():
 FP16_WIDE = np.array([1.0, 1.5, -1.75, 1.25, 1.875, -1.125], np.float16)
 
 
+@pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("exponent", (20, -20))
 def test_fp16_values_beyond_fp16_range_are_accurate(exponent):
     """Values 2^20 or 2^-20 (out of float16's normal range) held as float16 data."""
@@ -593,6 +594,7 @@ def test_comparisons_use_data_directly_when_scales_are_the_same():
         np.testing.assert_array_equal(ge, [True, True, True])
 
 
+@pytest.mark.usefixtures("eager")
 def test_comparisons_at_far_apart_scales():
     x = make_scaled(np.array([1.0, -1.0, 3.0, 0.0]), F16, 2.0**-60)
     y = make_scaled(np.array([1.0, 1.0, 0.0, 0.0]), F16, 2.0**60)
@@ -617,6 +619,7 @@ def test_comparison_of_zero_scales_compares_zeros():
         np.testing.assert_array_equal(same, [True, True])
 
 
+@pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("use_jit", (False, True))
 def test_div_by_zero_scale_gives_inf_and_nan_as_plain(use_jit):
     a = make_scaled(np.array([1.0, -2.0, 0.0, 3.0]), F16, 2.0**10)

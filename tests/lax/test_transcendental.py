@@ -247,6 +247,7 @@ def test_table_covers_every_transcendental_rule():
 # --- specific behaviours -------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("use_jit", (False, True))
 def test_fp16_exp_log_of_values_out_of_fp16_range(use_jit):
     """Values 2^20 and 2^-20 held as float16 data: log, exp and sqrt stay accurate."""
