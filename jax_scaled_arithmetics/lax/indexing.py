@@ -40,8 +40,11 @@ def masked_data(x: ScaledArray) -> Array:
 
 
 def renormalised(y: Array, scale: Array, dtype: Any) -> ScaledArray:
-    """`y * scale` as a ScaledArray with `dtype` data: `y` (high precision) is divided by the
-    power of two nearest its largest finite magnitude, which joins the scale."""
+    """`y * scale` as a ScaledArray with `dtype` data, `y` renormalised to its range.
+
+    `y` (high precision) is divided by the power of two nearest its largest finite
+    magnitude, which joins the scale (1 when `y` has no nonzero finite value).
+    """
     finite = jnp.isfinite(y)
     amax = jnp.max(jnp.where(finite, jnp.abs(y), 0), initial=0).astype(jnp.float32)
     norm = lax.stop_gradient(jnp.where(amax > 0, pow2_round(amax), 1))
