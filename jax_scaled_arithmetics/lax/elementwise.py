@@ -3,8 +3,10 @@
 Scale strategies:
 
 - add/sub: both operands rescaled in float32 to `sqrt(sa^2 + sb^2)` (power of two).
-- mul/div/square/sqrt/rsqrt/cbrt/integer_pow with `y` in {1, 2}: data and scale
-  transformed separately (the scales multiply, divide, or take the root).
+- mul/div/square/sqrt/rsqrt/cbrt/integer_pow: data and scale transformed
+  separately (the scales multiply, divide, take a power or a power-of-two root);
+  static, so unit-range data is assumed (float16 data products above 65504 overflow).
+  A divisor of scale 0 gives the plain inf/NaN.
 - neg/abs: data only; select_n: cases at their largest scale; max/min: at the
   larger scale, except against a constant bound that cannot exceed the other
   operand (max(x, c <= 0), min(x, c >= 0): clip, relu), where x's scale is kept;

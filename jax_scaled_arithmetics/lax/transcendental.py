@@ -50,13 +50,14 @@ def scaled_log(x: ScaledArray, **params: Any) -> ScaledArray:
     data = x.data.astype(cdtype)
     scale = jnp.asarray(x.scale).astype(cdtype)
     value = data * scale
-    direct = lax.log_p.bind(value, **params)
     out_of_range = (
         ~(jnp.isfinite(value) & (jnp.abs(value) >= _F32_TINY))
         & jnp.isfinite(data)
         & (data != 0)
         & (scale != 0)
     )
+    # Each branch only sees the values it is used for, so neither puts inf into gradients.
+    direct = lax.log_p.bind(jnp.where(out_of_range, jnp.ones_like(value), value), **params)
     safe_data = jnp.where(out_of_range, data, jnp.ones_like(data))
     safe_scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
     split = lax.log_p.bind(safe_data, **params) + jnp.log(safe_scale)

@@ -284,6 +284,11 @@ def test_log_of_values_beyond_float32_range():
     x = jsa.scaled_array(np.array([2.0**-100, 1.0], np.float32), np.float32(2.0**-100))
     out = jsa.autoscale(jnp.log)(x)
     np.testing.assert_allclose(represented(out), np.log([2.0**-200, 2.0**-100]), rtol=1e-6)
+    # d log(data * scale) / d data = 1 / data, finite on both branches.
+    grad = jax.grad(
+        lambda d: jnp.sum(jsa.autoscale(jnp.log)(jsa.ScaledArray(d, x.scale)).to_array())
+    )(x.data)
+    np.testing.assert_allclose(np.asarray(grad), 1 / np.asarray(x.data), rtol=1e-6)
 
 
 @pytest.mark.usefixtures("eager")
