@@ -294,7 +294,9 @@ def _block_quantize_impl(
     rbits = _bits.random_bits(key, blocks.shape) if mode == "stochastic" else None
     r = quantize_abs_bits(jnp.where(special, _bits.u32(0), a), -shared, fmt, mode, rbits)
     r = jnp.minimum(r, _bits.u32(_bits.float_bits(fmt.max)))  # saturate
-    elements = _bits.from_bits(r | sign)
+    if fmt.nan_encoding == "fnuz":  # no negative zero
+        sign = jnp.where(r == 0, _bits.u32(0), sign)
+    elements = _bits.from_bits(jnp.where(special, _bits.u32(0), r | sign))
     codes = jnp.where(special, E8M0_NAN, shared + E8M0_BIAS)
 
     data = jnp.moveaxis(elements.reshape(xt.shape), -1, axis)
