@@ -19,7 +19,7 @@ from ..core import _compat, registry
 from ..core.datatype import ScaledArray, is_floating
 from .base import rescale, safe_div
 
-__all__ = ["set_scaling", "stop_scaling", "get_data_scale", "rebalance"]
+__all__ = ["set_scaling", "stop_scaling", "get_data_scale", "rebalance", "apply_to_data"]
 
 Array = Any
 
@@ -253,3 +253,78 @@ def rebalance(x: Array, factor: Array) -> Any:
 
         return autoscale(rebalance_p.bind)(x, factor)
     return rebalance_p.bind(x, factor)
+
+
+# --- apply_to_data -----------------------------------------------------------------------
+#
+# An elementwise function applied to what is stored: the data of a ScaledArray (scale kept),
+# or the array itself when it is plain. Casts to FP8 and format simulation act on the stored
+# data, whose range the scale was chosen for, not on the represented value.
+
+apply_to_data_p = _compat.new_primitive("apply_to_data")
+
+
+def _apply_to_data_impl(x: Array, *extra: Array, fn: Any) -> Array:
+    return fn(x, *extra)
+
+
+def _apply_to_data_abstract_eval(x: Any, *extra: Any, fn: Any) -> Any:
+    out = jax.eval_shape(
+        fn,
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        *[jax.ShapeDtypeStruct(e.shape, e.dtype) for e in extra],
+    )
+    return x.update(shape=out.shape, dtype=out.dtype, weak_type=False)
+
+
+apply_to_data_p.def_impl(_apply_to_data_impl)
+apply_to_data_p.def_abstract_eval(_apply_to_data_abstract_eval)
+_compat.register_lowering(apply_to_data_p, _apply_to_data_impl)
+
+
+def _apply_to_data_batch(args: Any, dims: Any, *, fn: Any) -> Any:
+    for dim in dims[1:]:
+        _check_unbatched(dim, "extra operand (e.g. a PRNG key)", "apply_to_data")
+    return apply_to_data_p.bind(*args, fn=fn), dims[0]
+
+
+def _apply_to_data_jvp(primals: Any, tangents: Any, *, fn: Any) -> Any:
+    out = apply_to_data_p.bind(*primals, fn=fn)
+    # Straight-through: the tangent passes unchanged (in the output's dtype).
+    x_dot = _compat.instantiate_zeros(tangents[0])
+    return out, jax.lax.convert_element_type(x_dot, out.dtype)
+
+
+_compat.register_batching(apply_to_data_p, _apply_to_data_batch)
+_compat.register_jvp(apply_to_data_p, _apply_to_data_jvp)
+
+
+@registry.register_scaled_op(
+    apply_to_data_p, promote=False, family="scaling", remark="elementwise function of the data"
+)
+def scaled_apply_to_data(x: Any, *extra: Any, fn: Any) -> Any:
+    if isinstance(x, ScaledArray):
+        return ScaledArray(fn(x.data, *[_plain(e) for e in extra]), x.scale)
+    return fn(x, *[_plain(e) for e in extra])
+
+
+def apply_to_data(fn: Any, x: Array, *extra: Array) -> Any:
+    """Apply the elementwise `fn(data, *extra)` to the stored data of `x`, keeping its scale.
+
+    On a plain array (outside `autoscale`) `fn` applies to the array itself. `fn` must be
+    hashable and compare equal across calls for jit caching (e.g. a frozen dataclass or a
+    module-level function); its derivative is taken as the identity (straight-through).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jsa.scaled_array(jnp.array([1.2, -3.7]), 2.0**-30)
+        >>> y = jsa.lax.apply_to_data(jnp.round, x)
+        >>> y.data, y.scale == x.scale
+        (Array([ 1., -4.], dtype=float32), Array(True, dtype=bool))
+    """
+    if isinstance(x, ScaledArray):
+        from ..core.interpreter import autoscale
+
+        return autoscale(lambda v, *e: apply_to_data_p.bind(v, *e, fn=fn))(x, *extra)
+    return apply_to_data_p.bind(x, *extra, fn=fn)

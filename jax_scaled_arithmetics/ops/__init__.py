@@ -1,5 +1,10 @@
-"""User-facing operations on scaled arrays: dynamic rescaling (and, with `quantization`, casts)."""
+"""User-facing operations on scaled arrays: dynamic rescaling, low-precision casts, quantisers."""
 
+from .casts import cast_on_backward as cast_on_backward
+from .casts import cast_on_forward as cast_on_forward
+from .casts import quantizer as quantizer
+from .casts import reduce_precision_on_backward as reduce_precision_on_backward
+from .casts import reduce_precision_on_forward as reduce_precision_on_forward
 from .rescaling import dynamic_rescale_l1 as dynamic_rescale_l1
 from .rescaling import dynamic_rescale_l1_grad as dynamic_rescale_l1_grad
 from .rescaling import dynamic_rescale_l2 as dynamic_rescale_l2
@@ -8,6 +13,11 @@ from .rescaling import dynamic_rescale_max as dynamic_rescale_max
 from .rescaling import dynamic_rescale_max_grad as dynamic_rescale_max_grad
 
 __all__ = [
+    "cast_on_backward",
+    "cast_on_forward",
+    "quantizer",
+    "reduce_precision_on_backward",
+    "reduce_precision_on_forward",
     "dynamic_rescale_l1",
     "dynamic_rescale_l1_grad",
     "dynamic_rescale_l2",

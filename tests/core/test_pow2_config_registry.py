@@ -135,4 +135,10 @@ def test_public_names_are_pinned():
     )
     for name in jsa.__all__:
         assert getattr(jsa, name) is not None
-    assert sorted(jsa.lax.__all__) == ["get_data_scale", "rebalance", "set_scaling", "stop_scaling"]
+    assert sorted(jsa.lax.__all__) == [
+        "apply_to_data",
+        "get_data_scale",
+        "rebalance",
+        "set_scaling",
+        "stop_scaling",
+    ]
