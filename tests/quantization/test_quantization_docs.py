@@ -1,0 +1,42 @@
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location(
+        "gen_formats_doc", ROOT / "scripts" / "gen_formats_doc.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_formats_doc_is_up_to_date():
+    gen = load_generator()
+    committed = (ROOT / "docs" / "formats.md").read_text(encoding="utf-8")
+    assert committed == gen.content(), "run: python scripts/gen_formats_doc.py"
+
+
+def test_generator_check_mode(tmp_path, capsys):
+    gen = load_generator()
+    out = tmp_path / "formats.md"
+    assert gen.main(["--check", "--output", str(out)]) == 1  # missing
+    assert gen.main(["--output", str(out)]) == 0
+    assert out.read_text(encoding="utf-8") == gen.content()
+    assert gen.main(["--check", "--output", str(out)]) == 0
+    out.write_text(gen.content() + "edited\n", encoding="utf-8")
+    assert gen.main(["--check", "--output", str(out)]) == 1
+    assert "is stale" in capsys.readouterr().out
+
+
+def test_doc_lists_every_preset():
+    gen = load_generator()
+    from jax_scaled_arithmetics.quantization import FORMATS
+
+    text = gen.content()
+    for name in FORMATS:
+        assert f"| `{name}` |" in text
+    assert "| `float8_e4m3fn` | 8 | 4 | 3 | 7 | 448 | 2^-6 | 2^-9 | no | yes |" in text
