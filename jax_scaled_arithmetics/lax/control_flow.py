@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from ..core import _compat, registry
 from ..core.config import get_autoscale_config
@@ -718,7 +719,7 @@ pure_callback_p = find_primitive(
     name="pure_callback",
 )
 io_callback_p = find_primitive(
-    lambda x: jax.experimental.io_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), x),
+    lambda x: io_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), x),
     1.0,
     name="io_callback",
 )
@@ -745,8 +746,9 @@ if optimization_barrier_p is not None:
         remark="one barrier over data and scales",
     )
     def scaled_optimization_barrier(*args: Any, **params: Any) -> list[Any]:
+        del params  # none: the barrier is re-emitted with the public API
         leaves, specs = flatten_scaled(args)
-        return unflatten_scaled(optimization_barrier_p.bind(*leaves, **params), specs)
+        return unflatten_scaled(jax.lax.optimization_barrier(leaves), specs)
 
 
 @registry.register_scaled_op(
@@ -937,7 +939,7 @@ if shard_map_p is not None:
         # Every floating output is scaled, so the output structure is known before tracing.
         out_scaled = [is_floating(v.aval.dtype) for v in jaxpr.outvars]
 
-        def body(*flat: Any) -> list[Any]:
+        def body(*flat: Any) -> tuple[Any, ...]:
             values = unflatten_scaled(flat, in_scaled)
             outs = registry.interpret_closed_jaxpr(closed, values, known)
             unified = []
