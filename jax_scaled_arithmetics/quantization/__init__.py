@@ -3,6 +3,7 @@
 Pure JAX / numpy; independent of the rest of the library.
 """
 
+from ._bits import Rounding as Rounding
 from .block import MXArray as MXArray
 from .block import as_e8m0 as as_e8m0
 from .block import block_dequantize as block_dequantize
@@ -20,6 +21,7 @@ __all__ = [
     "FloatFormat",
     "MXArray",
     "NanEncoding",
+    "Rounding",
     "as_e8m0",
     "block_dequantize",
     "block_quantize",
