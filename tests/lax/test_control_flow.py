@@ -605,3 +605,18 @@ def test_while_with_batched_predicate():
 
     x = np.abs(X) + np.arange(5, dtype=np.float32)[:, None] ** 2  # different trip counts
     check_matches_over_scales(jax.vmap(loop), [x], np.float16, [2.0**-20, 2.0**20])
+
+
+def test_forward_mode_through_scaled_while():
+    """A while loop has no reverse mode, but jvp through the scaled loop works."""
+
+    def fn(v):
+        body = lambda c: (c[0] + 1, c[1] * 1.5 + v)  # noqa: E731
+        return jax.lax.while_loop(lambda c: jnp.sum(c[1]) < 20.0, body, (0, v))[1]
+
+    x, scale = np.abs(V) + 0.5, np.float32(2.0**-6)
+    scaled = lambda d: jsa.autoscale(fn)(jsa.ScaledArray(d, scale)).to_array()  # noqa: E731
+    primal, tangent = jax.jit(lambda d, t: jax.jvp(scaled, (d,), (t,)))(x / scale, np.ones(3))
+    expected_primal, expected_tangent = jax.jvp(fn, (x,), (scale * np.ones(3, np.float32),))
+    np.testing.assert_allclose(primal, expected_primal, rtol=1e-6)
+    np.testing.assert_allclose(tangent, expected_tangent, rtol=1e-6)
