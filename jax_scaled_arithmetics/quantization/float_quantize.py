@@ -108,8 +108,9 @@ def float_quantize(
     simulated. Works under ``jax.jit`` and ``jax.vmap``.
 
     For every preset with an ml_dtypes dtype, ``rounding="nearest"`` and
-    ``saturate=False`` give bit-exactly ``x.astype(format.dtype).astype(x.dtype)``, except
-    that NaN stays NaN for formats without NaN (ml_dtypes turns NaN into a zero there).
+    ``saturate=False`` give bit-exactly the numpy / ml_dtypes cast
+    ``x.astype(float32).astype(format.dtype).astype(x.dtype)``, except that NaN stays NaN
+    for formats without NaN (ml_dtypes turns NaN into a zero there).
 
     Special values and range:
 
@@ -136,8 +137,8 @@ def float_quantize(
         x: Input array.
         format: A preset name, dtype or :class:`FloatFormat` (see :func:`get_format`).
         rounding: ``"nearest"`` (round to nearest, ties to even), ``"toward_zero"``
-            (truncation) or ``"stochastic"`` (rounds up with probability equal to the
-            distance to the lower neighbour in units of the gap: unbiased).
+            (truncation) or ``"stochastic"`` (rounds up in magnitude with probability
+            ``(|x| - lower) / (upper - lower)`` between the two neighbours: unbiased).
         saturate: Whether to clamp overflow to ±max (see above).
         key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
 
