@@ -56,7 +56,9 @@ def leaf_avals(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     for leaf in leaves:
         aval = _compat.typeof(leaf)
         avals.append(
-            jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+            jax.ShapeDtypeStruct(
+                aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False)
+            )
         )
     return avals
 
@@ -171,9 +173,8 @@ def find_primitive(
     optimization barriers...) with public APIs only: a JAX upgrade that renames
     one makes this return None rather than fail at import.
     """
-    kwargs = {} if axis_env is None else {"axis_env": list(axis_env)}
     try:
-        closed = jax.make_jaxpr(fn, **kwargs)(*args)
+        closed = jax.make_jaxpr(fn, axis_env=None if axis_env is None else list(axis_env))(*args)
     except Exception:  # an API that changed: no rule for it
         return None
 
