@@ -15,8 +15,9 @@ function does; the families differ in the output scale:
 - atan2: the same with the ratio of the scales (atan2(y, x) ~ y / x).
 - `"dynamic"`, a power of two near the largest finite output: fast-growing or
   unbounded outputs (exp, exp2, expm1, sinh, cosh, tan, pow, lgamma, digamma,
-  polygamma, zeta, igamma_grad_a) and special functions whose outputs may all
-  be tiny (igamma, igammac, regularized_incomplete_beta, bessel_i0e/i1e).
+  polygamma, zeta, igamma_grad_a), special functions whose outputs may all
+  be tiny (igamma, igammac, regularized_incomplete_beta, bessel_i0e/i1e), and
+  random_gamma (samples drawn with the unscaled alpha; the key stays plain).
 - log: `log(data) + log(scale)` where the value leaves the float32 range.
 """
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import registry
+from ..core import _compat, registry
 from ..core.datatype import ScaledArray
 from .base import compute_dtype, register_unscaled_elementwise
 
@@ -114,6 +115,7 @@ _SCALE_DYNAMIC = (
     lax.regularized_incomplete_beta_p,
     lax.bessel_i0e_p,
     lax.bessel_i1e_p,
+    _compat.primitives.random_gamma_p,
 )
 for _prim in _SCALE_DYNAMIC:
     register_unscaled_elementwise(

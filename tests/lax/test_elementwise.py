@@ -115,8 +115,10 @@ class Case:
         inputs_atol: the absolute tolerance is relative to the largest input too: the
             output scale is the largest input scale (add, max, clamp...), so with
             different scales per operand small outputs have its absolute precision.
-        composite: a jax.numpy composite (jit / custom_jvp sub-calls, re-traced at
-            every eager call): its eager check runs at three scales only.
+        slow_eager: slow without jit (a jax.numpy composite with jit or custom_jvp
+            sub-calls, re-traced at every eager call, or a primitive with a slow eager
+            implementation): the eager checks run for float16 at three scales only
+            (the jit checks at every scale).
         note: why the scales are restricted.
     """
 
@@ -131,7 +133,7 @@ class Case:
     f16_min_scale: float = 0.0
     f16_ratio: bool = False
     inputs_atol: bool = False
-    composite: bool = False
+    slow_eager: bool = False
     note: str = ""
 
     def accepts(self, dtype: Any, scales: Sequence[float]) -> bool:
@@ -172,7 +174,7 @@ ELEMENTWISE_CASES: tuple[Case, ...] = (
     Case("abs", lax.abs, normal()),
     Case("max", lax.max, with_ties, inputs_atol=True),
     Case("min", lax.min, with_ties, inputs_atol=True),
-    Case("relu", jax.nn.relu, normal(), composite=True),
+    Case("relu", jax.nn.relu, normal(), slow_eager=True),
     Case("select_n", lambda a, b: lax.select_n(_PRED, a, b), normal(2), inputs_atol=True),
     Case(
         "clamp", lax.clamp, concat(uniform(-2, -0.5), normal(), uniform(0.5, 2)), inputs_atol=True
@@ -187,8 +189,8 @@ ELEMENTWISE_CASES: tuple[Case, ...] = (
     Case("eq_to", _bind(_compat.primitives.eq_to_p), with_ties, grad=False),
     Case("le_to", _bind(_compat.primitives.le_to_p), with_ties, grad=False),
     Case("lt_to", _bind(_compat.primitives.lt_to_p), with_ties, grad=False),
-    Case("isnan", jnp.isnan, normal(), grad=False, composite=True),
-    Case("isinf", jnp.isinf, normal(), grad=False, composite=True),
+    Case("isnan", jnp.isnan, normal(), grad=False, slow_eager=True),
+    Case("isinf", jnp.isinf, normal(), grad=False, slow_eager=True),
     Case("is_finite", jnp.isfinite, normal(), grad=False),
     Case("square", lax.square, normal()),
     Case("integer_pow_2", lambda x: lax.integer_pow(x, 2), normal()),
@@ -209,9 +211,9 @@ ELEMENTWISE_CASES: tuple[Case, ...] = (
     Case("ceil", lax.ceil, normal()),
     Case("round_away", lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO), normal()),
     Case("round_even", lambda x: lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN), normal()),
-    Case("trunc", jnp.trunc, normal(), composite=True),
+    Case("trunc", jnp.trunc, normal(), slow_eager=True),
     Case("rem", lax.rem, concat(normal(), away_from_zero())),
-    Case("remainder", jnp.remainder, concat(normal(), away_from_zero()), composite=True),
+    Case("remainder", jnp.remainder, concat(normal(), away_from_zero()), slow_eager=True),
     Case(
         "nextafter",
         lax.nextafter,
@@ -428,6 +430,52 @@ def check_table_covers(cases: Sequence[Case], registered: Sequence[Any]) -> None
     assert not missing, f"Rules without a table entry: {missing}"
 
 
+# --- the checks each table runs ---------------------------------------------------------
+
+
+def grid_check(case: Case, dtype: Any) -> None:
+    """Every scale of the case (for this dtype), and scale 0, without jit."""
+    n = len(case.inputs())
+    scales = case.scales_for(dtype)
+    if case.slow_eager:
+        if dtype != F16:
+            pytest.skip("slow without jit: float16 only (every scale runs under jit)")
+        scales = (scales[0], middle_scale(scales), scales[-1])
+    for scale in scales + (0.0,):
+        check_case(case, dtype, [scale] * n)
+
+
+def jit_check(case: Case, dtype: Any, outputs: dict[tuple[str, tuple], Any]) -> None:
+    """Every scale of the case, scale 0 and mixed scales, under jit (batched outputs)."""
+    for scales in jit_scale_sets(case, dtype):
+        args = scaled_args(case, dtype, scales)
+        try:
+            check_output(case, outputs[(case.name, scales)], args, dtype)
+        except AssertionError as err:
+            raise AssertionError(f"{case.name}, {dtype}, scales {scales}: {err}") from None
+
+
+def nonfinite_check(case: Case) -> None:
+    """inf, -inf and NaN inputs, float16, at the smallest, middle and largest scales."""
+    inputs = nonfinite_inputs(case)
+    scales = case.scales_for(F16)
+    chosen = (
+        {middle_scale(scales)} if case.slow_eager else {scales[0], middle_scale(scales), scales[-1]}
+    )
+    for scale in sorted(chosen):
+        check_case(case, F16, [scale] * len(inputs), inputs=inputs)
+
+
+def mixed_check(case: Case, dtype: Any) -> None:
+    """Different scales per operand (zero scales included), without jit."""
+    if case.slow_eager:
+        pytest.skip("slow without jit: mixed scales under jit only")
+    n = len(case.inputs())
+    lo, hi, mid = case.scales[0], case.scales[-1], middle_scale(case.scales)
+    for first, other in ((lo, hi), (hi, lo), (mid, lo), (mid, hi), (lo, 0.0), (0.0, hi)):
+        check_case(case, dtype, [first] + [other] * (n - 1))
+
+
 # --- fixtures ------------------------------------------------------------------------------
 
 
@@ -471,51 +519,26 @@ def elementwise_grads(request: Any) -> Any:
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", ELEMENTWISE_CASES, ids=case_id)
 def test_elementwise_matches_plain(case, dtype):
-    """Every scale of the case, and scale 0, without jit."""
-    n = len(case.inputs())
-    if case.composite:
-        if dtype != F16:
-            pytest.skip("composites: float16 only (every dtype runs under jit)")
-        scales = (case.scales[0], middle_scale(case.scales), case.scales[-1])
-    else:
-        scales = case.scales_for(dtype)
-    for scale in scales + (0.0,):
-        check_case(case, dtype, [scale] * n)
+    grid_check(case, dtype)
 
 
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("case", ELEMENTWISE_CASES, ids=case_id)
 def test_elementwise_matches_plain_under_jit(case, elementwise_jit):
-    """Every scale of the case, scale 0 and mixed scales, under jit."""
-    dtype, outputs = elementwise_jit
-    for scales in jit_scale_sets(case, dtype):
-        args = scaled_args(case, dtype, scales)
-        try:
-            check_output(case, outputs[(case.name, scales)], args, dtype)
-        except AssertionError as err:
-            raise AssertionError(f"{case.name}, {dtype}, scales {scales}: {err}") from None
+    jit_check(case, *elementwise_jit)
 
 
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("case", NONFINITE_CASES, ids=case_id)
 def test_elementwise_inf_nan_as_plain(case):
-    inputs = nonfinite_inputs(case)
-    n = len(inputs)
-    scales = case.scales_for(F16)
-    for scale in sorted({scales[0], middle_scale(scales), scales[-1]}):
-        check_case(case, F16, [scale] * n, inputs=inputs)
+    nonfinite_check(case)
 
 
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("dtype", (F32, BF16), ids=str)
 @pytest.mark.parametrize("case", MULTI_CASES, ids=case_id)
 def test_elementwise_different_scales_per_operand(case, dtype):
-    if case.composite:
-        pytest.skip("composites: mixed scales under jit only")
-    n = len(case.inputs())
-    lo, hi, mid = case.scales[0], case.scales[-1], middle_scale(case.scales)
-    for first, other in ((lo, hi), (hi, lo), (mid, lo), (mid, hi), (lo, 0.0), (0.0, hi)):
-        check_case(case, dtype, [first] + [other] * (n - 1))
+    mixed_check(case, dtype)
 
 
 @pytest.mark.usefixtures("eager")

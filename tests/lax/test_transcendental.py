@@ -19,6 +19,7 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.core import _compat
 from jax_scaled_arithmetics.lax import transcendental
 from tests.helpers import FLOAT_DTYPES, RTOL, assert_close, make_scaled, represented
 from tests.lax.test_elementwise import (
@@ -30,18 +31,16 @@ from tests.lax.test_elementwise import (
     batched_jit_grads,
     batched_jit_outputs,
     case_id,
-    check_case,
     check_grads,
-    check_output,
     check_table_covers,
     concat,
     eager,  # noqa: F401  (fixture)
-    jit_scale_sets,
-    middle_scale,
-    nonfinite_inputs,
+    grid_check,
+    jit_check,
+    mixed_check,
+    nonfinite_check,
     normal,
     positive,
-    scaled_args,
     scales_between,
     uniform,
 )
@@ -56,6 +55,9 @@ F16_FLOOR_2 = {"f16_min_scale": 2.0**-30}
 F16_FLOOR_17 = {"f16_min_scale": 2.0**-20}
 F16_FLOOR_NOTE = "float16: tiny values flush below the output-scale floor (2^-14 or 2^-10)"
 DOMAIN_UNIT = "domain |x| < 1 in values: data in (-1, 1), scales <= 1"
+
+
+_KEY = jax.random.key(0)
 
 
 def _full(value: float):
@@ -168,6 +170,14 @@ TRANSCENDENTAL_CASES: tuple[Case, ...] = (
     ),
     Case("bessel_i0e", lax.bessel_i0e, normal()),
     Case(
+        "random_gamma",
+        lambda a: _compat.primitives.random_gamma_p.bind(_KEY, a, log_space=False),
+        positive(),
+        grad=False,
+        slow_eager=True,
+        note="its gradient is lax.random_gamma_grad, a while-loop composite tested below",
+    ),
+    Case(
         "bessel_i1e",
         lax.bessel_i1e,
         normal(),
@@ -194,43 +204,26 @@ def transcendental_grads(request):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", TRANSCENDENTAL_CASES, ids=case_id)
 def test_transcendental_matches_plain(case, dtype):
-    """Every scale of the case, and scale 0, without jit."""
-    n = len(case.inputs())
-    for scale in case.scales_for(dtype) + (0.0,):
-        check_case(case, dtype, [scale] * n)
+    grid_check(case, dtype)
 
 
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("case", TRANSCENDENTAL_CASES, ids=case_id)
 def test_transcendental_matches_plain_under_jit(case, transcendental_jit):
-    """Every scale of the case, scale 0 and mixed scales, under jit."""
-    dtype, outputs = transcendental_jit
-    for scales in jit_scale_sets(case, dtype):
-        args = scaled_args(case, dtype, scales)
-        try:
-            check_output(case, outputs[(case.name, scales)], args, dtype)
-        except AssertionError as err:
-            raise AssertionError(f"{case.name}, {dtype}, scales {scales}: {err}") from None
+    jit_check(case, *transcendental_jit)
 
 
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("case", TRANSCENDENTAL_CASES, ids=case_id)
 def test_transcendental_inf_nan_as_plain(case):
-    inputs = nonfinite_inputs(case)
-    n = len(inputs)
-    scales = case.scales_for(F16)
-    for scale in sorted({scales[0], middle_scale(scales), scales[-1]}):
-        check_case(case, F16, [scale] * n, inputs=inputs)
+    nonfinite_check(case)
 
 
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("dtype", (F32, BF16), ids=str)
 @pytest.mark.parametrize("case", MULTI_CASES, ids=case_id)
 def test_transcendental_different_scales_per_operand(case, dtype):
-    n = len(case.inputs())
-    lo, hi, mid = case.scales[0], case.scales[-1], middle_scale(case.scales)
-    for first, other in ((lo, hi), (hi, lo), (mid, lo), (mid, hi), (lo, 0.0), (0.0, hi)):
-        check_case(case, dtype, [first] + [other] * (n - 1))
+    mixed_check(case, dtype)
 
 
 @pytest.mark.usefixtures("eager")
@@ -326,7 +319,7 @@ def test_random_gamma_grad_composite():
 
     (Without leak checks: it exercises the control-flow rules, tested elsewhere.)
     """
-    from jax_scaled_arithmetics.core import _compat, registry
+    from jax_scaled_arithmetics.core import registry
 
     if not registry.has_scaled_rule(_compat.while_p):
         pytest.skip("while has no scaled rule")
