@@ -321,6 +321,40 @@ def _leaf_aval(leaf: Any) -> Any:
     return leaf
 
 
+_TRACE_CACHE_SIZE = 64
+
+
+def _leaf_signature(leaf: Any) -> Any:
+    if isinstance(leaf, ScaledArray):
+        return ("scaled", tuple(np.shape(leaf.data)), jnp.dtype(leaf.data.dtype))
+    if isinstance(leaf, (bool, int, float, complex)):
+        return (type(leaf),)
+    aval = _compat.typeof(leaf)
+    return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
+
+
+def _trace_cache_key(
+    in_tree: Any,
+    leaves: Sequence[Any],
+    static_pos: set[int],
+    args: Sequence[Any],
+    argnames: Sequence[str],
+    kwargs: dict[str, Any],
+) -> Any:
+    """What the traced jaxpr depends on: argument structure, avals and static values.
+
+    None (no caching) when a leaf has no abstract value JAX knows.
+    """
+    try:
+        signature = tuple(_leaf_signature(leaf) for leaf in leaves)
+    except TypeError:
+        return None
+    static_args = tuple((i, args[i]) for i in sorted(static_pos))
+    static_kwargs = tuple(sorted((k, kwargs[k]) for k in argnames if k in kwargs))
+    x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+    return (in_tree, signature, static_args, static_kwargs, x64)
+
+
 def autoscale(
     fun: Callable[..., Any],
     *,
@@ -384,20 +418,30 @@ def autoscale(
             if isinstance(leaf, ScaledArray):
                 _validate_scaled_input(leaf, jax.tree_util.keystr(path))
 
-        out_tree_box: list[Any] = []
+        cache_key = _trace_cache_key(in_tree, leaves, static_pos, args, argnames, kwargs)
+        cached = trace_cache.get(cache_key) if cache_key is not None else None
+        if cached is None:
+            out_tree_box: list[Any] = []
 
-        def flat_fun(*flat: Any) -> list[Any]:
-            dargs, dkwargs = jax.tree_util.tree_unflatten(in_tree, flat)
-            dargs_iter = iter(dargs)
-            full_args = [args[i] if i in static_pos else next(dargs_iter) for i in range(nargs)]
-            full_kwargs = {k: (kwargs[k] if k in argnames else dkwargs[k]) for k in kwargs}
-            out = fun(*full_args, **full_kwargs)
-            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-            out_tree_box.append(out_tree)
-            return out_leaves
+            def flat_fun(*flat: Any) -> list[Any]:
+                dargs, dkwargs = jax.tree_util.tree_unflatten(in_tree, flat)
+                dargs_iter = iter(dargs)
+                full_args = [args[i] if i in static_pos else next(dargs_iter) for i in range(nargs)]
+                full_kwargs = {k: (kwargs[k] if k in argnames else dkwargs[k]) for k in kwargs}
+                out = fun(*full_args, **full_kwargs)
+                out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+                out_tree_box.append(out_tree)
+                return out_leaves
 
-        with _tracing_user_function():
-            closed = jax.make_jaxpr(flat_fun)(*[_leaf_aval(leaf) for leaf in leaves])
+            with _tracing_user_function():
+                closed = jax.make_jaxpr(flat_fun)(*[_leaf_aval(leaf) for leaf in leaves])
+            cached = (closed, out_tree_box[-1])
+            # A jaxpr closing over another trace's tracers is only valid in that trace.
+            if cache_key is not None and not any(_compat.is_tracer(c) for c in closed.consts):
+                if len(trace_cache) >= _TRACE_CACHE_SIZE:
+                    trace_cache.pop(next(iter(trace_cache)))
+                trace_cache[cache_key] = cached
+        closed, out_tree = cached
         in_avals = closed.in_avals
         values: list[Any] = []
         known: list[Any] = []
@@ -412,8 +456,9 @@ def autoscale(
                 values.append(leaf)
                 known.append(None)
         outs, _ = interpret_jaxpr(closed.jaxpr, closed.consts, values, known)
-        return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
 
+    trace_cache: dict[Any, tuple[Any, Any]] = {}
     return scaled_fun
 
 

@@ -427,3 +427,34 @@ def test_import_prints_no_warning():
 
 
 del functools
+
+
+def test_trace_is_cached_per_signature_and_static_values():
+    traces = []
+
+    def fn(a, n):
+        traces.append(1)
+        return a * n
+
+    scaled = jsa.autoscale(fn, static_argnums=1)
+    x = make_scaled(np.ones(2), np.float16, 2.0)
+    scaled(x, 2)
+    scaled(jsa.ScaledArray(x.data * 2, np.float32(4.0)), 2)  # same avals: no re-trace
+    assert len(traces) == 1
+    scaled(x, 3)  # another static value
+    scaled(make_scaled(np.ones(3), np.float16, 2.0), 3)  # another shape
+    assert len(traces) == 3
+    np.testing.assert_array_equal(scaled(x, 3).to_array(), [6.0, 6.0])
+
+
+def test_closures_over_outer_tracers_are_not_cached_across_traces():
+    @jax.jit
+    def outer(x, y):
+        return jsa.autoscale(lambda a: a * y)(x)
+
+    x = make_scaled(np.ones(2), np.float32, 1.0)
+    np.testing.assert_array_equal(outer(x, 2.0).to_array(), [2.0, 2.0])
+    np.testing.assert_array_equal(outer(x, 3.0).to_array(), [3.0, 3.0])
+    scaled = jsa.autoscale(lambda a, b: a * b)
+    np.testing.assert_array_equal(jax.jit(scaled)(x, 5.0).to_array(), [5.0, 5.0])
+    np.testing.assert_array_equal(scaled(x, 7.0).to_array(), [7.0, 7.0])
