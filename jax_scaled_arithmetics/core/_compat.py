@@ -193,3 +193,13 @@ def hoist_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
 
 def is_drop_var(var: Any) -> bool:
     return type(var).__name__ == "DropVar"
+
+
+def varying_axes(aval: Any) -> frozenset[Any]:
+    """Mesh axes over which a value varies inside `shard_map` (empty when not tracked).
+
+    Held as `aval.mat.varying` in recent JAX, `aval.vma` before.
+    """
+    mat = getattr(aval, "mat", None)
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return frozenset(varying or ())

@@ -831,11 +831,7 @@ def _register_common_scale_collective(prim: Any, axes_param: str) -> None:
 
 def _varying_axes(x: Any) -> frozenset[Any]:
     """Mesh axes over which `x` varies inside `shard_map` (empty when not tracked)."""
-    # TODO(_compat): the attribute holding an aval's varying axes changes between releases.
-    aval = _compat.typeof(x)
-    mat = getattr(aval, "mat", None)
-    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
-    return frozenset(varying or ())
+    return _compat.varying_axes(_compat.typeof(x))
 
 
 def _as_axes(axes: Any) -> tuple[Any, ...]:
