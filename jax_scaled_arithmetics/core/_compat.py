@@ -65,6 +65,19 @@ class _PrimitiveNamespace:
 
 primitives: Any = _PrimitiveNamespace()
 
+
+def optional_primitive(name: str) -> Primitive | None:
+    """A primitive that only some supported JAX releases have (None in the others).
+
+    For primitives JAX introduced after the minimum supported release (e.g. `stack_p`,
+    `tile_p`, `unstack_p` in 0.10): older releases express the operation with other
+    primitives, which have rules of their own.
+    """
+    try:
+        return primitives.__getattr__(name)
+    except AttributeError:
+        return getattr(jax.lax, name, None)
+
 # Higher-order primitives. `pjit_p` was renamed `jit_p` in JAX 0.7.
 jit_p: Primitive = (
     getattr(jex_primitives, "jit_p", None) or jex_primitives.pjit_p  # type: ignore[attr-defined]
