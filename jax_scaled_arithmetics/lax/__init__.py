@@ -9,6 +9,7 @@ from . import control_flow as control_flow
 from . import elementwise as elementwise
 from . import indexing as indexing
 from . import linalg as linalg
+from . import linalg_decompositions as linalg_decompositions
 from . import reductions as reductions
 from . import shape as shape
 from . import transcendental as transcendental
