@@ -78,6 +78,7 @@ def optional_primitive(name: str) -> Primitive | None:
     except AttributeError:
         return getattr(jax.lax, name, None)
 
+
 # Higher-order primitives. `pjit_p` was renamed `jit_p` in JAX 0.7.
 jit_p: Primitive = (
     getattr(jex_primitives, "jit_p", None) or jex_primitives.pjit_p  # type: ignore[attr-defined]

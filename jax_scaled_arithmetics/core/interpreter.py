@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, registry
-from .config import Pow2RoundMode, get_autoscale_config
+from .config import get_autoscale_config
 from .datatype import ScaledArray, is_floating
-from .pow2 import static_pow2
+from .promotion import promote_to_scaled
+from .registry import operand_constants
 
 __all__ = ["autoscale", "scalify", "promote_to_scaled", "operand_constants"]
 
@@ -25,7 +26,6 @@ Array = Any
 class _State(threading.local):
     def __init__(self) -> None:
         self.tracing_depth = 0
-        self.operand_constants: list[Sequence[Any]] = []
 
 
 _STATE = _State()
@@ -38,24 +38,6 @@ def _tracing_user_function() -> Iterator[None]:
         yield
     finally:
         _STATE.tracing_depth -= 1
-
-
-def operand_constants() -> Sequence[Any]:
-    """Statically known scalar values of the operands of the rule being called.
-
-    One entry per operand: the Python scalar the operand is a broadcast of, or
-    None. Higher-order rules pass them on to the inner interpretation.
-    """
-    return _STATE.operand_constants[-1] if _STATE.operand_constants else ()
-
-
-@contextlib.contextmanager
-def _with_operand_constants(known: Sequence[Any]) -> Iterator[None]:
-    _STATE.operand_constants.append(known)
-    try:
-        yield
-    finally:
-        _STATE.operand_constants.pop()
 
 
 # --- statically known broadcast scalars -------------------------------------------------
@@ -151,28 +133,6 @@ def _fold_known(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any]:
     return [None]
 
 
-def promote_to_scaled(x: Any, known: Any = None) -> Any:
-    """Promote an unscaled floating operand of a scaled equation to a ScaledArray.
-
-    A statically known zero gets scale 0; a known scalar (or a broadcast of one)
-    gets a power-of-two scale so that its data is in [1, 2); any other array gets
-    scale 1. Non-floating values and ScaledArrays are returned unchanged.
-    """
-    if isinstance(x, ScaledArray) or not is_floating(x):
-        return x
-    config = get_autoscale_config()
-    scale_dtype = config.scale_dtype
-    if known is not None and isinstance(known, (int, float)) and np.isfinite(known):
-        if known == 0:
-            return ScaledArray(x, np.asarray(0.0, scale_dtype))
-        mode = config.rounding_mode
-        scale = static_pow2(known, Pow2RoundMode.DOWN if mode == Pow2RoundMode.NONE else mode)
-        dtype = x.dtype
-        data = jnp.full(np.shape(x), known / scale, dtype=dtype)
-        return ScaledArray(data, np.asarray(scale, scale_dtype))
-    return ScaledArray(x, np.asarray(1.0, scale_dtype))
-
-
 def _check_outputs(eqn: _compat.JaxprEqn, outs: Sequence[Any]) -> None:
     if len(outs) != len(eqn.outvars):
         raise TypeError(
@@ -239,7 +199,7 @@ def interpret_jaxpr(
             info = registry.get_scaled_rule(eqn.primitive)
             if info.promote and any_scaled:
                 invals = [promote_to_scaled(v, k) for v, k in zip(invals, in_known)]
-            with _with_operand_constants(in_known), _compat.eqn_context(eqn):
+            with registry.with_operand_constants(in_known), _compat.eqn_context(eqn):
                 outs = info.rule(*invals, **eqn.params)
             if not eqn.primitive.multiple_results:
                 outs = [outs]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from . import _compat
@@ -19,6 +21,8 @@ __all__ = [
     "RuleInfo",
     "interpret_closed_jaxpr",
     "set_jaxpr_interpreter",
+    "operand_constants",
+    "with_operand_constants",
 ]
 
 
@@ -132,6 +136,37 @@ def has_scaled_rule(primitive: Primitive) -> bool:
 def coverage() -> dict[str, RuleInfo]:
     """All registered rules, by primitive name (for the generated operator docs)."""
     return {p.name: info for p, info in sorted(_RULES.items(), key=lambda kv: kv[0].name)}
+
+
+# Statically known scalar values of the operands of the rule being called, set by the
+# interpreter around each rule call (one entry per operand: the Python scalar the operand is
+# a broadcast of, or None).
+class _OperandConstants(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Sequence[Any]] = []
+
+
+_OPERAND_CONSTANTS = _OperandConstants()
+
+
+def operand_constants() -> Sequence[Any]:
+    """Statically known scalar values of the operands of the rule being called.
+
+    One entry per operand: the Python scalar the operand is a broadcast of, or None.
+    Rules use them to pick scales (a constant bound needs no scale of its own), and
+    higher-order rules pass them on to the inner interpretation.
+    """
+    stack = _OPERAND_CONSTANTS.stack
+    return stack[-1] if stack else ()
+
+
+@contextlib.contextmanager
+def with_operand_constants(known: Sequence[Any]) -> Iterator[None]:
+    _OPERAND_CONSTANTS.stack.append(known)
+    try:
+        yield
+    finally:
+        _OPERAND_CONSTANTS.stack.pop()
 
 
 # Higher-order rules re-interpret inner jaxprs. The interpreter installs itself here,

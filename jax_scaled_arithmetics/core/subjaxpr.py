@@ -65,7 +65,7 @@ def leaf_avals(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
 
 def coerce_scaledness(value: Any, scaled: bool) -> Any:
     """Make `value` scaled (promoting with scale 1) or unscaled (materialising) as asked."""
-    from .interpreter import promote_to_scaled
+    from .promotion import promote_to_scaled
 
     if scaled and not isinstance(value, ScaledArray):
         return promote_to_scaled(value)

@@ -21,8 +21,9 @@ import numpy as np
 from jax import lax
 
 from ..core import registry
+from ..core.config import Pow2RoundMode
 from ..core.datatype import ScaledArray, is_floating
-from ..core.pow2 import pow2_round
+from ..core.pow2 import pow2_round, static_pow2
 
 Array = Any
 
@@ -77,18 +78,41 @@ def unscaled_value(x: ScaledArray, dtype: Any = None) -> Array:
     return x.data.astype(dtype) * jnp.asarray(x.scale).astype(dtype)
 
 
-def to_common_scale(*xs: ScaledArray) -> tuple[list[Array], Array]:
-    """Bring ScaledArrays to their largest scale: returns their data at it, and the scale.
+def _constant_scale(value: Any, dtype: Any) -> Any:
+    """The smallest power-of-two scale at which a known constant fits in `dtype` data."""
+    if value == 0:
+        return np.float32(0.0)
+    needed = abs(float(value)) / float(jnp.finfo(dtype).max)
+    return np.float32(static_pow2(needed, Pow2RoundMode.UP))
 
-    Every data is multiplied by `scale_i / max_scale <= 1`, so none overflows.
+
+def to_common_scale(
+    *xs: ScaledArray, constants: Sequence[Any] | None = None
+) -> tuple[list[Array], Array]:
+    """Bring ScaledArrays to one common scale: returns their data at it, and the scale.
+
+    The common scale is the largest scale of the operands, so every data is multiplied
+    by `scale_i / common <= 1` and none overflows. An operand known to be a constant
+    (`constants[i]` not None, e.g. the `-1e30` of a mask or the `0` of a padding) only
+    asks for the smallest scale it fits at, not the power of two it was promoted with:
+    `where(mask, x, -1e4)` keeps x's precision.
     """
+    constants = [None] * len(xs) if constants is None else list(constants)
     scales = [jnp.asarray(x.scale) for x in xs]
-    common = scales[0]
-    for s in scales[1:]:
+    wanted = [
+        _constant_scale(c, x.dtype) if _is_finite_number(c) else s
+        for x, s, c in zip(xs, scales, constants)
+    ]
+    common = wanted[0]
+    for s in wanted[1:]:
         common = jnp.maximum(common, s)
     common = lax.stop_gradient(common)
     datas = [rescale(x.data, safe_div(s, common)) for x, s in zip(xs, scales)]
     return datas, common
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
 
 
 def dynamic_scale_of(y: Array, scale_dtype: Any = np.float32) -> Array:
@@ -146,7 +170,10 @@ def register_common_scale(
         else:
             positions = list(scaled_operands)
         positions = [i for i in positions if isinstance(operands[i], ScaledArray)]
-        datas, scale = to_common_scale(*[operands[i] for i in positions])
+        known = list(registry.operand_constants()) or [None] * len(operands)
+        datas, scale = to_common_scale(
+            *[operands[i] for i in positions], constants=[known[i] for i in positions]
+        )
         args = list(operands)
         for i, d in zip(positions, datas):
             args[i] = d

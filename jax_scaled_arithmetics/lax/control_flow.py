@@ -44,7 +44,8 @@ from jax.experimental import io_callback
 from ..core import _compat, registry
 from ..core.config import get_autoscale_config
 from ..core.datatype import ScaledArray, is_floating
-from ..core.interpreter import operand_constants, promote_to_scaled
+from ..core.promotion import promote_to_scaled
+from ..core.registry import operand_constants
 from ..core.subjaxpr import (
     abstract_value,
     coerce_scaledness,

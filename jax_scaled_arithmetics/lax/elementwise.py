@@ -30,7 +30,7 @@ from jax import lax
 
 from ..core import _compat, registry
 from ..core.datatype import ScaledArray
-from ..core.interpreter import operand_constants
+from ..core.registry import operand_constants
 from .base import (
     choose_scale,
     compute_dtype,

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
 import numpy as np
-import pytest
 
 from tests.integration.checks import check_forward_backward
 
@@ -65,11 +64,6 @@ def test_jax_nn_normalisations_and_attention():
     check_forward_backward(fn, params, rtol=2e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="select_n rule: the -0.7 * finfo.max mask constant sets the common scale, which "
-    "flushes the logits' data to zero (reported; to fix in lax/elementwise.py)",
-)
 def test_jax_nn_causal_attention():
     mask = jnp.tril(jnp.ones((5, 5), bool))[None, None]
 

@@ -1,0 +1,36 @@
+"""Promotion of the unscaled operands of a scaled equation to ScaledArrays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .config import Pow2RoundMode, get_autoscale_config
+from .datatype import ScaledArray, is_floating
+from .pow2 import static_pow2
+
+__all__ = ["promote_to_scaled"]
+
+
+def promote_to_scaled(x: Any, known: Any = None) -> Any:
+    """Promote an unscaled floating operand of a scaled equation to a ScaledArray.
+
+    A statically known zero gets scale 0; a known scalar (or a broadcast of one)
+    gets a power-of-two scale so that its data is in [1, 2); any other array gets
+    scale 1. Non-floating values and ScaledArrays are returned unchanged.
+    """
+    if isinstance(x, ScaledArray) or not is_floating(x):
+        return x
+    config = get_autoscale_config()
+    scale_dtype = config.scale_dtype
+    if known is not None and isinstance(known, (int, float)) and np.isfinite(known):
+        if known == 0:
+            return ScaledArray(x, np.asarray(0.0, scale_dtype))
+        mode = config.rounding_mode
+        scale = static_pow2(known, Pow2RoundMode.DOWN if mode == Pow2RoundMode.NONE else mode)
+        dtype = x.dtype
+        data = jnp.full(np.shape(x), known / scale, dtype=dtype)
+        return ScaledArray(data, np.asarray(scale, scale_dtype))
+    return ScaledArray(x, np.asarray(1.0, scale_dtype))
