@@ -10,10 +10,11 @@ data (|product| < 2^14, |quotient| < 2^13); far larger data can (see the
 elementwise rules). Tolerances:
 
 - mul, div, neg, abs: relative, per element (a few ulps of the data dtype);
-- add, sub, max, min: relative to the largest input magnitude too, as their
-  output scale comes from the input scales (a result much smaller than the
-  inputs, by cancellation or from the smaller-scale operand, is held with the
-  absolute precision of the larger scale);
+- add, sub, max, min: relative to the largest input magnitude too, and at least
+  the smallest step of the data format at the larger input scale: their output
+  scale comes from the input scales (a result much smaller than the inputs, by
+  cancellation or from the smaller-scale operand, is held with the absolute
+  precision of the larger scale, even when that operand's values are all zero);
 - comparisons: exact.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -73,19 +75,28 @@ JITTED = {name: jax.jit(jsa.autoscale(fn)) for name, (fn, _) in ARITHMETIC.items
 JITTED.update({name: jax.jit(jsa.autoscale(fn)) for name, fn in COMPARISONS.items()})
 
 
-def _check_close(out, expected, dtype, inputs_max: float | None) -> None:
-    """|out - expected| <= rtol * |expected| (+ rtol * inputs_max), NaNs and infs equal."""
-    rtol = 2 * RTOL[np.dtype(dtype)]
+def _rtol(dtype) -> float:
+    return 2 * RTOL[np.dtype(dtype)]
+
+
+def _check_close(out, expected, dtype, atol: float = 0.0) -> None:
+    """|out - expected| <= rtol * |expected| + atol, NaNs and infs equal."""
     assert isinstance(out, jsa.ScaledArray) and out.dtype == np.dtype(dtype)
     actual = represented(out)
     expected = np.asarray(expected, np.float64)
     np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
     finite = np.isfinite(expected)
     np.testing.assert_array_equal(actual[~finite], expected[~finite])
-    atol = float(np.finfo(np.float32).tiny)
-    if inputs_max is not None:
-        atol = max(atol, rtol * inputs_max)
-    np.testing.assert_allclose(actual[finite], expected[finite], rtol=rtol, atol=atol)
+    atol = max(atol, float(np.finfo(np.float32).tiny))
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=_rtol(dtype), atol=atol)
+
+
+def _inputs_atol(a, b, dtype) -> float:
+    """rtol * the largest input, and at least the data format's smallest step at the larger
+    scale (an operand whose values are all zero still sets the output scale)."""
+    values = np.abs(np.concatenate([represented(a), represented(b)]))
+    quantum = float(ml_dtypes.finfo(dtype).smallest_subnormal) * float(max(a.scale, b.scale))
+    return max(_rtol(dtype) * float(values.max()), 2 * quantum)
 
 
 def _values(*xs):
@@ -104,10 +115,8 @@ def test_binary_arithmetic_matches_float32(name, use_jit, dtype, da, db, sa, sb)
     a, b = make_scaled(da, dtype, sa), make_scaled(db, dtype, sb)
     out = (JITTED[name] if use_jit else jsa.autoscale(fn))(a, b)
     expected = fn(*_values(a, b))
-    inputs_max = None
-    if tolerance == "inputs":
-        inputs_max = float(np.max(np.abs(np.concatenate([represented(a), represented(b)]))))
-    _check_close(out, expected, dtype, inputs_max)
+    atol = _inputs_atol(a, b, dtype) if tolerance == "inputs" else 0.0
+    _check_close(out, expected, dtype, atol)
 
 
 @pytest.mark.usefixtures("eager")
@@ -160,5 +169,4 @@ def test_add_then_sub_recovers_within_tolerance(dtype, da, db, sa, sb):
     """(a + b) - b == a, relative to the largest input (composition of two scaled rules)."""
     a, b = make_scaled(da, dtype, sa), make_scaled(db, dtype, sb)
     out = jsa.autoscale(lambda x, y: (x + y) - y)(a, b)
-    inputs_max = float(np.max(np.abs(np.concatenate([represented(a), represented(b)]))))
-    _check_close(out, represented(a), dtype, 2 * inputs_max)
+    _check_close(out, represented(a), dtype, 2 * _inputs_atol(a, b, dtype))
