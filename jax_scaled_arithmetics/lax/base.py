@@ -80,7 +80,7 @@ def unscaled_value(x: ScaledArray, dtype: Any = None) -> Array:
 
 def _constant_scale(value: Any, dtype: Any) -> Any:
     """The smallest power-of-two scale at which a known constant fits in `dtype` data."""
-    if value == 0:
+    if value == 0 or not np.isfinite(value):
         return np.float32(0.0)
     needed = abs(float(value)) / float(jnp.finfo(dtype).max)
     return np.float32(static_pow2(needed, Pow2RoundMode.UP))
@@ -100,19 +100,22 @@ def to_common_scale(
     constants = [None] * len(xs) if constants is None else list(constants)
     scales = [jnp.asarray(x.scale) for x in xs]
     wanted = [
-        _constant_scale(c, x.dtype) if _is_finite_number(c) else s
+        _constant_scale(c, x.dtype) if _is_number(c) else s
         for x, s, c in zip(xs, scales, constants)
     ]
     common = wanted[0]
     for s in wanted[1:]:
         common = jnp.maximum(common, s)
+    if any(_is_number(c) and not np.isfinite(c) for c in constants):
+        # inf / NaN constants fit at any positive scale, but not at a zero one.
+        common = jnp.where(common == 0, jnp.ones_like(common), common)
     common = lax.stop_gradient(common)
     datas = [rescale(x.data, safe_div(s, common)) for x, s in zip(xs, scales)]
     return datas, common
 
 
-def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def dynamic_scale_of(y: Array, scale_dtype: Any = np.float32) -> Array:
