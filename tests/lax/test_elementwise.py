@@ -429,13 +429,32 @@ def check_table_covers(cases: Sequence[Case], registered: Sequence[Any]) -> None
 # --- the checks each table runs ---------------------------------------------------------
 
 
+def grid_params(cases: Sequence[Case]) -> list[Any]:
+    """(case, dtype) pairs for the eager grid: cases slow without jit run in float16 only
+    (their other dtypes run every scale under jit)."""
+    return [
+        pytest.param(case, dtype, id=f"{case_id(case)}-{dtype}")
+        for case in cases
+        for dtype in FLOAT_DTYPES
+        if not case.slow_eager or dtype == F16
+    ]
+
+
+def mixed_params(cases: Sequence[Case], dtypes: Sequence[Any]) -> list[Any]:
+    """(case, dtype) pairs for mixed per-operand scales without jit (slow cases: jit only)."""
+    return [
+        pytest.param(case, dtype, id=f"{case_id(case)}-{dtype}")
+        for case in cases
+        if not case.slow_eager
+        for dtype in dtypes
+    ]
+
+
 def grid_check(case: Case, dtype: Any) -> None:
     """Every scale of the case (for this dtype), and scale 0, without jit."""
     n = len(case.inputs())
     scales = case.scales_for(dtype)
-    if case.slow_eager:
-        if dtype != F16:
-            pytest.skip("slow without jit: float16 only (every scale runs under jit)")
+    if case.slow_eager:  # float16 only (see grid_params); every scale runs under jit
         scales = (scales[0], middle_scale(scales), scales[-1])
     for scale in scales + (0.0,):
         check_case(case, dtype, [scale] * n)
@@ -464,8 +483,6 @@ def nonfinite_check(case: Case) -> None:
 
 def mixed_check(case: Case, dtype: Any) -> None:
     """Different scales per operand (zero scales included), without jit."""
-    if case.slow_eager:
-        pytest.skip("slow without jit: mixed scales under jit only")
     n = len(case.inputs())
     lo, hi, mid = case.scales[0], case.scales[-1], middle_scale(case.scales)
     for first, other in ((lo, hi), (hi, lo), (mid, lo), (mid, hi), (lo, 0.0), (0.0, hi)):
@@ -512,8 +529,7 @@ def elementwise_grads(request: Any) -> Any:
 
 
 @pytest.mark.usefixtures("eager")
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("case", ELEMENTWISE_CASES, ids=case_id)
+@pytest.mark.parametrize("case,dtype", grid_params(ELEMENTWISE_CASES))
 def test_elementwise_matches_plain(case, dtype):
     grid_check(case, dtype)
 
@@ -531,8 +547,7 @@ def test_elementwise_inf_nan_as_plain(case):
 
 
 @pytest.mark.usefixtures("eager")
-@pytest.mark.parametrize("dtype", (F32, BF16), ids=str)
-@pytest.mark.parametrize("case", MULTI_CASES, ids=case_id)
+@pytest.mark.parametrize("case,dtype", mixed_params(MULTI_CASES, (F32, BF16)))
 def test_elementwise_different_scales_per_operand(case, dtype):
     mixed_check(case, dtype)
 
@@ -715,10 +730,6 @@ def test_reciprocal_of_values_out_of_fp16_range(use_jit):
 
 def test_copysign_composite():
     """`jnp.copysign` is a composite (signbit through bitcast_convert_type, abs, select_n)."""
-    from jax_scaled_arithmetics.core import registry
-
-    if not registry.has_scaled_rule(lax.bitcast_convert_type_p):
-        pytest.skip("bitcast_convert_type has no scaled rule")
     inputs = [np.array([1.0, -2.0, 3.0, -4.0]), np.array([-1.0, 1.0, 0.5, -0.25])]
     for scale in (2.0**-20, 2.0**20):
         check_autoscale_matches(jnp.copysign, inputs, F16, scale, use_jit=False)
