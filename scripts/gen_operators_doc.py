@@ -52,6 +52,11 @@ NOT_APPLICABLE = {
     "get": "internal (mutable refs)",
     "swap": "internal (mutable refs)",
     "call": "legacy call primitive; closed_call and jit are handled",
+    "real": "complex operands only (ScaledArray data is real)",
+    "imag": "complex operands only (ScaledArray data is real)",
+    "conj": "complex operands only (ScaledArray data is real)",
+    "select_and_scatter": "only built by JAX internals; max-pool gradients use "
+    "select_and_scatter_add",
 }
 
 

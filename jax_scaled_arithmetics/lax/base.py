@@ -383,3 +383,30 @@ def register_unscaled_elementwise(
     registry.register_scaled_op(
         primitive, rule, family=f"unscaled ({output_scale.replace('_', ' ')} scale)", remark=remark
     )
+
+
+def materialized_values(args: Sequence[Any], dtype: Any = None) -> list[Any]:
+    """The represented values of the scaled operands (others unchanged)."""
+    out = []
+    for a in args:
+        if isinstance(a, ScaledArray):
+            a = a.to_array(dtype(a.dtype) if callable(dtype) else dtype)
+        out.append(a)
+    return out
+
+
+def register_materializing(prim: Any, dtype: Any = None, remark: str = "") -> None:
+    """Register a rule that calls `prim` on the represented values of its operands.
+
+    For primitives whose outputs are not scaled quantities (callbacks, complex numbers,
+    FFTs): each scaled operand is materialised in `dtype` (a dtype, a function of the
+    operand's dtype, or None for its own) and the outputs are plain arrays.
+    """
+    if prim is None or registry.has_scaled_rule(prim):
+        return
+
+    def rule(*args: Any, **params: Any) -> Any:
+        return prim.bind(*materialized_values(args, dtype), **params)
+
+    rule.__name__ = f"scaled_{prim.name}"
+    registry.register_scaled_op(prim, rule, promote=False, family="materialised", remark=remark)

@@ -57,7 +57,7 @@ from ..core.subjaxpr import (
     trace_scaled_leaves,
     unflatten_scaled,
 )
-from .base import rescale, safe_div
+from .base import register_materializing, rescale, safe_div
 
 
 def _expand_per_value(values: Sequence[Any], specs: Sequence[bool], name: str) -> tuple[Any, ...]:
@@ -680,28 +680,6 @@ def scaled_cond(index: Any, *operands: Any, branches: Sequence[Any], **params: A
 # (`find_primitive`); one that a JAX release renames simply gets no rule.
 
 
-def _values(args: Sequence[Any], dtype: Any = None) -> list[Any]:
-    """The represented values of the scaled operands (others unchanged)."""
-    out = []
-    for a in args:
-        if isinstance(a, ScaledArray):
-            a = a.to_array(dtype(a.dtype) if callable(dtype) else dtype)
-        out.append(a)
-    return out
-
-
-def _register_materializing(prim: Any, dtype: Any, remark: str) -> None:
-    """Register a rule that calls `prim` on the represented values of its operands."""
-    if prim is None or registry.has_scaled_rule(prim):
-        return
-
-    def rule(*args: Any, **params: Any) -> Any:
-        return prim.bind(*_values(args, dtype), **params)
-
-    rule.__name__ = f"scaled_{prim.name}"
-    registry.register_scaled_op(prim, rule, promote=False, family="callback", remark=remark)
-
-
 _F32 = jnp.dtype(jnp.float32)
 
 
@@ -729,11 +707,11 @@ optimization_barrier_p = find_primitive(
 )
 
 for _prim in (debug_callback_p, debug_print_p):
-    _register_materializing(
+    register_materializing(
         _prim, _wide_dtype, "the callback sees represented values (in at least float32)"
     )
 for _prim in (pure_callback_p, io_callback_p):
-    _register_materializing(
+    register_materializing(
         _prim, None, "the callback sees represented values; its outputs are unscaled"
     )
 
