@@ -77,13 +77,19 @@ def main() -> None:
     y = jax.nn.one_hot(jax.random.randint(key, (args.batch,), 0, 10), 10)
     cases = {
         "plain float32": (jax.jit(plain_step), params, x, y),
-        "plain float16": (jax.jit(plain_step), *jax.tree_util.tree_map(
-            lambda a: a.astype(jnp.float16), (params, x, y))),
-        "autoscale float16": (jax.jit(jsa.autoscale(scaled_step)), *jsa.as_scaled_array(
-            (params, x, y), dtype=jnp.float16)),
+        "plain float16": (
+            jax.jit(plain_step),
+            *jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), (params, x, y)),
+        ),
+        "autoscale float16": (
+            jax.jit(jsa.autoscale(scaled_step)),
+            *jsa.as_scaled_array((params, x, y), dtype=jnp.float16),
+        ),
     }
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({platform.processor()}), "
-          f"batch {args.batch}, width {args.width}, depth {args.depth}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({platform.processor()}), "
+        f"batch {args.batch}, width {args.width}, depth {args.depth}"
+    )
     print("| step | trace + compile (s) | median step (ms) |")
     print("| --- | --- | --- |")
     for name, (step, p, xx, yy) in cases.items():
