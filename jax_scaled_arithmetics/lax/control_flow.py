@@ -175,6 +175,38 @@ def _group_leaves(leaves: Sequence[Any], specs: Sequence[bool]) -> list[list[Any
     return groups
 
 
+class _ScaledPrimal:
+    """The scaled interpretation of a custom-derivative function's primal jaxpr.
+
+    Its output structure (which outputs are scaled) is fixed once, from an abstract
+    evaluation; the derivative rules coerce their primal outputs to it.
+    """
+
+    def __init__(self, call_jaxpr: Any, args: Sequence[Any]) -> None:
+        self.call_jaxpr = call_jaxpr
+        self.known = list(operand_constants()) or [None] * len(args)
+        self.leaves, self.in_specs = flatten_scaled(args)
+        self._out_specs: tuple[bool, ...] | None = None
+        jax.eval_shape(
+            lambda *flat: flatten_scaled(self.values(*flat))[0], *leaf_avals(self.leaves)
+        )
+
+    @property
+    def out_specs(self) -> tuple[bool, ...]:
+        assert self._out_specs is not None
+        return self._out_specs
+
+    def coerce(self, outs: Sequence[Any]) -> list[Any]:
+        if self._out_specs is None:
+            self._out_specs = tuple(isinstance(o, ScaledArray) for o in outs)
+            return list(outs)
+        return [coerce_scaledness(o, s) for o, s in zip(outs, self._out_specs, strict=True)]
+
+    def values(self, *flat: Any) -> list[Any]:
+        values = unflatten_scaled(flat, self.in_specs)
+        return self.coerce(registry.interpret_closed_jaxpr(self.call_jaxpr, values, self.known))
+
+
 @registry.register_scaled_op(
     _compat.custom_jvp_call_p,
     always_scaled=True,
@@ -186,22 +218,14 @@ def scaled_custom_jvp_call(
     *args: Any, call_jaxpr: Any, jvp_jaxpr_fun: Any, num_consts: int, symbolic_zeros: bool
 ) -> list[Any]:
     del symbolic_zeros
-    known = list(operand_constants()) or [None] * len(args)
-    leaves, in_specs = flatten_scaled(args)
-    out_specs_box: list[tuple[bool, ...]] = []
-
-    def primal_values(*flat: Any) -> list[Any]:
-        values = unflatten_scaled(flat, in_specs)
-        outs = registry.interpret_closed_jaxpr(call_jaxpr, values, known)
-        if out_specs_box:
-            outs = [coerce_scaledness(o, s) for o, s in zip(outs, out_specs_box[0], strict=True)]
-        else:
-            out_specs_box.append(tuple(isinstance(o, ScaledArray) for o in outs))
-        return outs
-
-    # Fix the output structure once, from the primal interpretation.
-    jax.eval_shape(lambda *flat: flatten_scaled(primal_values(*flat))[0], *leaf_avals(leaves))
-    out_specs = out_specs_box[0]
+    primal = _ScaledPrimal(call_jaxpr, args)
+    known, leaves, in_specs, out_specs = (
+        primal.known,
+        primal.leaves,
+        primal.in_specs,
+        primal.out_specs,
+    )
+    primal_values = primal.values
 
     @jax.custom_jvp
     def scaled_fun(*flat: Any) -> list[Any]:
@@ -284,23 +308,14 @@ def scaled_custom_vjp_call(
     symbolic_zeros: bool,
 ) -> list[Any]:
     del symbolic_zeros
-    known = list(operand_constants()) or [None] * len(args)
-    leaves, in_specs = flatten_scaled(args)
-    out_specs_box: list[tuple[bool, ...]] = []
-
-    def primal_values(*flat: Any) -> list[Any]:
-        values = unflatten_scaled(flat, in_specs)
-        outs = registry.interpret_closed_jaxpr(call_jaxpr, values, known)
-        return _coerce_outs(outs)
-
-    def _coerce_outs(outs: list[Any]) -> list[Any]:
-        if out_specs_box:
-            return [coerce_scaledness(o, s) for o, s in zip(outs, out_specs_box[0], strict=True)]
-        out_specs_box.append(tuple(isinstance(o, ScaledArray) for o in outs))
-        return outs
-
-    jax.eval_shape(lambda *flat: flatten_scaled(primal_values(*flat))[0], *leaf_avals(leaves))
-    out_specs = out_specs_box[0]
+    primal = _ScaledPrimal(call_jaxpr, args)
+    known, leaves, in_specs, out_specs = (
+        primal.known,
+        primal.leaves,
+        primal.in_specs,
+        primal.out_specs,
+    )
+    primal_values, _coerce_outs = primal.values, primal.coerce
 
     @jax.custom_vjp
     def scaled_fun(*flat: Any) -> list[Any]:
