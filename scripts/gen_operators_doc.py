@@ -11,6 +11,7 @@ import argparse
 import pathlib
 import sys
 
+import jax
 from jax.extend.core import Primitive
 from jax.extend.core import primitives as jax_primitives
 
@@ -86,6 +87,8 @@ def render() -> str:
         "",
         "Generated from the rule registry by `python scripts/gen_operators_doc.py`; do not edit.",
         "A test fails when this file is stale.",
+        "",
+        f"Generated with JAX {jax.__version__} (older releases lack a few primitives).",
         "",
         "Every primitive that `jax.extend.core.primitives` exposes, plus this library's own",
         "scaling primitives. *supported*: `autoscale` has a scaled rule for it; *not applicable*:",

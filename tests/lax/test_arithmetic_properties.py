@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
@@ -113,8 +113,11 @@ def test_binary_arithmetic_matches_float32(name, use_jit, dtype, da, db, sa, sb)
     if name == "div":
         db = np.where(db == 0, 1.0, db)
     a, b = make_scaled(da, dtype, sa), make_scaled(db, dtype, sb)
-    out = (JITTED[name] if use_jit else jsa.autoscale(fn))(a, b)
     expected = fn(*_values(a, b))
+    # Only where the float32 reference is representable (a product of values near 2^60
+    # overflows float32, while its scaled representation need not).
+    assume(bool(np.all(np.isfinite(np.asarray(expected)))))
+    out = (JITTED[name] if use_jit else jsa.autoscale(fn))(a, b)
     atol = _inputs_atol(a, b, dtype) if tolerance == "inputs" else 0.0
     _check_close(out, expected, dtype, atol)
 
