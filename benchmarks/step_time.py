@@ -1,8 +1,8 @@
 """Step time of a jitted MLP training step: plain float32 / float16 vs autoscale'd scaled float16.
 
-The scaled step computes the same model with scaled arithmetic (plus dynamic
-rescaling of gradients and parameters); this measures what that costs once
-compiled. Trace + compile time is reported separately.
+The scaled steps compute the same model with scaled arithmetic, without and with
+dynamic rescaling of gradients and parameters in the update; this measures what
+each costs once compiled. Trace + compile time is reported separately.
 
 Run: python benchmarks/step_time.py [--batch 256] [--width 1024] [--depth 4] [--iters 50]
 """
@@ -81,7 +81,11 @@ def main() -> None:
             jax.jit(plain_step),
             *jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), (params, x, y)),
         ),
-        "autoscale float16": (
+        "autoscale float16, SGD": (
+            jax.jit(jsa.autoscale(plain_step)),
+            *jsa.as_scaled_array((params, x, y), dtype=jnp.float16),
+        ),
+        "autoscale float16, SGD + dynamic rescaling": (
             jax.jit(jsa.autoscale(scaled_step)),
             *jsa.as_scaled_array((params, x, y), dtype=jnp.float16),
         ),
