@@ -183,13 +183,13 @@ class _ScaledPrimal:
     """
 
     def __init__(self, call_jaxpr: Any, args: Sequence[Any]) -> None:
+        # Only abstract information is kept: the derivative rules close over this object,
+        # and must not hold on to the operands (tracers of the current trace).
         self.call_jaxpr = call_jaxpr
         self.known = list(operand_constants()) or [None] * len(args)
-        self.leaves, self.in_specs = flatten_scaled(args)
+        leaves, self.in_specs = flatten_scaled(args)
         self._out_specs: tuple[bool, ...] | None = None
-        jax.eval_shape(
-            lambda *flat: flatten_scaled(self.values(*flat))[0], *leaf_avals(self.leaves)
-        )
+        jax.eval_shape(lambda *flat: flatten_scaled(self.values(*flat))[0], *leaf_avals(leaves))
 
     @property
     def out_specs(self) -> tuple[bool, ...]:
@@ -219,12 +219,8 @@ def scaled_custom_jvp_call(
 ) -> list[Any]:
     del symbolic_zeros
     primal = _ScaledPrimal(call_jaxpr, args)
-    known, leaves, in_specs, out_specs = (
-        primal.known,
-        primal.leaves,
-        primal.in_specs,
-        primal.out_specs,
-    )
+    known, in_specs, out_specs = primal.known, primal.in_specs, primal.out_specs
+    leaves, _ = flatten_scaled(args)
     primal_values = primal.values
 
     @jax.custom_jvp
@@ -309,12 +305,8 @@ def scaled_custom_vjp_call(
 ) -> list[Any]:
     del symbolic_zeros
     primal = _ScaledPrimal(call_jaxpr, args)
-    known, leaves, in_specs, out_specs = (
-        primal.known,
-        primal.leaves,
-        primal.in_specs,
-        primal.out_specs,
-    )
+    known, in_specs, out_specs = primal.known, primal.in_specs, primal.out_specs
+    leaves, _ = flatten_scaled(args)
     primal_values, _coerce_outs = primal.values, primal.coerce
 
     @jax.custom_vjp
