@@ -1,4 +1,5 @@
-"""Test-session settings: strict rank promotion, and the rule output check always on.
+"""Test-session settings: strict rank promotion, four CPU devices (for collectives and
+`shard_map` over a real mesh), and the rule output check always on.
 
 Leaked-tracer checking (`jax.check_tracer_leaks`) makes every trace several times
 slower, so it runs in dedicated tests (tests/core/test_tracer_leaks.py) rather
@@ -11,6 +12,8 @@ import pytest
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.core.config import default_config
 
+# Before any computation initialises the CPU backend (importing the package does not).
+jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 

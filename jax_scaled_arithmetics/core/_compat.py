@@ -7,6 +7,7 @@ of our own, so that a JAX upgrade is a change to this file only.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -207,6 +208,23 @@ def hoist_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
 
 def is_drop_var(var: Any) -> bool:
     return type(var).__name__ == "DropVar"
+
+
+_SHAPE_DTYPE_STRUCT_PARAMS = frozenset(inspect.signature(jax.ShapeDtypeStruct).parameters)
+
+
+def shape_dtype_struct(aval: Any) -> jax.ShapeDtypeStruct:
+    """A `ShapeDtypeStruct` for `aval` keeping its weak type and, inside `shard_map`, the
+    mesh axes it varies over (`manual_axis_type` in recent JAX, `vma` before), so that a
+    jaxpr traced over it types its operations as the original did."""
+    kwargs: dict[str, Any] = {"weak_type": getattr(aval, "weak_type", False)}
+    mat = getattr(aval, "mat", None)
+    if mat is not None and "manual_axis_type" in _SHAPE_DTYPE_STRUCT_PARAMS:
+        if not getattr(mat, "empty", True):  # needs the (abstract-mesh) sharding too
+            kwargs.update(manual_axis_type=mat, sharding=getattr(aval, "sharding", None))
+    elif getattr(aval, "vma", None) and "vma" in _SHAPE_DTYPE_STRUCT_PARAMS:
+        kwargs["vma"] = aval.vma
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, **kwargs)
 
 
 def varying_axes(aval: Any) -> frozenset[Any]:

@@ -52,15 +52,8 @@ def unflatten_scaled(leaves: Sequence[Any], specs: Sequence[bool]) -> list[Any]:
 
 
 def leaf_avals(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
-    avals = []
-    for leaf in leaves:
-        aval = _compat.typeof(leaf)
-        avals.append(
-            jax.ShapeDtypeStruct(
-                aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False)
-            )
-        )
-    return avals
+    """Abstract leaves (weak types and varying mesh axes kept) to trace a jaxpr over."""
+    return [_compat.shape_dtype_struct(_compat.typeof(leaf)) for leaf in leaves]
 
 
 def coerce_scaledness(value: Any, scaled: bool) -> Any:

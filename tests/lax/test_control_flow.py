@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import io_callback
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.lax import control_flow
@@ -506,26 +504,6 @@ def test_checkpoint_name_policy_and_placement():
     assert_close(g, jax.grad(loss)(jnp.asarray(represented(x))), 1e-5)
     text = _jaxpr_text(jsa.autoscale(jax.grad(loss)), x)
     assert "name=hidden" in text
-
-
-def test_shard_map_and_collectives():
-    mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
-
-    def per_shard(x, y):
-        total = jax.lax.psum(x, "i")
-        gathered = jax.lax.all_gather(y, "i", tiled=True)
-        return total * 2, gathered + jax.lax.pmax(x, "i"), jax.lax.ppermute(x, "i", [(0, 0)])
-
-    def fn(x, y):
-        specs = (P("i"), P())
-        return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=P("i"))(x, y)
-
-    x, y = make_scaled(V, np.float16, 2.0**30), make_scaled(V, np.float16, 2.0**-30)
-    outs = jax.jit(jsa.autoscale(fn))(x, y)
-    expected = fn(*[jnp.asarray(represented(a), jnp.float32) for a in (x, y)])
-    for out, ref in zip(outs, expected, strict=True):
-        assert isinstance(out, jsa.ScaledArray)
-        assert_close(out, ref, 4e-3)
 
 
 def test_custom_lin_has_a_clear_error():

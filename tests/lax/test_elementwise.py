@@ -410,9 +410,10 @@ def primitives_of(fn: Callable[..., Any], inputs: Sequence[np.ndarray]) -> set[s
             names.add(eqn.primitive.name)
             for param in eqn.params.values():
                 for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    inner = getattr(sub, "jaxpr", None)
+                    # A ClosedJaxpr (jit, scan...), or a bare Jaxpr (shard_map).
+                    inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
                     if inner is not None:
-                        walk(getattr(inner, "jaxpr", inner))
+                        walk(inner)
 
     walk(jax.make_jaxpr(fn)(*inputs).jaxpr)
     return names
