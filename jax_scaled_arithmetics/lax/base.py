@@ -13,6 +13,7 @@ Most primitives need no hand-written rule, only the right family:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -308,7 +309,12 @@ def smallest_scale_for(bound: float, dtype: Any) -> float:
 
 
 def elementwise_output_scale(
-    strategy: str, scales: Sequence[Array], y: Array, dtype: Any = None, bound: float = 0.0
+    strategy: str,
+    scales: Sequence[Array],
+    y: Array,
+    dtype: Any = None,
+    bound: float = 0.0,
+    slope: Slope | None = None,
 ) -> Array:
     """The output scale of an elementwise function `y` of operands with `scales`.
 
@@ -319,8 +325,13 @@ def elementwise_output_scale(
     - `"smallest_input"`: the smallest operand scale;
     - `"input_at_most_one"` (the first scale) and `"ratio_at_most_one"` (first /
       second), clipped to `[smallest_scale_for(bound, dtype), 1]`: for functions
-      with `|f(x)| <= C min(|x|, bound)`, tiny inputs keep their precision and the
-      largest output `bound` still fits the data dtype.
+      with `|f(x)| <= min(C |x|, bound)`, tiny inputs keep their precision and the
+      largest output `bound` still fits the data dtype. With a `slope` (C, and
+      whether `|f(x)| <= C |x|` holds everywhere or for `|x| <= 1/2` only), an
+      input scale small enough for that bound to apply to every representable
+      input gives the output scale `2^ceil(log2 C)` times the input scale, with no
+      floor: `f(2^-60 d)` keeps `d`'s precision even in float16 (functions with
+      finite limits at infinity keep the floor, so that `f(inf)` fits).
 
     All but `"dynamic"` depend on the scales only (so scales stay unbatched under
     `vmap`). A zero scale becomes 1.
@@ -338,8 +349,16 @@ def elementwise_output_scale(
         if strategy == "ratio_at_most_one":
             first = safe_div(first, jnp.asarray(scales[1], jnp.float32))
             first = jnp.where(jnp.asarray(scales[1]) == 0, 1, first)
-        floor = smallest_scale_for(bound, y.dtype if dtype is None else dtype)
-        scale = jnp.clip(first, floor, 1)
+        dtype = y.dtype if dtype is None else dtype
+        scale = jnp.clip(first, smallest_scale_for(bound, dtype), 1)
+        if slope is not None:
+            by_slope = jnp.minimum(first * slope.factor, 1)
+            largest = float(jnp.finfo(dtype).max)
+            if not slope.everywhere:  # only where every representable |x| <= 1/2
+                by_slope = jnp.where(first * largest <= 0.5, by_slope, scale)
+            if slope.saturates:  # f(+-inf) is finite: keep the floor so that it fits
+                by_slope = jnp.maximum(by_slope, smallest_scale_for(bound, dtype))
+            scale = by_slope
     elif strategy == "smallest_input":
         scale = first
         for s in scales[1:]:
@@ -349,11 +368,30 @@ def elementwise_output_scale(
     return lax.stop_gradient(nonzero_or_one(scale))
 
 
+@dataclasses.dataclass(frozen=True)
+class Slope:
+    """`|f(x)| <= C |x|`, for every `x` or (`everywhere=False`) for `|x| <= 1/2`.
+
+    `saturates`: `f(+-inf)` is finite (tanh, atan, erf): the output of an infinite
+    input, which the bound does not cover, must fit, so the scale keeps its floor.
+    """
+
+    C: float
+    everywhere: bool = True
+    saturates: bool = False
+
+    @property
+    def factor(self) -> float:
+        """The power of two `2^ceil(log2 C)`: `f(x) / (factor * s)` is at most `|x| / s`."""
+        return float(2.0 ** np.ceil(np.log2(self.C)))
+
+
 def register_unscaled_elementwise(
     primitive: Any,
     fn: Callable[..., Array] | None = None,
     output_scale: str = "dynamic",
     bound: float = 0.0,
+    slope: Slope | None = None,
     remark: str = "",
 ) -> None:
     """Register an elementwise primitive computed on the unscaled values in float32.
@@ -362,7 +400,8 @@ def register_unscaled_elementwise(
     values in at least float32, so it overflows or underflows only where the
     plain function does. The result is stored as data `y / scale` in the data
     dtype, with `scale` chosen by `output_scale` (and `bound`, the largest finite
-    `|f|`, for the `*_at_most_one` strategies; see `elementwise_output_scale`).
+    `|f|`, and `slope`, for the `*_at_most_one` strategies; see
+    `elementwise_output_scale`).
     """
     if output_scale not in OUTPUT_SCALES:
         raise ValueError(f"Unknown output_scale {output_scale!r}; use one of {OUTPUT_SCALES}.")
@@ -374,7 +413,7 @@ def register_unscaled_elementwise(
         values = [unscaled_value(o, cdtype) if isinstance(o, ScaledArray) else o for o in operands]
         y = fn(*values, **params) if fn is not None else primitive.bind(*values, **params)
         scale = elementwise_output_scale(
-            output_scale, [o.scale for o in scaled], y, dtype=dtype, bound=bound
+            output_scale, [o.scale for o in scaled], y, dtype=dtype, bound=bound, slope=slope
         )
         data = y / jnp.asarray(scale, y.dtype)
         return ScaledArray(data.astype(dtype), jnp.asarray(scale, jnp.float32))

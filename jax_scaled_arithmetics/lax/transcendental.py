@@ -8,10 +8,13 @@ function does; the families differ in the output scale:
   logistic, erfc).
 - `"input_at_most_one"`: functions with |f(x)| <= C min(|x|, bound) (sin, tanh,
   atan, asin, erf, asinh, and log1p, atanh, erf_inv whose float32 outputs stay
-  below 17): the input scale, capped at 1 and floored so that `bound` fits the
-  data dtype (float16: 2^-14 or 2^-10). Tiny inputs keep their precision
-  (tanh(2^-60) = 2^-60) and tanh(inf) = 1 still fits; the scale depends on the
-  input scale only, so it stays unbatched under `vmap`.
+  below 17): the input scale times `2^ceil(log2 C)` for the slope bound
+  |f(x)| <= C |x|, capped at 1. Tiny inputs keep their precision in every dtype
+  (sin(2^-60 d) has data d, even in float16); tanh, atan and erf, finite at
+  infinity, keep a floor so that tanh(inf) = 1 fits (float16: 2^-14 or 2^-10).
+  log1p, atanh and erf_inv have that bound only for |x| <= 1/2: scales at which
+  some representable input is larger are floored so that 17 fits the data dtype.
+  The scale depends on the input scale only, so it stays unbatched under `vmap`.
 - atan2: the same with the ratio of the scales (atan2(y, x) ~ y / x).
 - `"dynamic"`, a power of two near the largest finite output: fast-growing or
   unbounded outputs (exp, exp2, expm1, sinh, cosh, tan, pow, lgamma, digamma,
@@ -31,7 +34,7 @@ from jax import lax
 
 from ..core import _compat, registry
 from ..core.datatype import ScaledArray
-from .base import compute_dtype, register_unscaled_elementwise
+from .base import Slope, compute_dtype, register_unscaled_elementwise
 
 _REGISTERED_BEFORE = frozenset(registry.coverage())
 
@@ -70,24 +73,26 @@ _SCALE_ONE = (lax.cos_p, lax.acos_p, lax.acosh_p, lax.logistic_p, lax.erfc_p)
 for _prim in _SCALE_ONE:
     register_unscaled_elementwise(_prim, output_scale="one", remark="bounded output, scale 1")
 
-# Largest finite |f| in float32 over the domain (log1p(-1 + 2^-24) = -16.6).
+# Largest finite |f| in float32 over the domain (log1p(-1 + 2^-24) = -16.6), and the slope
+# bound |f(x)| <= C |x| (everywhere, or for |x| <= 1/2 near a singularity at +-1).
 _BOUNDED_BY_INPUT = (
-    (lax.sin_p, 1.0),
-    (lax.tanh_p, 1.0),
-    (lax.erf_p, 1.0),
-    (lax.atan_p, np.pi / 2),
-    (lax.asin_p, np.pi / 2),
-    (lax.asinh_p, 0.0),  # |asinh(x)| <= |x|: data never grows
-    (lax.log1p_p, 17.0),
-    (lax.atanh_p, 17.0),
-    (lax.erf_inv_p, 17.0),
+    (lax.sin_p, 1.0, Slope(1.0)),
+    (lax.tanh_p, 1.0, Slope(1.0, saturates=True)),
+    (lax.erf_p, 1.0, Slope(2 / np.sqrt(np.pi), saturates=True)),
+    (lax.atan_p, np.pi / 2, Slope(1.0, saturates=True)),
+    (lax.asin_p, np.pi / 2, Slope(np.pi / 2)),
+    (lax.asinh_p, 0.0, Slope(1.0)),  # |asinh(x)| <= |x|: data never grows
+    (lax.log1p_p, 17.0, Slope(2 * np.log(2), everywhere=False)),  # log1p(-1/2) = -ln 2
+    (lax.atanh_p, 17.0, Slope(2 * np.arctanh(0.5), everywhere=False)),
+    (lax.erf_inv_p, 17.0, Slope(1.0, everywhere=False)),  # erf_inv(1/2) = 0.477
 )
-for _prim, _bound in _BOUNDED_BY_INPUT:
+for _prim, _bound, _slope in _BOUNDED_BY_INPUT:
     register_unscaled_elementwise(
         _prim,
         output_scale="input_at_most_one",
         bound=_bound,
-        remark="f(x) ~ x near 0: input scale capped at 1, floored so |f| <= bound fits",
+        slope=_slope,
+        remark="f(x) ~ x near 0: input scale (times the slope bound) capped at 1",
     )
 
 register_unscaled_elementwise(

@@ -288,10 +288,19 @@ def test_log_of_values_beyond_float32_range():
 @pytest.mark.parametrize("dtype, exponent", ((F32, -60), (BF16, -60), (F16, -20)), ids=str)
 def test_tiny_inputs_of_odd_functions_keep_precision(dtype, exponent):
     """sin, tanh, asin... of values ~2^-60 are ~2^-60, not flushed to zero by a scale of 1
-    (float16: down to its output-scale floor, 2^-14 or 2^-10)."""
+    (float16: tanh, atan and erf down to their output-scale floor, 2^-14 or 2^-10, so
+    that f(inf) fits; the others at every scale)."""
     x = make_scaled(np.array([1.0, -1.5, 0.75]), dtype, 2.0**exponent)
     value = jnp.asarray(represented(x), jnp.float32)
-    for fn in (jnp.sin, jnp.tanh, jnp.arcsin, jnp.arctan, jnp.arcsinh, jnp.log1p, lax.erf):
+    functions = [jnp.sin, jnp.arcsin, jnp.arcsinh, jnp.log1p, jnp.arctanh, lax.erf_inv]
+    if dtype == F16:  # the same functions at 2^-60, and float16's own extremes
+        x = make_scaled(np.array([1.0, -1.5, 0.75, 65504.0, 2.0**-24]), dtype, 2.0**-60)
+        value = jnp.asarray(represented(x), jnp.float32)
+        for fn in functions:
+            assert_close(jsa.autoscale(fn)(x), np.asarray(fn(value)), RTOL[dtype])
+        x = make_scaled(np.array([1.0, -1.5, 0.75]), dtype, 2.0**exponent)
+        value = jnp.asarray(represented(x), jnp.float32)
+    for fn in (*functions, jnp.tanh, jnp.arctan, lax.erf):
         out = jsa.autoscale(fn)(x)
         assert_close(out, np.asarray(fn(value)), RTOL[dtype])
         # The scale depends on the input scale only: no reduction, unbatched under vmap.
