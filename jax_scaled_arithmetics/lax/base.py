@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import registry
+from ..core import _compat, registry
 from ..core.config import Pow2RoundMode
 from ..core.datatype import ScaledArray, is_floating
 from ..core.pow2 import pow2_round, static_pow2
@@ -77,6 +77,69 @@ def unscaled_value(x: ScaledArray, dtype: Any = None) -> Array:
     """The represented value of `x` in `dtype` (default: the safe compute dtype)."""
     dtype = compute_dtype(x.dtype) if dtype is None else dtype
     return x.data.astype(dtype) * jnp.asarray(x.scale).astype(dtype)
+
+
+# A float32 scale m * 2^e (m in [1/2, 1)) with e in this range and its reciprocal are both
+# normal numbers (XLA may divide by multiplying with a reciprocal that it flushes to 0).
+_SCALE_EXPONENTS = (-124, 126)
+# Powers of two applied to data in two chunks that are normal float32 numbers: enough to
+# overflow (or flush) any float16/bfloat16 datum, as the plain float32 value would.
+_DATA_EXPONENT_CHUNK = 126
+
+
+def _concrete_scale(scale: Any) -> float | None:
+    if _compat.is_tracer(scale) or np.shape(scale) != ():
+        return None
+    try:
+        return float(np.asarray(scale, np.float64))
+    except Exception:  # an abstract value without a concrete one
+        return None
+
+
+def _exact_pow2(exponent: Array) -> Array:
+    """`2^exponent` as float32, exactly, for integer exponents in [-126, 127]."""
+    bits = (jnp.asarray(exponent, jnp.int32) + 127).astype(jnp.uint32) << 23
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def scale_product(data: Array, factors: Sequence[tuple[Any, int]], dtype: Any) -> ScaledArray:
+    """`data` at the scale `prod(scale ** power for scale, power in factors)`.
+
+    The product is formed on float32 exponents, so it cannot overflow: where it leaves
+    float32's range, the scale is clamped to that range and the remaining power of two
+    multiplies the data (in float32), so that each value beyond float32's range becomes
+    +-inf (or 0) as in plain float32 arithmetic, instead of the whole tensor getting an
+    infinite (or zero) scale, which later turns zeros and every rescale into NaN.
+    """
+    concrete = [_concrete_scale(scale) for scale, _ in factors]
+    if all(c is not None for c in concrete):  # known when tracing: checked here, for free
+        with np.errstate(all="ignore"):
+            product = float(np.prod([np.float64(c) ** p for c, (_, p) in zip(concrete, factors)]))
+        if product == 0 or 2.0 ** (_SCALE_EXPONENTS[0] - 1) <= product < 2.0 ** _SCALE_EXPONENTS[1]:
+            return ScaledArray(data.astype(dtype), np.asarray(product, np.float32))
+    direct: Array = None  # the plain product: differentiable in the scales
+    mantissa: Array = None
+    exponent: Array = 0
+    for scale, power in factors:
+        scale = jnp.asarray(scale, jnp.float32)
+        term = scale if power == 1 else lax.integer_pow(scale, power)
+        direct = term if direct is None else direct * term
+        m, e = jnp.frexp(lax.stop_gradient(scale))
+        m = m if power == 1 else lax.integer_pow(m, power)
+        mantissa = m if mantissa is None else mantissa * m
+        exponent = exponent + (e if power == 1 else e * power)
+    m, e = jnp.frexp(mantissa)
+    exponent = exponent + e
+    kept = lax.clamp(np.int32(_SCALE_EXPONENTS[0]), exponent, np.int32(_SCALE_EXPONENTS[1]))
+    clamped = m * _exact_pow2(kept - 1) * 2  # m * 2^kept, with 2^(kept - 1) a normal float32
+    scale = lax.select(exponent == kept, direct, clamped)
+    limit = np.int32(2 * _DATA_EXPONENT_CHUNK)
+    rest = lax.clamp(-limit, exponent - kept, limit)
+    first = rest // 2
+    out = data.astype(compute_dtype(data.dtype))
+    for chunk in (first, rest - first):
+        out = out * _exact_pow2(chunk).astype(out.dtype)
+    return ScaledArray(out.astype(dtype), scale)
 
 
 def _constant_scale(value: Any, dtype: Any) -> Any:

@@ -40,6 +40,7 @@ from .base import (
     register_unscaled_elementwise,
     rescale,
     safe_div,
+    scale_product,
 )
 
 Array = Any
@@ -127,8 +128,10 @@ for _prim in (lax.add_p, lax.sub_p, _compat.primitives.add_jaxvals_p):
 
 @registry.register_scaled_op(lax.mul_p, family="mul", remark="scales multiply")
 def scaled_mul(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
-    """Data multiply, scales multiply."""
-    return ScaledArray(lax.mul_p.bind(a.data, b.data, **params), a.scale * b.scale)
+    """Data multiply, scales multiply (a product beyond float32's range overflows the data,
+    elementwise, as plain float32 does, rather than the scale)."""
+    data = lax.mul_p.bind(a.data, b.data, **params)
+    return scale_product(data, [(a.scale, 1), (b.scale, 1)], data.dtype)
 
 
 @registry.register_scaled_op(
@@ -140,7 +143,8 @@ def scaled_div(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
     """
     sb_known = static_scale(b.scale)
     if sb_known is not None and sb_known != 0:
-        return ScaledArray(lax.div_p.bind(a.data, b.data, **params), a.scale / b.scale)
+        data = lax.div_p.bind(a.data, b.data, **params)
+        return scale_product(data, [(a.scale, 1), (b.scale, -1)], data.dtype)
     cdtype = compute_dtype(a.dtype)
     sa = jnp.asarray(a.scale, jnp.float32)
     sb = jnp.asarray(b.scale, jnp.float32)
@@ -150,8 +154,9 @@ def scaled_div(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
     # the branch not taken carries no inf into gradients.
     den = jnp.where(zero, b.data.astype(cdtype) * 0, jnp.ones((), cdtype))
     special = (a.data.astype(cdtype) * sa.astype(cdtype)) / den
-    data = jnp.where(zero, special.astype(a.dtype), regular)
-    scale = jnp.where(zero, jnp.ones_like(sa), sa / jnp.where(zero, jnp.ones_like(sb), sb))
+    quotient = scale_product(regular, [(sa, 1), (jnp.where(zero, 1, sb), -1)], regular.dtype)
+    data = jnp.where(zero, special.astype(a.dtype), quotient.data)
+    scale = jnp.where(zero, jnp.ones_like(sa), quotient.scale)
     return ScaledArray(data, scale)
 
 
@@ -292,8 +297,7 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params: Any) -> ScaledArray:
     data = lax.integer_pow_p.bind(x.data.astype(cdtype), y=y, **params)
     if y == 0:
         return ScaledArray(data.astype(x.dtype), np.asarray(1.0, np.float32))
-    scale = jnp.asarray(x.scale, jnp.float32)
-    return ScaledArray(data.astype(x.dtype), lax.integer_pow(scale, y))
+    return scale_product(data, [(x.scale, y)], x.dtype)
 
 
 def _sqrt_scale(scale: Any) -> tuple[Any, Any]:
@@ -334,7 +338,7 @@ def scaled_square(x: ScaledArray, **params: Any) -> ScaledArray:
     """data^2 (in float32) with scale^2."""
     cdtype = compute_dtype(x.dtype)
     data = lax.square_p.bind(x.data.astype(cdtype), **params)
-    return ScaledArray(data.astype(x.dtype), jnp.asarray(x.scale, jnp.float32) ** 2)
+    return scale_product(data, [(x.scale, 2)], x.dtype)
 
 
 # --- rounding and remainders -------------------------------------------------------------

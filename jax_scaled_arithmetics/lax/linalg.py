@@ -18,6 +18,7 @@ from jax import lax
 from ..core import registry
 from ..core.datatype import ScaledArray
 from ..core.pow2 import static_pow2
+from .base import scale_product
 
 
 def fan_in_factor(fan_in: int) -> float:
@@ -47,8 +48,7 @@ def _scaled_contraction(
     bind_params = dict(params, preferred_element_type=_accumulator_dtype(out_dtype, preferred))
     out = primitive.bind(lhs.data, rhs.data, *others, **bind_params)
     out = (out * jnp.asarray(1.0 / factor, out.dtype)).astype(out_dtype)
-    scale = jnp.asarray(lhs.scale, jnp.float32) * jnp.asarray(rhs.scale, jnp.float32) * factor
-    return ScaledArray(out, scale)
+    return scale_product(out, [(lhs.scale, 1), (rhs.scale, 1), (factor, 1)], out_dtype)
 
 
 @registry.register_scaled_op(

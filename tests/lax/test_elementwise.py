@@ -735,3 +735,29 @@ def test_copysign_composite():
     for scale in (2.0**-20, 2.0**20):
         check_autoscale_matches(jnp.copysign, inputs, F16, scale, use_jit=False)
         check_autoscale_matches(jnp.signbit, inputs[:1], F16, scale, use_jit=False)
+
+
+@pytest.mark.parametrize("use_jit", (False, True), ids=("eager", "jit"))
+def test_products_beyond_float32_overflow_elementwise_like_plain(use_jit):
+    """A scale product beyond float32's range moves into the data: values overflow to +-inf
+    (zeros stay zeros) as plain float32 does, and no later rescale turns them into NaN."""
+    big = make_scaled(np.array([0.0, 1.5, -1.0]), np.float16, 2.0**100)
+
+    def fn(x, y):
+        product = x * y  # 2^200: beyond float32
+        return product, product + x, jnp.dot(x, y), x**3, jnp.square(x)
+
+    scaled_fn = jax.jit(jsa.autoscale(fn)) if use_jit else jsa.autoscale(fn)
+    outs = scaled_fn(big, big)
+    value = jnp.asarray(represented(big), jnp.float32)
+    for out, expected in zip(outs, fn(value, value), strict=True):
+        got = np.asarray(out.to_array(np.float32))
+        assert float(out.scale) < np.inf
+        np.testing.assert_array_equal(got, np.asarray(expected))
+
+    # Data far from unit range: the value is fine in float32 although the scales' product
+    # is not (2^-40 * 2^100 squared is 2^120).
+    far = make_scaled(np.array([2.0**-40, -(2.0**-40)]), np.float32, 2.0**100)
+    np.testing.assert_array_equal(
+        np.asarray(scaled_fn(far, far)[0].to_array()), np.array([2.0**120, 2.0**120], np.float32)
+    )
