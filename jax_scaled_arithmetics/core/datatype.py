@@ -40,8 +40,16 @@ def is_floating(x: Any) -> bool:
 
 
 def _autoscaled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    from .interpreter import autoscale
+    from .interpreter import _STATE, autoscale
 
+    if _STATE.tracing_depth > 0:
+        # Inside the trace of an autoscaled function every value is a plain stand-in: a
+        # ScaledArray met there was captured from outside, and cannot enter the jaxpr.
+        raise TypeError(
+            "A ScaledArray captured by a function that autoscale traces (closed over, or "
+            "built inside it) cannot be used there: pass it as an argument of the "
+            "autoscaled function instead."
+        )
     return autoscale(fn)
 
 

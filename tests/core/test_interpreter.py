@@ -458,3 +458,17 @@ def test_closures_over_outer_tracers_are_not_cached_across_traces():
     scaled = jsa.autoscale(lambda a, b: a * b)
     np.testing.assert_array_equal(jax.jit(scaled)(x, 5.0).to_array(), [5.0, 5.0])
     np.testing.assert_array_equal(scaled(x, 7.0).to_array(), [7.0, 7.0])
+
+
+def test_captured_scaled_array_has_a_clear_error():
+    """A ScaledArray closed over by the traced function used to recurse without end."""
+    captured = jsa.scaled_array(np.ones(3, np.float32), np.float32(2.0))
+    x = jsa.as_scaled_array(np.ones(3, np.float32))
+    for fn in (lambda v: v * captured, lambda v: captured - v, lambda v: -captured + v):
+        with pytest.raises(TypeError, match="captured by a function that autoscale traces"):
+            jsa.autoscale(fn)(x)
+        with pytest.raises(TypeError, match="pass it as an argument"):
+            jax.jit(jsa.autoscale(fn))(x)
+    # As an argument, it works.
+    out = jsa.autoscale(lambda v, c: v * c)(x, captured)
+    np.testing.assert_array_equal(out.to_array(), np.full(3, 2.0, np.float32))
