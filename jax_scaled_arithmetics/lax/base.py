@@ -87,7 +87,8 @@ _SCALE_EXPONENTS = (-124, 126)
 _DATA_EXPONENT_CHUNK = 126
 
 
-def _concrete_scale(scale: Any) -> float | None:
+def static_scale(scale: Any) -> float | None:
+    """The value of a concrete scalar scale, or None for a traced one."""
     if _compat.is_tracer(scale) or np.shape(scale) != ():
         return None
     try:
@@ -111,7 +112,7 @@ def scale_product(data: Array, factors: Sequence[tuple[Any, int]], dtype: Any) -
     +-inf (or 0) as in plain float32 arithmetic, instead of the whole tensor getting an
     infinite (or zero) scale, which later turns zeros and every rescale into NaN.
     """
-    concrete = [_concrete_scale(scale) for scale, _ in factors]
+    concrete = [static_scale(scale) for scale, _ in factors]
     if all(c is not None for c in concrete):  # known when tracing: checked here, for free
         with np.errstate(all="ignore"):
             product = float(np.prod([np.float64(c) ** p for c, (_, p) in zip(concrete, factors)]))

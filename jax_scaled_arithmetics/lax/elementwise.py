@@ -41,21 +41,12 @@ from .base import (
     rescale,
     safe_div,
     scale_product,
+    static_scale,
 )
 
 Array = Any
 
 _REGISTERED_BEFORE = frozenset(registry.coverage())
-
-
-def static_scale(scale: Any) -> float | None:
-    """The value of a concrete scalar scale, or None for a traced one."""
-    if _compat.is_tracer(scale) or np.shape(scale) != ():
-        return None
-    try:
-        return float(np.asarray(scale))
-    except Exception:  # an abstract value without a concrete one
-        return None
 
 
 def same_scale(sa: Any, sb: Any) -> bool:

@@ -33,6 +33,7 @@ from tests.helpers import (
     make_scaled,
     represented,
 )
+from tests.lax.test_control_flow import weighted_sum
 from tests.lax.test_elementwise import primitives_of
 
 N_DEVICES = 4
@@ -223,10 +224,6 @@ def _scaled(case: Case, dtype: Any, scale: float) -> list[jsa.ScaledArray]:
 
 def _reference(case: Case, args: Sequence[jsa.ScaledArray]) -> Any:
     return case.plain_jit(*[jnp.asarray(represented(a), jnp.float32) for a in args])
-
-
-def weighted_sum(y: Any) -> Any:
-    return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
