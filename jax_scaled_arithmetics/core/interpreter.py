@@ -18,7 +18,13 @@ from .datatype import ScaledArray, is_floating
 from .promotion import promote_to_scaled
 from .registry import operand_constants
 
-__all__ = ["autoscale", "scalify", "promote_to_scaled", "operand_constants"]
+__all__ = [
+    "autoscale",
+    "scalify",
+    "promote_to_scaled",
+    "operand_constants",
+    "observe_equations",
+]
 
 Array = Any
 
@@ -29,6 +35,35 @@ class _State(threading.local):
 
 
 _STATE = _State()
+
+
+# --- equation observers (diagnostics: jsa.analysis) -------------------------------------
+
+EquationObserver = Callable[[_compat.JaxprEqn, Sequence[Any], Sequence[Any]], None]
+
+
+class _Observers(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[EquationObserver] = []
+
+
+_OBSERVERS = _Observers()
+
+
+@contextlib.contextmanager
+def observe_equations(observer: EquationObserver) -> Iterator[None]:
+    """Call `observer(eqn, inputs, outputs)` after the interpreter evaluates each equation.
+
+    Inputs and outputs are the values the interpreter holds (ScaledArrays or plain arrays,
+    tracers inside re-traced sub-jaxprs). For diagnostics such as `jsa.analysis`; an
+    observer must not change the values. Observers see the interpretation, which runs at
+    every call of an autoscaled function (only when tracing, under an outer `jax.jit`).
+    """
+    _OBSERVERS.stack.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.stack.pop()
 
 
 @contextlib.contextmanager
@@ -214,6 +249,8 @@ def interpret_jaxpr(
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             out_known = _fold_known(eqn, in_known)
+        for observer in _OBSERVERS.stack:
+            observer(eqn, invals, outs)
         for var, out, k in zip(eqn.outvars, outs, out_known):
             if isinstance(var, _compat.Var) and type(var).__name__ != "DropVar":
                 env[var] = out
