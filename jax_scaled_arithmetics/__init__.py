@@ -8,6 +8,7 @@ Examples:
     Array([2., 4.], dtype=float16)
 """
 
+from . import analysis as analysis
 from . import lax as lax
 from . import mp as mp
 from . import ops as ops
@@ -39,6 +40,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AutoScaleConfig",
+    "analysis",
     "Pow2RoundMode",
     "ScaledArray",
     "as_scaled_array",
