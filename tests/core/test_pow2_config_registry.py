@@ -115,6 +115,7 @@ def test_public_names_are_pinned():
     assert sorted(jsa.__all__) == sorted(
         [
             "AutoScaleConfig",
+            "analysis",
             "Pow2RoundMode",
             "ScaledArray",
             "as_scaled_array",
