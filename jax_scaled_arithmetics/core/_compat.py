@@ -235,3 +235,20 @@ def varying_axes(aval: Any) -> frozenset[Any]:
     mat = getattr(aval, "mat", None)
     varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
     return frozenset(varying or ())
+
+
+def eqn_source_summary(eqn: JaxprEqn, exclude: str = "") -> str:
+    """An equation's user source location, 'file:line:col (function)' ('' when unknown): the
+    innermost frame outside JAX (and outside files whose path starts with `exclude`)."""
+    from jax._src import source_info_util
+
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        if not exclude or not frame.file_name.startswith(exclude):
+            location = f"{frame.file_name}:{frame.start_line}:{frame.start_column}"
+            return f"{location} ({frame.function_name})"
+    return ""
+
+
+def eqn_name_stack(eqn: JaxprEqn) -> str:
+    """An equation's name stack as text, e.g. 'transpose(jvp(mlp))' in a backward pass."""
+    return str(eqn.source_info.name_stack)
