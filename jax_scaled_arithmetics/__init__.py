@@ -16,6 +16,7 @@ from . import quantization as quantization
 from . import tree as tree
 from .core.config import AutoScaleConfig as AutoScaleConfig
 from .core.config import Pow2RoundMode as Pow2RoundMode
+from .core.config import ScalePolicy as ScalePolicy
 from .core.datatype import ScaledArray as ScaledArray
 from .core.datatype import as_scaled_array as as_scaled_array
 from .core.datatype import asarray as asarray
@@ -42,6 +43,7 @@ __all__ = [
     "AutoScaleConfig",
     "analysis",
     "Pow2RoundMode",
+    "ScalePolicy",
     "ScaledArray",
     "as_scaled_array",
     "asarray",

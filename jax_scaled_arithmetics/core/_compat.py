@@ -252,3 +252,9 @@ def eqn_source_summary(eqn: JaxprEqn, exclude: str = "") -> str:
 def eqn_name_stack(eqn: JaxprEqn) -> str:
     """An equation's name stack as text, e.g. 'transpose(jvp(mlp))' in a backward pass."""
     return str(eqn.source_info.name_stack)
+
+
+def scalar_aval_like(aval: Any, dtype: Any) -> Any:
+    """A scalar abstract value of `dtype` derived from `aval` (varying mesh axes kept, so that
+    a scalar computed from a value inside `shard_map` is typed as varying where it does)."""
+    return aval.update(shape=(), dtype=jax.numpy.dtype(dtype), weak_type=False)

@@ -12,7 +12,14 @@ from .config import Pow2RoundMode, get_autoscale_config
 
 Array = Any
 
-__all__ = ["pow2_round", "pow2_round_down", "pow2_round_up", "pow2_decompose", "static_pow2"]
+__all__ = [
+    "pow2_floor",
+    "pow2_round",
+    "pow2_round_down",
+    "pow2_round_up",
+    "pow2_decompose",
+    "static_pow2",
+]
 
 
 def _as_float_array(x: Array) -> Array:
@@ -27,20 +34,34 @@ _MANTISSA_MASK = np.uint32(0x007FFFFF)
 _EXPONENT_ONE = np.uint32(0x00800000)
 
 
+def pow2_floor(x: Array) -> Array:
+    """The power of two at or below a positive normal float32 `x` (three operations).
+
+    The exponent bits of `x` alone: 0 for 0 and subnormals, inf for inf and NaN. For
+    scales, which are positive normal numbers; :func:`pow2_round_down` handles the rest.
+    """
+    bits = lax.bitcast_convert_type(x, jnp.uint32) & _EXPONENT_MASK
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _pow2_bits(x: Array, round_up: bool) -> Array:
     """Power-of-two rounding of `|x|` by float32 bit manipulation (exact, cheap)."""
     x = _as_float_array(x)
     dtype = x.dtype
-    bits = lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32), jnp.uint32)
+    magnitude = lax.abs(x)
+    if magnitude.dtype != jnp.float32:
+        magnitude = lax.convert_element_type(magnitude, jnp.float32)
+    bits = lax.bitcast_convert_type(magnitude, jnp.uint32)
     exponent = bits & _EXPONENT_MASK
     if round_up:
         has_mantissa = (bits & _MANTISSA_MASK) != 0
-        exponent = jnp.where(has_mantissa & (exponent != 0), exponent + _EXPONENT_ONE, exponent)
+        up = has_mantissa & (exponent != 0)
+        exponent = lax.select(up, exponent + _EXPONENT_ONE, exponent)
     out = lax.bitcast_convert_type(exponent, jnp.float32)
     # NaN stays NaN (its exponent bits alone would read as inf); a subnormal float32 stays
     # itself (not a power of two, but never rounded to zero).
-    keep = jnp.isnan(x) | (exponent == 0)
-    out = jnp.where(keep, jnp.abs(x).astype(jnp.float32), out)
+    keep = (magnitude != magnitude) | (exponent == 0)
+    out = lax.select(keep, magnitude, out)
     return out.astype(dtype)
 
 

@@ -21,10 +21,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import _compat, registry
+from ..core import registry
 from ..core.config import Pow2RoundMode
 from ..core.datatype import ScaledArray, is_floating
 from ..core.pow2 import pow2_round, static_pow2
+from .scales import (
+    SCALE_MIN,
+    as_f32,
+    at_scale,
+    common_scale,
+    dynamic_scale,
+    represent,
+    scale_div,
+    scale_mul,
+    static_value,
+)
 
 Array = Any
 
@@ -61,9 +72,12 @@ def choose_scale(x: Array) -> Array:
 
 def safe_div(num: Array, den: Array) -> Array:
     """`num / den`, defined as 0 where `den == 0` (zero scales represent zeros)."""
-    den = jnp.asarray(den)
+    num, den = jnp.asarray(num), jnp.asarray(den)
+    dtype = jnp.result_type(num, den)
+    num, den = num.astype(dtype), den.astype(dtype)
     nonzero = den != 0
-    return jnp.where(nonzero, num / jnp.where(nonzero, den, jnp.ones_like(den)), 0)
+    quotient = lax.div(num, lax.select(nonzero, den, lax.full_like(den, 1)))
+    return lax.select(nonzero, quotient, lax.full_like(quotient, 0))
 
 
 def rescale(data: Array, ratio: Array, dtype: Any = None) -> Array:
@@ -76,71 +90,25 @@ def rescale(data: Array, ratio: Array, dtype: Any = None) -> Array:
 def unscaled_value(x: ScaledArray, dtype: Any = None) -> Array:
     """The represented value of `x` in `dtype` (default: the safe compute dtype)."""
     dtype = compute_dtype(x.dtype) if dtype is None else dtype
-    return x.data.astype(dtype) * jnp.asarray(x.scale).astype(dtype)
-
-
-# A float32 scale m * 2^e (m in [1/2, 1)) with e in this range and its reciprocal are both
-# normal numbers (XLA may divide by multiplying with a reciprocal that it flushes to 0).
-_SCALE_EXPONENTS = (-124, 126)
-# Powers of two applied to data in two chunks that are normal float32 numbers: enough to
-# overflow (or flush) any float16/bfloat16 datum, as the plain float32 value would.
-_DATA_EXPONENT_CHUNK = 126
+    scale = as_f32(x.scale)
+    if static_value(scale) == 1.0:
+        return x.data.astype(dtype)
+    return x.data.astype(dtype) * jnp.asarray(scale).astype(dtype)
 
 
 def static_scale(scale: Any) -> float | None:
     """The value of a concrete scalar scale, or None for a traced one."""
-    if _compat.is_tracer(scale) or np.shape(scale) != ():
-        return None
-    try:
-        return float(np.asarray(scale, np.float64))
-    except Exception:  # an abstract value without a concrete one
-        return None
-
-
-def _exact_pow2(exponent: Array) -> Array:
-    """`2^exponent` as float32, exactly, for integer exponents in [-126, 127]."""
-    bits = (jnp.asarray(exponent, jnp.int32) + 127).astype(jnp.uint32) << 23
-    return lax.bitcast_convert_type(bits, jnp.float32)
+    return static_value(scale)
 
 
 def scale_product(data: Array, factors: Sequence[tuple[Any, int]], dtype: Any) -> ScaledArray:
     """`data` at the scale `prod(scale ** power for scale, power in factors)`.
 
-    The product is formed on float32 exponents, so it cannot overflow: where it leaves
-    float32's range, the scale is clamped to that range and the remaining power of two
-    multiplies the data (in float32), so that each value beyond float32's range becomes
-    +-inf (or 0) as in plain float32 arithmetic, instead of the whole tensor getting an
-    infinite (or zero) scale, which later turns zeros and every rescale into NaN.
+    See :func:`jax_scaled_arithmetics.lax.scales.represent`: the product is clamped to
+    float32's range only where it could leave it, the rest multiplying the data, so that
+    values beyond float32's range become +-inf (or 0) elementwise as in plain float32.
     """
-    concrete = [static_scale(scale) for scale, _ in factors]
-    if all(c is not None for c in concrete):  # known when tracing: checked here, for free
-        with np.errstate(all="ignore"):
-            product = float(np.prod([np.float64(c) ** p for c, (_, p) in zip(concrete, factors)]))
-        if product == 0 or 2.0 ** (_SCALE_EXPONENTS[0] - 1) <= product < 2.0 ** _SCALE_EXPONENTS[1]:
-            return ScaledArray(data.astype(dtype), np.asarray(product, np.float32))
-    direct: Array = None  # the plain product: differentiable in the scales
-    mantissa: Array = None
-    exponent: Array = 0
-    for scale, power in factors:
-        scale = jnp.asarray(scale, jnp.float32)
-        term = scale if power == 1 else lax.integer_pow(scale, power)
-        direct = term if direct is None else direct * term
-        m, e = jnp.frexp(lax.stop_gradient(scale))
-        m = m if power == 1 else lax.integer_pow(m, power)
-        mantissa = m if mantissa is None else mantissa * m
-        exponent = exponent + (e if power == 1 else e * power)
-    m, e = jnp.frexp(mantissa)
-    exponent = exponent + e
-    kept = lax.clamp(np.int32(_SCALE_EXPONENTS[0]), exponent, np.int32(_SCALE_EXPONENTS[1]))
-    clamped = m * _exact_pow2(kept - 1) * 2  # m * 2^kept, with 2^(kept - 1) a normal float32
-    scale = lax.select(exponent == kept, direct, clamped)
-    limit = np.int32(2 * _DATA_EXPONENT_CHUNK)
-    rest = lax.clamp(-limit, exponent - kept, limit)
-    first = rest // 2
-    out = data.astype(compute_dtype(data.dtype))
-    for chunk in (first, rest - first):
-        out = out * _exact_pow2(chunk).astype(out.dtype)
-    return ScaledArray(out.astype(dtype), scale)
+    return represent(data, factors, dtype)
 
 
 def _constant_scale(value: Any, dtype: Any) -> Any:
@@ -160,22 +128,19 @@ def to_common_scale(
     by `scale_i / common <= 1` and none overflows. An operand known to be a constant
     (`constants[i]` not None, e.g. the `-1e30` of a mask or the `0` of a padding) only
     asks for the smallest scale it fits at, not the power of two it was promoted with:
-    `where(mask, x, -1e4)` keeps x's precision.
+    `where(mask, x, -1e4)` keeps x's precision. Operands sharing one scale, and static
+    scales, cost no scalar work.
     """
     constants = [None] * len(xs) if constants is None else list(constants)
-    scales = [jnp.asarray(x.scale) for x in xs]
     wanted = [
-        _constant_scale(c, x.dtype) if _is_number(c) else s
-        for x, s, c in zip(xs, scales, constants)
+        _constant_scale(c, x.dtype) if _is_number(c) else x.scale for x, c in zip(xs, constants)
     ]
-    common = wanted[0]
-    for s in wanted[1:]:
-        common = jnp.maximum(common, s)
+    common = common_scale(wanted)
     if any(_is_number(c) and not np.isfinite(c) for c in constants):
         # inf / NaN constants fit at any positive scale, but not at a zero one.
-        common = jnp.where(common == 0, jnp.ones_like(common), common)
-    common = lax.stop_gradient(common)
-    datas = [rescale(x.data, safe_div(s, common)) for x, s in zip(xs, scales)]
+        if static_value(common) == 0.0:
+            common = np.float32(1.0)
+    datas = [at_scale(x.data, x.scale, common) for x in xs]
     return datas, common
 
 
@@ -184,11 +149,8 @@ def _is_number(value: Any) -> bool:
 
 
 def dynamic_scale_of(y: Array, scale_dtype: Any = np.float32) -> Array:
-    """A power-of-two scale close to `max |y|` (1 where that is 0, inf or NaN)."""
-    amax = jnp.max(jnp.abs(y)) if y.size else jnp.zeros((), y.dtype)
-    amax = amax.astype(scale_dtype)
-    scale = choose_scale(amax)
-    return lax.stop_gradient(jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1))
+    """A power-of-two scale close to `max |y|` (1 where that is 0; infinities left out)."""
+    return dynamic_scale(y).astype(scale_dtype)
 
 
 def _as_scaled(x: Any) -> ScaledArray:
@@ -287,9 +249,23 @@ def register_unscaled_unary(
 def scaled_output(y: Array, dtype: Any, output_scale: str = "one") -> ScaledArray:
     """Wrap a value computed in high precision as a ScaledArray with `dtype` data."""
     if output_scale == "one":
-        return ScaledArray(y.astype(dtype), np.asarray(1.0, np.float32))
-    scale = dynamic_scale_of(y)
-    return ScaledArray(rescale(y, 1.0 / scale, dtype), scale)
+        return ScaledArray(y.astype(dtype), np.float32(1.0))
+    scale = dynamic_scale(y)
+    return ScaledArray(lax.div(y, scale.astype(y.dtype)).astype(dtype), scale)
+
+
+def zeros_where_scale_zero(x: ScaledArray) -> Array:
+    """The data of `x`, or `data * 0` where its scale is 0: the (signed) zeros it represents.
+
+    Free when the scale is static and nonzero.
+    """
+    value = static_value(x.scale)
+    if value is not None and value != 0:
+        return x.data
+    if value == 0:
+        return x.data * np.asarray(0, x.dtype)
+    zero = as_f32(x.scale) == 0
+    return lax.select(lax.broadcast(zero, x.data.shape), x.data * np.asarray(0, x.dtype), x.data)
 
 
 def register_unscaled_output(
@@ -309,19 +285,11 @@ def register_unscaled_output(
         ]
         scaled = [operands[i] for i in positions]
         if len(scaled) == 1:
-            x = scaled[0]
-            # A zero scale represents zeros, whatever the data.
-            datas = [jnp.where(jnp.asarray(x.scale) == 0, jnp.zeros_like(x.data), x.data)]
+            datas = [zeros_where_scale_zero(scaled[0])]
         else:
-            scales = [jnp.asarray(x.scale, jnp.float32) for x in scaled]
-            common = scales[0]
-            for s in scales[1:]:
-                common = jnp.maximum(common, s)
+            common = common_scale([x.scale for x in scaled])
             cdtype = compute_dtype(scaled[0].dtype)
-            datas = [
-                x.data.astype(cdtype) * safe_div(s, common).astype(cdtype)
-                for x, s in zip(scaled, scales)
-            ]
+            datas = [at_scale(x.data, x.scale, common, cdtype) for x in scaled]
         args = list(operands)
         for i, d in zip(positions, datas):
             args[i] = d
@@ -345,9 +313,13 @@ OUTPUT_SCALES = (
 
 
 def nonzero_or_one(scale: Array) -> Array:
-    """`scale` as a float32 array, with 1 in place of 0, inf or NaN (a usable output scale)."""
-    scale = jnp.asarray(scale, jnp.float32)
-    return jnp.where(jnp.isfinite(scale) & (scale != 0), scale, jnp.ones_like(scale))
+    """`scale` as a float32 scalar, with 1 in place of 0, inf or NaN (a usable output scale)."""
+    value = static_value(scale)
+    if value is not None:
+        return np.float32(value if np.isfinite(value) and value != 0 else 1.0)
+    scale = as_f32(scale)
+    usable = (scale > 0) & (scale < np.float32(np.inf))
+    return lax.select(usable, scale, np.float32(1.0))
 
 
 def finite_dynamic_scale(y: Array) -> Array:
@@ -356,11 +328,7 @@ def finite_dynamic_scale(y: Array) -> Array:
     Infinities and NaNs are left out, so that one of them does not push every
     other element of the output to zero or infinity.
     """
-    if not y.size:
-        return np.asarray(1.0, np.float32)
-    amag = jnp.abs(y).astype(jnp.float32)
-    amax = jnp.max(jnp.where(jnp.isfinite(amag), amag, jnp.zeros_like(amag)))
-    return lax.stop_gradient(nonzero_or_one(choose_scale(amax)))
+    return dynamic_scale(y)
 
 
 def smallest_scale_for(bound: float, dtype: Any) -> float:
@@ -370,6 +338,27 @@ def smallest_scale_for(bound: float, dtype: Any) -> float:
     if bound <= 0:
         return tiny
     return max(tiny, float(2.0 ** np.ceil(np.log2(2 * bound / float(finfo.max)))))
+
+
+def _clamp_scale(lo: float, scale: Any, hi: float) -> Any:
+    value = static_value(scale)
+    if value is not None:
+        return np.float32(np.clip(value, lo, hi))
+    return lax.clamp(np.float32(lo), as_f32(scale), np.float32(hi))
+
+
+def _by_slope(first: Any, bound_scale: Any, slope: Slope, bound: float, dtype: Any) -> Any:
+    """The `"input_at_most_one"` scale refined by a slope bound (see `elementwise_output_scale`)."""
+    floor = smallest_scale_for(bound, dtype) if slope.saturates else SCALE_MIN
+    by_slope = _clamp_scale(floor, scale_mul(first, np.float32(slope.factor)), 1.0)
+    if slope.everywhere:
+        return by_slope
+    # Only where every representable |x| <= 1/2, i.e. first * largest <= 1/2.
+    limit = np.float32(0.5 / float(jnp.finfo(dtype).max))
+    value = static_value(first)
+    if value is not None:
+        return by_slope if value <= limit else bound_scale
+    return lax.select(as_f32(first) <= limit, as_f32(by_slope), as_f32(bound_scale))
 
 
 def elementwise_output_scale(
@@ -398,38 +387,38 @@ def elementwise_output_scale(
       finite limits at infinity keep the floor, so that `f(inf)` fits).
 
     All but `"dynamic"` depend on the scales only (so scales stay unbatched under
-    `vmap`). A zero scale becomes 1.
+    `vmap`), and fold at trace time when the scales are static. A zero scale becomes 1.
     """
     if strategy == "one":
-        return np.asarray(1.0, np.float32)
+        return np.float32(1.0)
     if strategy == "dynamic":
-        return finite_dynamic_scale(y)
-    first = jnp.asarray(scales[0], jnp.float32)
+        return dynamic_scale(y)
+    first = scales[0]
     if strategy == "input":
+        return nonzero_or_one(first)
+    if strategy == "input_at_least_one":
+        value = static_value(first)
+        if value is not None:
+            return np.float32(max(value, 1.0))
+        return lax.max(as_f32(first), np.float32(1.0))
+    if strategy == "smallest_input":
         scale = first
-    elif strategy == "input_at_least_one":
-        scale = jnp.maximum(first, 1)
-    elif strategy in ("input_at_most_one", "ratio_at_most_one"):
-        if strategy == "ratio_at_most_one":
-            first = safe_div(first, jnp.asarray(scales[1], jnp.float32))
-            first = jnp.where(jnp.asarray(scales[1]) == 0, 1, first)
-        dtype = y.dtype if dtype is None else dtype
-        scale = jnp.clip(first, smallest_scale_for(bound, dtype), 1)
-        if slope is not None:
-            by_slope = jnp.minimum(first * slope.factor, 1)
-            largest = float(jnp.finfo(dtype).max)
-            if not slope.everywhere:  # only where every representable |x| <= 1/2
-                by_slope = jnp.where(first * largest <= 0.5, by_slope, scale)
-            if slope.saturates:  # f(+-inf) is finite: keep the floor so that it fits
-                by_slope = jnp.maximum(by_slope, smallest_scale_for(bound, dtype))
-            scale = by_slope
-    elif strategy == "smallest_input":
-        scale = first
-        for s in scales[1:]:
-            scale = jnp.minimum(scale, jnp.asarray(s, jnp.float32))
-    else:
+        for other in scales[1:]:
+            va, vb = static_value(scale), static_value(other)
+            if va is not None and vb is not None:
+                scale = np.float32(min(va, vb))
+            else:
+                scale = lax.min(as_f32(scale), as_f32(other))
+        return nonzero_or_one(scale)
+    if strategy not in ("input_at_most_one", "ratio_at_most_one"):
         raise ValueError(f"Unknown output scale strategy {strategy!r}; use one of {OUTPUT_SCALES}.")
-    return lax.stop_gradient(nonzero_or_one(scale))
+    if strategy == "ratio_at_most_one":
+        first = nonzero_or_one(scale_div(first, nonzero_or_one(scales[1])))
+    dtype = y.dtype if dtype is None else dtype
+    bound_scale = _clamp_scale(smallest_scale_for(bound, dtype), first, 1.0)
+    if slope is None:
+        return bound_scale
+    return _by_slope(first, bound_scale, slope, bound, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,8 +468,8 @@ def register_unscaled_elementwise(
         scale = elementwise_output_scale(
             output_scale, [o.scale for o in scaled], y, dtype=dtype, bound=bound, slope=slope
         )
-        data = y / jnp.asarray(scale, y.dtype)
-        return ScaledArray(data.astype(dtype), jnp.asarray(scale, jnp.float32))
+        data = y if static_value(scale) == 1.0 else lax.div(y, as_f32(scale).astype(y.dtype))
+        return ScaledArray(data.astype(dtype), as_f32(scale))
 
     rule.__name__ = f"scaled_{primitive.name}"
     registry.register_scaled_op(

@@ -29,19 +29,27 @@ import numpy as np
 from jax import lax
 
 from ..core import _compat, registry
+from ..core.config import Pow2RoundMode, get_autoscale_config
 from ..core.datatype import ScaledArray
+from ..core.pow2 import pow2_floor, pow2_round_up, static_pow2
 from ..core.registry import operand_constants
 from .base import (
-    choose_scale,
     compute_dtype,
-    nonzero_or_one,
     register_common_scale,
     register_linear,
     register_unscaled_elementwise,
-    rescale,
-    safe_div,
-    scale_product,
-    static_scale,
+    zeros_where_scale_zero,
+)
+from .scales import (
+    SCALE_MIN,
+    as_f32,
+    at_scale,
+    common_scale,
+    represent,
+    same_scale,
+    scale_div,
+    scale_mul,
+    static_value,
 )
 
 Array = Any
@@ -49,19 +57,9 @@ Array = Any
 _REGISTERED_BEFORE = frozenset(registry.coverage())
 
 
-def same_scale(sa: Any, sb: Any) -> bool:
-    """Whether two scales are known to be equal when tracing: same object, or equal constants."""
-    if sa is sb:
-        return True
-    va, vb = static_scale(sa), static_scale(sb)
-    return va is not None and va == vb
-
-
 def value_at_scale(x: ScaledArray, scale: Array, dtype: Any) -> Array:
     """The data of `x` brought to `scale`, in `dtype` (a zero scale of `x` gives signed zeros)."""
-    sx = jnp.asarray(x.scale, jnp.float32)
-    ratio = jnp.where(sx == 0, 0, safe_div(sx, scale))
-    return x.data.astype(dtype) * ratio.astype(dtype)
+    return at_scale(x.data, x.scale, scale, dtype)
 
 
 def compare_operands(a: ScaledArray, b: ScaledArray) -> tuple[Array, Array]:
@@ -69,40 +67,54 @@ def compare_operands(a: ScaledArray, b: ScaledArray) -> tuple[Array, Array]:
     equal (zeroed where that scale is 0), otherwise rescaled in float32 to the larger scale.
     """
     if same_scale(a.scale, b.scale):
-        known = static_scale(a.scale)
-        if known is not None and known != 0:
-            return a.data, b.data
-        zero = jnp.asarray(a.scale) == 0
-        # data * 0 keeps the sign of zero, as the represented value does.
-        return jnp.where(zero, a.data * 0, a.data), jnp.where(zero, b.data * 0, b.data)
+        return zeros_where_scale_zero(a), zeros_where_scale_zero(b)
     cdtype = compute_dtype(a.dtype)
-    common = lax.stop_gradient(
-        jnp.maximum(jnp.asarray(a.scale, jnp.float32), jnp.asarray(b.scale, jnp.float32))
-    )
+    common = common_scale([a.scale, b.scale])
     return value_at_scale(a, common, cdtype), value_at_scale(b, common, cdtype)
 
 
 # --- add, sub ----------------------------------------------------------------------------
 
 
-def _add_scale(sa: Any, sb: Any) -> Any:
-    """sqrt(sa^2 + sb^2), computed as max * sqrt(1 + (min/max)^2), rounded to a power of two."""
-    sa = jnp.asarray(sa, jnp.float32)
-    sb = jnp.asarray(sb, jnp.float32)
-    hi = jnp.maximum(sa, sb)
-    lo = jnp.minimum(sa, sb)
-    ratio = safe_div(lo, hi)
-    return choose_scale(hi * jnp.sqrt(1 + ratio * ratio))
+def add_scale(sa: Any, sb: Any) -> Any:
+    """The output scale of a sum: `sqrt(sa^2 + sb^2)` rounded to a power of two.
+
+    For powers of two this is `max(sa, sb)` rounding down (the default) and twice that
+    rounding up: one `max`, no square root. With `Pow2RoundMode.NONE` the root is computed
+    (as `max * sqrt(1 + (min / max)^2)`, which cannot overflow).
+    """
+    mode = get_autoscale_config().rounding_mode
+    common = common_scale([sa, sb])
+    if mode == Pow2RoundMode.DOWN:
+        return common
+    if mode == Pow2RoundMode.UP:
+        return scale_mul(common, np.float32(2.0))
+    low = scale_div(_smaller(sa, sb), common)
+    return scale_mul(common, _sqrt_scalar(scale_mul(low, low) + np.float32(1.0)))
+
+
+def _smaller(sa: Any, sb: Any) -> Any:
+    va, vb = static_value(sa), static_value(sb)
+    if va is not None and vb is not None:
+        return np.float32(min(va, vb))
+    return lax.min(as_f32(sa), as_f32(sb))
+
+
+def _sqrt_scalar(x: Any) -> Any:
+    value = static_value(x)
+    return np.float32(np.sqrt(value)) if value is not None else lax.sqrt(x)
 
 
 def _scaled_add_like(primitive: Any) -> Any:
     def rule(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
-        scale = _add_scale(a.scale, b.scale)
-        cdtype = compute_dtype(a.dtype)
-        da = a.data.astype(cdtype) * safe_div(a.scale, scale).astype(cdtype)
-        db = b.data.astype(cdtype) * safe_div(b.scale, scale).astype(cdtype)
-        out = primitive.bind(da, db, **params)
-        return ScaledArray(out.astype(a.dtype), scale)
+        if same_scale(a.scale, b.scale) and get_autoscale_config().rounding_mode == (
+            Pow2RoundMode.DOWN
+        ):
+            return ScaledArray(primitive.bind(a.data, b.data, **params), a.scale)
+        scale = add_scale(a.scale, b.scale)
+        da = at_scale(a.data, a.scale, scale)
+        db = at_scale(b.data, b.scale, scale, a.dtype)
+        return ScaledArray(primitive.bind(da, db, **params), scale)
 
     rule.__name__ = f"scaled_{primitive.name}"
     return rule
@@ -110,7 +122,10 @@ def _scaled_add_like(primitive: Any) -> Any:
 
 for _prim in (lax.add_p, lax.sub_p, _compat.primitives.add_jaxvals_p):
     registry.register_scaled_op(
-        _prim, _scaled_add_like(_prim), family="add", remark="scale sqrt(sa^2 + sb^2)"
+        _prim,
+        _scaled_add_like(_prim),
+        family="add",
+        remark="scale sqrt(sa^2 + sb^2) rounded: max(sa, sb) for powers of two",
     )
 
 
@@ -122,7 +137,7 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
     """Data multiply, scales multiply (a product beyond float32's range overflows the data,
     elementwise, as plain float32 does, rather than the scale)."""
     data = lax.mul_p.bind(a.data, b.data, **params)
-    return scale_product(data, [(a.scale, 1), (b.scale, 1)], data.dtype)
+    return represent(data, [(a.scale, 1), (b.scale, 1)], data.dtype)
 
 
 @registry.register_scaled_op(
@@ -130,25 +145,10 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
 )
 def scaled_div(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
     """Data divide, scales divide. A divisor of scale 0 is a (signed) zero: the output is
-    then the plain quotient of the represented values (inf or NaN), with scale 1.
+    then the plain quotient of the represented values (+-inf or NaN).
     """
-    sb_known = static_scale(b.scale)
-    if sb_known is not None and sb_known != 0:
-        data = lax.div_p.bind(a.data, b.data, **params)
-        return scale_product(data, [(a.scale, 1), (b.scale, -1)], data.dtype)
-    cdtype = compute_dtype(a.dtype)
-    sa = jnp.asarray(a.scale, jnp.float32)
-    sb = jnp.asarray(b.scale, jnp.float32)
-    zero = sb == 0
-    regular = lax.div_p.bind(a.data, b.data, **params)
-    # Divisor data * 0 is a zero with the sign of the represented value; 1 elsewhere, so that
-    # the branch not taken carries no inf into gradients.
-    den = jnp.where(zero, b.data.astype(cdtype) * 0, jnp.ones((), cdtype))
-    special = (a.data.astype(cdtype) * sa.astype(cdtype)) / den
-    quotient = scale_product(regular, [(sa, 1), (jnp.where(zero, 1, sb), -1)], regular.dtype)
-    data = jnp.where(zero, special.astype(a.dtype), quotient.data)
-    scale = jnp.where(zero, jnp.ones_like(sa), quotient.scale)
-    return ScaledArray(data, scale)
+    data = lax.div_p.bind(a.data, b.data, **params)
+    return represent(data, [(a.scale, 1), (b.scale, -1)], data.dtype)
 
 
 # --- sign-like, linear and selection -----------------------------------------------------
@@ -172,20 +172,16 @@ def _minmax_rule(primitive: Any, is_max: bool) -> Any:
         if same_scale(a.scale, b.scale):
             return ScaledArray(primitive.bind(a.data, b.data, **params), a.scale)
         known = list(operand_constants()) or [None, None]
-        sa = jnp.asarray(a.scale, jnp.float32)
-        sb = jnp.asarray(b.scale, jnp.float32)
         if _keeps_scale(known[1], is_max) and known[0] is None:
-            scale = sa
+            scale = a.scale
         elif _keeps_scale(known[0], is_max) and known[1] is None:
-            scale = sb
+            scale = b.scale
         else:
-            scale = jnp.maximum(sa, sb)
-        scale = lax.stop_gradient(scale)
-        cdtype = compute_dtype(a.dtype)
+            scale = common_scale([a.scale, b.scale])
         out = primitive.bind(
-            value_at_scale(a, scale, cdtype), value_at_scale(b, scale, cdtype), **params
+            value_at_scale(a, scale, a.dtype), value_at_scale(b, scale, a.dtype), **params
         )
-        return ScaledArray(out.astype(a.dtype), scale)
+        return ScaledArray(out, scale)
 
     rule.__name__ = f"scaled_{primitive.name}"
     return rule
@@ -210,28 +206,22 @@ register_common_scale(
     remark="x's scale between constant bounds around 0, else the largest scale",
 )
 def scaled_clamp(lo: ScaledArray, x: ScaledArray, hi: ScaledArray, **params: Any) -> ScaledArray:
-    """clamp in float32 at x's scale when the bounds are constants around 0 (the output
-    is then x, or a bound smaller in magnitude), otherwise at the largest scale.
+    """clamp at x's scale when the bounds are constants around 0 (the output is then x, or
+    a bound smaller in magnitude), otherwise at the largest scale.
     """
-    cdtype = compute_dtype(x.dtype)
     known = list(operand_constants()) or [None] * 3
     if _keeps_scale(known[0], is_max=True) and _keeps_scale(known[2], is_max=False):
-        scale = jnp.asarray(x.scale, jnp.float32)
+        scale = x.scale
     else:
-        scale = jnp.maximum(
-            jnp.maximum(jnp.asarray(lo.scale, jnp.float32), jnp.asarray(x.scale, jnp.float32)),
-            jnp.asarray(hi.scale, jnp.float32),
-        )
-    scale = lax.stop_gradient(scale)
-    datas = [value_at_scale(o, scale, cdtype) for o in (lo, x, hi)]
-    return ScaledArray(lax.clamp_p.bind(*datas, **params).astype(x.dtype), scale)
+        scale = common_scale([lo.scale, x.scale, hi.scale])
+    datas = [value_at_scale(o, scale, x.dtype) for o in (lo, x, hi)]
+    return ScaledArray(lax.clamp_p.bind(*datas, **params), scale)
 
 
 @registry.register_scaled_op(lax.sign_p, family="unscaled output", remark="scale 1")
 def scaled_sign(x: ScaledArray, **params: Any) -> ScaledArray:
     """sign(data), scale 1 (zeros where the scale is 0)."""
-    data = jnp.where(jnp.asarray(x.scale) == 0, x.data * 0, x.data)
-    return ScaledArray(lax.sign_p.bind(data, **params), np.asarray(1.0, np.float32))
+    return ScaledArray(lax.sign_p.bind(zeros_where_scale_zero(x), **params), np.float32(1.0))
 
 
 # --- comparisons -------------------------------------------------------------------------
@@ -269,8 +259,11 @@ for _prim in _COMPARISONS:
 @registry.register_scaled_op(lax.is_finite_p, family="unscaled output", remark="on data and scale")
 def scaled_is_finite(x: ScaledArray, **params: Any) -> Array:
     """is_finite(data * scale) without the product: data and scale both finite."""
-    finite_scale = jnp.isfinite(jnp.asarray(x.scale))
-    return lax.is_finite_p.bind(x.data, **params) & finite_scale
+    finite = lax.is_finite_p.bind(x.data, **params)
+    value = static_value(x.scale)
+    if value is not None:
+        return finite if np.isfinite(value) else lax.full_like(finite, False)
+    return finite & lax.is_finite(as_f32(x.scale))
 
 
 # --- powers and roots --------------------------------------------------------------------
@@ -287,41 +280,56 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params: Any) -> ScaledArray:
     cdtype = compute_dtype(x.dtype)
     data = lax.integer_pow_p.bind(x.data.astype(cdtype), y=y, **params)
     if y == 0:
-        return ScaledArray(data.astype(x.dtype), np.asarray(1.0, np.float32))
-    return scale_product(data, [(x.scale, y)], x.dtype)
+        return ScaledArray(data.astype(x.dtype), np.float32(1.0))
+    return represent(data, [(x.scale, y)], x.dtype)
 
 
-def _sqrt_scale(scale: Any) -> tuple[Any, Any]:
-    """A power-of-two square root of `scale` and the factor left in the data."""
-    root = choose_scale(jnp.sqrt(jnp.asarray(scale, jnp.float32)))
-    return root, safe_div(scale, root * root)
+def _pow2_root(scale: Any, degree: int) -> tuple[Any, Any]:
+    """`(root, rest)` with `scale = root ** degree * rest`, root a power of two (rounded with
+    the configured mode; `rest` then in [1, 2^degree) rounding down), root >= SCALE_MIN."""
+    mode = get_autoscale_config().rounding_mode
+    value = static_value(scale)
+    if value is not None:
+        exact = float(np.float64(value) ** (1.0 / degree))
+        root = exact if mode == Pow2RoundMode.NONE else static_pow2(exact, mode)
+        root = max(root, SCALE_MIN)
+        return np.float32(root), np.float32(value / root**degree)
+    scale = as_f32(scale)
+    exact = lax.sqrt(scale) if degree == 2 else lax.cbrt(scale)
+    if mode == Pow2RoundMode.NONE:
+        root = lax.max(exact, np.float32(SCALE_MIN))
+    elif mode == Pow2RoundMode.DOWN:
+        root = lax.max(pow2_floor(exact), np.float32(SCALE_MIN))
+    else:
+        root = lax.max(pow2_round_up(exact), np.float32(SCALE_MIN))
+    rest = scale
+    for _ in range(degree):  # divided one root at a time: no underflow of root ** degree
+        rest = lax.div(rest, root)
+    return root, rest
 
 
-@registry.register_scaled_op(lax.sqrt_p, family="pow", remark="scale sqrt(s) rounded")
-def scaled_sqrt(x: ScaledArray, **params: Any) -> ScaledArray:
-    """sqrt(data * rest) with scale root, where scale = root^2 * rest."""
-    root, rest = _sqrt_scale(x.scale)
-    data = lax.sqrt_p.bind(rescale(x.data, rest, compute_dtype(x.dtype)), **params)
-    return ScaledArray(data.astype(x.dtype), root)
+def _root_rule(primitive: Any, degree: int, inverse: bool) -> Any:
+    def rule(x: ScaledArray, **params: Any) -> ScaledArray:
+        root, rest = _pow2_root(x.scale, degree)
+        cdtype = compute_dtype(x.dtype)
+        data = x.data.astype(cdtype)
+        if static_value(rest) != 1.0:
+            data = data * as_f32(rest).astype(cdtype)
+        out = primitive.bind(data, **params).astype(x.dtype)
+        return ScaledArray(out, scale_div(np.float32(1.0), root) if inverse else root)
+
+    rule.__name__ = f"scaled_{primitive.name}"
+    return rule
 
 
-@registry.register_scaled_op(lax.rsqrt_p, family="pow", remark="scale 1/sqrt(s) rounded")
-def scaled_rsqrt(x: ScaledArray, **params: Any) -> ScaledArray:
-    """rsqrt(data * rest) with scale 1/root; a zero scale gives inf (scale 1) as plain."""
-    root, rest = _sqrt_scale(x.scale)
-    # A zero scale gives rest 0 and data * 0 a signed zero: rsqrt is then +-inf.
-    data = lax.rsqrt_p.bind(rescale(x.data, rest, compute_dtype(x.dtype)), **params)
-    return ScaledArray(data.astype(x.dtype), safe_div(1.0, nonzero_or_one(root)))
-
-
-@registry.register_scaled_op(lax.cbrt_p, family="pow", remark="scale cbrt(s) rounded")
-def scaled_cbrt(x: ScaledArray, **params: Any) -> ScaledArray:
-    """cbrt(data * rest) with scale root, where scale = root^3 * rest."""
-    scale = jnp.asarray(x.scale, jnp.float32)
-    root = choose_scale(jnp.cbrt(scale))
-    rest = safe_div(scale, root * root * root)
-    data = lax.cbrt_p.bind(rescale(x.data, rest, compute_dtype(x.dtype)), **params)
-    return ScaledArray(data.astype(x.dtype), root)
+for _prim, _degree, _inverse, _remark in (
+    (lax.sqrt_p, 2, False, "scale sqrt(s) rounded"),
+    (lax.rsqrt_p, 2, True, "scale 1/sqrt(s) rounded; a zero scale gives inf as plain"),
+    (lax.cbrt_p, 3, False, "scale cbrt(s) rounded"),
+):
+    registry.register_scaled_op(
+        _prim, _root_rule(_prim, _degree, _inverse), family="pow", remark=_remark
+    )
 
 
 @registry.register_scaled_op(lax.square_p, family="pow", remark="scale squared")
@@ -329,7 +337,7 @@ def scaled_square(x: ScaledArray, **params: Any) -> ScaledArray:
     """data^2 (in float32) with scale^2."""
     cdtype = compute_dtype(x.dtype)
     data = lax.square_p.bind(x.data.astype(cdtype), **params)
-    return scale_product(data, [(x.scale, 2)], x.dtype)
+    return represent(data, [(x.scale, 2)], x.dtype)
 
 
 # --- rounding and remainders -------------------------------------------------------------
@@ -359,9 +367,13 @@ def scaled_nextafter(x1: ScaledArray, x2: ScaledArray, **params: Any) -> ScaledA
     that scale is 0, the scale is float32's smallest normal number, so that the step
     from zero is as small as float32's. The direction is found by comparing the values.
     """
-    s1 = jnp.asarray(x1.scale, jnp.float32)
-    tiny = np.finfo(np.float32).tiny
-    scale = lax.stop_gradient(jnp.where(s1 == 0, jnp.full_like(s1, tiny), s1))
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    value = static_value(x1.scale)
+    if value is not None:
+        scale: Any = np.float32(value if value != 0 else tiny)
+    else:
+        s1 = as_f32(x1.scale)
+        scale = lax.stop_gradient(lax.select(s1 == 0, tiny, s1))
     c1, c2 = compare_operands(x1, x2)
     d1 = value_at_scale(x1, scale, x1.dtype)
     d2 = value_at_scale(x2, scale, x1.dtype)  # used where the values are equal (or NaN)

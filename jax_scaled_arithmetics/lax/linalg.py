@@ -1,9 +1,14 @@
-"""Scaled rules for dot_general and convolutions (unit-scaling rule: scale * sqrt(fan-in)).
+"""Scaled rules for dot_general and convolutions.
 
-The output scale is `lhs.scale * rhs.scale * pow2(sqrt(K))`, K the number of
-products summed into each output element, and the accumulated data is divided
-by the same power of two. Low-precision data is accumulated in float32 (unless
-`preferred_element_type` says otherwise) and cast to the output dtype.
+The data is contracted (low-precision data accumulated in float32, unless
+`preferred_element_type` says otherwise) and the output scale is
+`lhs.scale * rhs.scale * t`, the data being the accumulator divided by `t`:
+
+- `ScalePolicy.DYNAMIC` (default): `t` is the power of two of the accumulator's
+  largest finite magnitude (one reduction over the output), so the output data's
+  largest magnitude is in [1, 2) whatever the inputs were;
+- `ScalePolicy.STATIC`: the unit-scaling rule `t = pow2(sqrt(K))`, K the number of
+  products summed into each output element, fixed at trace time.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ import numpy as np
 from jax import lax
 
 from ..core import registry
+from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.pow2 import static_pow2
-from .base import scale_product
+from .scales import dynamic_scale, represent
 
 
 def fan_in_factor(fan_in: int) -> float:
@@ -34,6 +40,13 @@ def _accumulator_dtype(dtype: Any, preferred: Any) -> Any:
     return None
 
 
+def output_scale_factor(acc: Any, fan_in: int) -> Any:
+    """The factor `t` of a sum or contraction's output scale (see the module docstring)."""
+    if get_autoscale_config().policy == ScalePolicy.STATIC:
+        return np.float32(fan_in_factor(fan_in))
+    return dynamic_scale(acc)
+
+
 def _scaled_contraction(
     primitive: Any,
     lhs: ScaledArray,
@@ -42,17 +55,16 @@ def _scaled_contraction(
     params: dict,
     *others: Any,
 ) -> ScaledArray:
-    factor = fan_in_factor(fan_in)
     preferred = params.get("preferred_element_type")
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if preferred is None else preferred
     bind_params = dict(params, preferred_element_type=_accumulator_dtype(out_dtype, preferred))
-    out = primitive.bind(lhs.data, rhs.data, *others, **bind_params)
-    out = (out * jnp.asarray(1.0 / factor, out.dtype)).astype(out_dtype)
-    return scale_product(out, [(lhs.scale, 1), (rhs.scale, 1), (factor, 1)], out_dtype)
+    acc = primitive.bind(lhs.data, rhs.data, *others, **bind_params)
+    factor = output_scale_factor(acc, fan_in)
+    return represent(acc, [(lhs.scale, 1), (rhs.scale, 1)], out_dtype, extra=factor)
 
 
 @registry.register_scaled_op(
-    lax.dot_general_p, family="dot", remark="scale sa * sb * sqrt(K), any dimension numbers"
+    lax.dot_general_p, family="dot", remark="scale sa * sb * t (t dynamic, or sqrt(K)), any dimension numbers"
 )
 def scaled_dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> ScaledArray:
     """K is the product of the lhs contracting dimensions (batch dimensions excluded)."""
@@ -64,7 +76,7 @@ def scaled_dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Sca
 @registry.register_scaled_op(
     lax.conv_general_dilated_p,
     family="dot",
-    remark="scale sa * sb * sqrt(K), K = kernel input features x kernel spatial size",
+    remark="scale sa * sb * t (t dynamic, or sqrt(K)), K from the kernel layout",
 )
 def scaled_conv_general_dilated(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> ScaledArray:
     """K is read from the kernel (rhs) layout, whatever the dimension numbers.
@@ -95,7 +107,7 @@ ragged_dot_general_p = _ragged_dot_general_p()
 @registry.register_scaled_op(
     ragged_dot_general_p,
     family="dot",
-    remark="scale sa * sb * sqrt(K), group sizes plain",
+    remark="scale sa * sb * t (t dynamic, or sqrt(K)), group sizes plain",
 )
 def scaled_ragged_dot_general(
     lhs: ScaledArray, rhs: ScaledArray, group_sizes: Any, **params: Any

@@ -1,9 +1,12 @@
 """Scaled rules for reductions, cumulative and windowed reductions.
 
-Sums (reduce_sum, cumsum, reduce_window_sum) follow the unit-scaling rule: the
-scale grows by sqrt(N) (rounded to a power of two) for N summed values, and the
-data, accumulated in float32, is divided by the same factor. Max/min keep the
-scale. Products and generic reductions are computed in float32 and renormalised.
+Sums (reduce_sum, cumsum, reduce_window_sum) accumulate the data in float32; the
+output scale is the input's times a factor `t` and the data is the sum divided by
+`t`: with `ScalePolicy.DYNAMIC` (default) the power of two of the sum's largest
+magnitude (so sums of non-negative terms, which grow like N, and sums that cancel
+both land in range), with `ScalePolicy.STATIC` the unit-scaling `pow2(sqrt(N))`.
+Max/min keep the scale. Products and generic reductions are computed in float32
+and renormalised.
 """
 
 from __future__ import annotations
@@ -25,20 +28,19 @@ from .base import (
     unscaled_value,
 )
 from .indexing import masked_data, renormalised
-from .linalg import fan_in_factor
+from .linalg import output_scale_factor
+from .scales import represent
 
 Array = Any
 
 
 def _sum_rule(primitive: Any, count_of: Any) -> Any:
-    """A sum of `count_of(x, params)` values: scale * pow2(sqrt(N)), float32 accumulation."""
+    """A sum of `count_of(x, params)` values, accumulated in float32, scale times `t`."""
 
     def rule(x: ScaledArray, **params: Any) -> ScaledArray:
-        factor = fan_in_factor(count_of(x, params))
-        cdtype = compute_dtype(x.dtype)
-        out = primitive.bind(x.data.astype(cdtype), **params)
-        out = (out * jnp.asarray(1.0 / factor, cdtype)).astype(x.dtype)
-        return ScaledArray(out, jnp.asarray(x.scale, jnp.float32) * factor)
+        acc = primitive.bind(x.data.astype(compute_dtype(x.dtype)), **params)
+        factor = output_scale_factor(acc, count_of(x, params))
+        return represent(acc, [(x.scale, 1)], x.dtype, extra=factor)
 
     rule.__name__ = f"scaled_{primitive.name}"
     return rule
@@ -52,7 +54,7 @@ registry.register_scaled_op(
     lax.reduce_sum_p,
     _sum_rule(lax.reduce_sum_p, lambda x, p: _prod([x.shape[a] for a in p["axes"]])),
     family="reduce",
-    remark="scale * sqrt(N)",
+    remark="scale * t: dynamic (or sqrt(N))",
 )
 # The last element of a cumsum is the full sum: same rule as reduce_sum, so that
 # jnp.cumsum(x)[-1] and jnp.sum(x) agree (and long f16 sums do not overflow).
@@ -60,13 +62,13 @@ registry.register_scaled_op(
     lax.cumsum_p,
     _sum_rule(lax.cumsum_p, lambda x, p: x.shape[p["axis"]]),
     family="reduce",
-    remark="scale * sqrt(N), N the length of the axis (as reduce_sum)",
+    remark="scale * t: dynamic (or sqrt(N), N the length of the axis)",
 )
 registry.register_scaled_op(
     lax.reduce_window_sum_p,
     _sum_rule(lax.reduce_window_sum_p, lambda x, p: _prod(p["window_dimensions"])),
     family="reduce",
-    remark="scale * sqrt(window size)",
+    remark="scale * t: dynamic (or sqrt(window size))",
 )
 
 

@@ -117,6 +117,7 @@ def test_public_names_are_pinned():
             "AutoScaleConfig",
             "analysis",
             "Pow2RoundMode",
+            "ScalePolicy",
             "ScaledArray",
             "as_scaled_array",
             "asarray",

@@ -1,0 +1,321 @@
+"""The scale algebra: what rules compute on scales, at the lowest cost.
+
+A scale is a float32 scalar, either concrete when tracing (a static value: a constant's
+power of two, or any scale outside `jit`) or traced. Every helper here folds static
+scales in Python at trace time and recognises a scale shared by several operands (the
+same traced value), so that the scalar work left in the program is what cannot be
+known before running it:
+
+- :func:`represent` turns an accumulated value `acc * prod(scale_i ** p_i)` into a
+  ScaledArray: its output scale is that product (times an optional extra factor, such
+  as a dynamic scale), kept within `[SCALE_MIN, SCALE_MAX]` only where the product
+  could leave it, the rest of the factor then multiplying the data, so that values
+  beyond float32 overflow elementwise as in plain float32 (and zero scales, zero
+  divisors and underflow give the plain result too);
+- :func:`common_scale` / :func:`at_scale`: operands brought to the largest of their
+  scales (`max`, no rounding: powers of two stay powers of two);
+- :func:`dynamic_scale`: the power of two of a tensor's largest finite magnitude, one
+  primitive (`dynamic_scale_p`); under `vmap` it is taken over the whole batch, so the
+  scale stays one scalar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from ..core import _compat
+from ..core.datatype import ScaledArray
+
+Array = Any
+Factor = tuple[Any, int]
+
+__all__ = [
+    "SCALE_MIN",
+    "SCALE_MAX",
+    "static_value",
+    "same_scale",
+    "as_f32",
+    "scale_mul",
+    "scale_div",
+    "represent",
+    "common_scale",
+    "at_scale",
+    "dynamic_scale",
+    "dynamic_scale_p",
+]
+
+F32 = np.dtype(np.float32)
+# Scales computed by rules stay in this range: their reciprocals are normal float32 numbers
+# (XLA may divide by multiplying with a reciprocal, which it flushes to zero if subnormal).
+SCALE_MIN = 2.0**-124
+SCALE_MAX = 2.0**126
+# Powers of two applied to data in chunks that are normal float32 numbers.
+_CHUNK = 2.0**126
+
+
+def static_value(scale: Any) -> float | None:
+    """The value of a concrete scalar scale (known when tracing), or None for a traced one."""
+    if scale is None or _compat.is_tracer(scale) or np.shape(scale) != ():
+        return None
+    try:
+        return float(np.asarray(scale, np.float64))
+    except Exception:  # an abstract value without a concrete one
+        return None
+
+
+def same_scale(sa: Any, sb: Any) -> bool:
+    """Whether two scales are known to be equal when tracing: one value, or equal constants."""
+    if sa is sb:
+        return True
+    va, vb = static_value(sa), static_value(sb)
+    return va is not None and va == vb
+
+
+def as_f32(scale: Any) -> Any:
+    """A scale as a float32 scalar: a NumPy float32 when static, a float32 array otherwise."""
+    value = static_value(scale)
+    if value is not None:
+        return np.float32(value)
+    if scale.dtype != F32:
+        return lax.convert_element_type(scale, F32)
+    return scale
+
+
+def scale_mul(a: Any, b: Any) -> Any:
+    """`a * b` on scales, folded when static (and skipped for a factor of 1)."""
+    va, vb = static_value(a), static_value(b)
+    if va is not None and vb is not None:
+        return np.float32(va * vb)
+    if va == 1.0:
+        return as_f32(b)
+    if vb == 1.0:
+        return as_f32(a)
+    return lax.mul(as_f32(a), as_f32(b))
+
+
+def scale_div(a: Any, b: Any) -> Any:
+    """`a / b` on scales, folded when static (and skipped for a divisor of 1)."""
+    va, vb = static_value(a), static_value(b)
+    if va is not None and vb is not None:
+        with np.errstate(all="ignore"):
+            return np.float32(np.float64(va) / np.float64(vb))
+    if vb == 1.0:
+        return as_f32(a)
+    return lax.div(as_f32(a), as_f32(b))
+
+
+def _scale_power(scale: Any, power: int) -> Any:
+    out = as_f32(scale)
+    for _ in range(abs(power) - 1):
+        out = lax.mul(out, as_f32(scale))
+    return out
+
+
+def _multiply_static(data: Array, factor: float, cdtype: Any) -> Array:
+    """`data * factor` for a static factor, in chunks that float32 holds (overflow -> inf)."""
+    if factor == 1.0:
+        return data
+    out = data.astype(cdtype)
+    if factor == 0.0 or not np.isfinite(factor):
+        return out * np.asarray(factor, cdtype)
+    while factor > _CHUNK or factor < 1.0 / _CHUNK:
+        chunk = _CHUNK if factor > 1.0 else 1.0 / _CHUNK
+        out = out * np.asarray(chunk, cdtype)
+        factor /= chunk
+    return out * np.asarray(factor, cdtype)
+
+
+def _compute_dtype(dtype: Any) -> Any:
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else F32
+
+
+def represent(
+    acc: Array,
+    factors: Sequence[Factor],
+    dtype: Any,
+    extra: Any = None,
+) -> ScaledArray:
+    """`acc * prod(scale ** power)` as a ScaledArray with `dtype` data.
+
+    The output scale is the product of the factors, times `extra` when given (a scale
+    chosen for the data, e.g. :func:`dynamic_scale` of `acc`: the data is then
+    `acc / extra`). Static factors are folded at trace time. Where the product could
+    leave `[SCALE_MIN, SCALE_MAX]` it is clamped into it and the rest multiplies the
+    data (computed in float32), so that values beyond float32's range become +-inf and
+    values below it 0, elementwise, as in plain float32; a zero divisor scale gives
+    `+-inf` / NaN as plain division by zero does. When the product is known to stay in
+    range (static, or one traced scale times a static factor of at most 1), no scalar
+    work is added at all.
+    """
+    static = 1.0
+    traced: list[Factor] = []
+    for scale, power in factors:
+        if power == 0:
+            continue
+        value = static_value(scale)
+        if value is None:
+            traced.append((scale, power))
+        else:
+            with np.errstate(all="ignore"):
+                static *= float(np.float64(value) ** power)
+    extra_value = static_value(extra) if extra is not None else 1.0
+    cdtype = _compute_dtype(acc.dtype)
+
+    if not traced and extra_value is not None:
+        out = static * extra_value
+        if out == 0.0 or SCALE_MIN <= out <= SCALE_MAX:
+            data = acc if extra_value == 1.0 else _multiply_static(acc, 1.0 / extra_value, cdtype)
+            return ScaledArray(data.astype(dtype), np.float32(out))
+        scale = float(np.clip(out, SCALE_MIN, SCALE_MAX)) if np.isfinite(out) else SCALE_MAX
+        with np.errstate(all="ignore"):
+            ratio = static / scale if np.isfinite(static) else static
+        return ScaledArray(_multiply_static(acc, ratio, cdtype).astype(dtype), np.float32(scale))
+
+    # The product of the traced factors, the static one and `extra`.
+    product: Any = None
+    for scale, power in traced:
+        term = _scale_power(scale, power)
+        if product is None:
+            product = term if power > 0 else lax.div(np.float32(1.0), term)
+        else:
+            product = lax.mul(product, term) if power > 0 else lax.div(product, term)
+    if product is None:
+        product = np.float32(static)
+    elif static != 1.0:
+        product = lax.mul(product, np.float32(static))
+    if extra is not None and extra_value is None:
+        product = lax.mul(product, as_f32(extra))
+    elif extra_value != 1.0:
+        product = lax.mul(product, np.float32(extra_value))
+
+    single = len(traced) == 1 and traced[0][1] == 1 and extra_value is not None
+    if single and static * extra_value <= 1.0:
+        # One traced scale times a static factor at most 1: it can only underflow (to a
+        # scale that represents what plain float32 flushes to zero anyway).
+        data = acc if extra_value == 1.0 else _multiply_static(acc, 1.0 / extra_value, cdtype)
+        return ScaledArray(data.astype(dtype), product)
+    out_scale = lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
+    # ratio = prod(factors) / out_scale, formed without leaving float32 where it need not.
+    ratio: Any = None
+    for scale, power in traced:
+        for _ in range(abs(power)):
+            if ratio is None:
+                ratio = lax.div(as_f32(scale), out_scale) if power > 0 else None
+                if ratio is None:
+                    ratio = lax.div(np.float32(1.0), lax.mul(out_scale, as_f32(scale)))
+            elif power > 0:
+                ratio = lax.mul(ratio, as_f32(scale))
+            else:
+                ratio = lax.div(ratio, as_f32(scale))
+    if ratio is None:
+        ratio = lax.div(np.float32(1.0), out_scale)
+    if static != 1.0:
+        ratio = lax.mul(ratio, np.float32(static))
+    data = acc.astype(cdtype) * ratio.astype(cdtype)
+    return ScaledArray(data.astype(dtype), out_scale)
+
+
+def common_scale(scales: Sequence[Any]) -> Any:
+    """The largest of `scales` (static zeros, i.e. known zeros, need no scale).
+
+    Shared and static scales are folded; a traced result is floored at `SCALE_MIN`
+    when every operand could have a zero scale, so that ratios to it are defined.
+    """
+    unique: list[Any] = []
+    static_max: float | None = None
+    for scale in scales:
+        value = static_value(scale)
+        if value is not None:
+            static_max = value if static_max is None else max(static_max, value)
+        elif not any(scale is u for u in unique):
+            unique.append(scale)
+    if not unique:
+        return np.float32(static_max if static_max is not None else 1.0)
+    out = as_f32(unique[0])
+    for scale in unique[1:]:
+        out = lax.max(out, as_f32(scale))
+    if static_max is not None and static_max > 0:
+        return lax.max(out, np.float32(static_max))
+    if len(unique) == 1:  # one traced scale (beside known zeros): the data is at it already
+        return out
+    return lax.max(out, np.float32(SCALE_MIN))
+
+
+def at_scale(data: Array, scale_in: Any, scale_out: Any, dtype: Any = None) -> Array:
+    """`data` (at `scale_in`) brought to `scale_out`, in `dtype` (default: data's).
+
+    No work when the scales are the same; a zero `scale_in` gives (signed) zeros.
+    """
+    dtype = data.dtype if dtype is None else dtype
+    if same_scale(scale_in, scale_out):
+        return data.astype(dtype)
+    if static_value(scale_in) == 0.0:  # known zeros
+        return data.astype(dtype) * np.asarray(0, dtype)
+    ratio = scale_div(scale_in, scale_out)
+    static = static_value(ratio)
+    if static is None:
+        return data.astype(dtype) * ratio.astype(dtype)
+    finfo = ml_dtypes.finfo(dtype)
+    if static == 0.0 or float(finfo.tiny) <= abs(static) <= float(finfo.max):
+        return data.astype(dtype) * np.asarray(static, dtype)
+    return _multiply_static(data, static, _compute_dtype(dtype)).astype(dtype)
+
+
+# --- dynamic scale -----------------------------------------------------------------------
+
+_EXPONENT_MASK = np.uint32(0x7F800000)
+
+
+def _dynamic_scale_impl(x: Array) -> Array:
+    if x.size == 0:
+        return np.float32(1.0)
+    magnitude = lax.abs(x)
+    finite = lax.select(lax.is_finite(x), magnitude, lax.full_like(magnitude, 0))
+    amax = lax.reduce_max(finite, tuple(range(x.ndim))) if x.ndim else finite
+    amax = lax.convert_element_type(amax, F32)
+    bits = lax.bitcast_convert_type(amax, np.uint32) & _EXPONENT_MASK
+    pow2 = lax.bitcast_convert_type(bits, F32)
+    pow2 = lax.clamp(np.float32(SCALE_MIN), pow2, np.float32(SCALE_MAX))
+    return lax.select(amax > 0, pow2, np.float32(1.0))
+
+
+dynamic_scale_p = _compat.new_primitive("dynamic_scale")
+dynamic_scale_p.def_impl(_dynamic_scale_impl)
+dynamic_scale_p.def_abstract_eval(lambda x: _compat.scalar_aval_like(x, F32))
+_compat.register_lowering(dynamic_scale_p, _dynamic_scale_impl)
+
+
+def _dynamic_scale_batch(args: Any, dims: Any) -> Any:
+    # One scale for the whole batch: any positive scale represents the values, and one
+    # that stays a scalar keeps `vmap`'s scales unbatched.
+    (x,) = args
+    return dynamic_scale_p.bind(x), None
+
+
+def _dynamic_scale_jvp(primals: Any, tangents: Any) -> Any:
+    out = dynamic_scale_p.bind(*primals)
+    return out, lax.full_like(out, 0)
+
+
+_compat.register_batching(dynamic_scale_p, _dynamic_scale_batch)
+_compat.register_jvp(dynamic_scale_p, _dynamic_scale_jvp)
+
+
+def dynamic_scale(y: Array) -> Array:
+    """The power of two at or below the largest finite `|y|` (1 when there is none, or it
+    is 0), within `[SCALE_MIN, SCALE_MAX]`: `y / dynamic_scale(y)` has its largest finite
+    magnitude in [1, 2). Excluded from autodiff (a choice of representation).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jax_scaled_arithmetics.lax.scales import dynamic_scale
+        >>> dynamic_scale(jnp.array([0.3, -5.0, jnp.inf]))
+        Array(4., dtype=float32)
+    """
+    return dynamic_scale_p.bind(lax.stop_gradient(y))
+
