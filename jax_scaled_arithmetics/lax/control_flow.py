@@ -30,6 +30,7 @@ the original construct over those leaves:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 
 from ..core import _compat, registry
-from ..core.config import get_autoscale_config
+from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray, is_floating
 from ..core.promotion import promote_to_scaled
 from ..core.registry import operand_constants
@@ -801,9 +802,15 @@ def _interpret_fixed_scales(
     in_scales: Sequence[Any],
     out_scales: Sequence[Any],
 ) -> list[Any]:
-    """`closed(consts, data * in_scale)` as data at `out_scales` (plain arrays)."""
+    """`closed(consts, data * in_scale)` as data at `out_scales` (plain arrays).
+
+    Interpreted with the static scale policy: the solve's functions must stay linear in
+    the data (JAX transposes them), which data-dependent output scales are not.
+    """
     values = [ScaledArray(d, s) for d, s in zip(datas, in_scales, strict=True)]
-    outs = registry.interpret_closed_jaxpr(closed, [*consts, *values])
+    static = dataclasses.replace(get_autoscale_config(), policy=ScalePolicy.STATIC)
+    with static:
+        outs = registry.interpret_closed_jaxpr(closed, [*consts, *values])
     result = []
     for out, scale, like in zip(outs, out_scales, datas, strict=True):
         out = coerce_scaledness(out, True)

@@ -302,9 +302,12 @@ def _pow2_root(scale: Any, degree: int) -> tuple[Any, Any]:
         root = lax.max(pow2_floor(exact), np.float32(SCALE_MIN))
     else:
         root = lax.max(pow2_round_up(exact), np.float32(SCALE_MIN))
+    # Multiplied by the reciprocal one root at a time: no underflow of root ** degree (XLA
+    # rewrites (a / b) / c as a / (b * c), so the divisions would not stay separate).
+    inverse = lax.div(np.float32(1.0), root)
     rest = scale
-    for _ in range(degree):  # divided one root at a time: no underflow of root ** degree
-        rest = lax.div(rest, root)
+    for _ in range(degree):
+        rest = lax.mul(rest, inverse)
     return root, rest
 
 

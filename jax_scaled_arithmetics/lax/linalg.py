@@ -32,12 +32,12 @@ def fan_in_factor(fan_in: int) -> float:
     return static_pow2(float(np.sqrt(max(fan_in, 1))))
 
 
-def _accumulator_dtype(dtype: Any, preferred: Any) -> Any:
-    if preferred is not None:
-        return preferred
-    if jnp.dtype(dtype).itemsize < 4 and jnp.issubdtype(dtype, jnp.floating):
+def _accumulator_dtype(out_dtype: Any, preferred: Any) -> Any:
+    """float32 for outputs narrower than float32 (the data is then divided by the output
+    scale factor before its cast, so a sum beyond the narrow format's range still fits)."""
+    if jnp.issubdtype(out_dtype, jnp.floating) and jnp.dtype(out_dtype).itemsize < 4:
         return jnp.float32
-    return None
+    return preferred
 
 
 def output_scale_factor(acc: Any, fan_in: int) -> Any:

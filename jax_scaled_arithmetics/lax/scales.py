@@ -200,22 +200,28 @@ def represent(
         data = acc if extra_value == 1.0 else _multiply_static(acc, 1.0 / extra_value, cdtype)
         return ScaledArray(data.astype(dtype), product)
     out_scale = lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
-    # ratio = prod(factors) / out_scale, formed without leaving float32 where it need not.
-    ratio: Any = None
-    for scale, power in traced:
-        for _ in range(abs(power)):
-            if ratio is None:
-                ratio = lax.div(as_f32(scale), out_scale) if power > 0 else None
-                if ratio is None:
-                    ratio = lax.div(np.float32(1.0), lax.mul(out_scale, as_f32(scale)))
-            elif power > 0:
-                ratio = lax.mul(ratio, as_f32(scale))
-            else:
-                ratio = lax.div(ratio, as_f32(scale))
-    if ratio is None:
+    # ratio = prod(factors) / out_scale, one factor at a time, in an order that neither
+    # overflows nor divides a zero factor's product by a tiny out_scale (0 * inf).
+    numerators = [as_f32(scale) for scale, power in traced for _ in range(max(power, 0))]
+    denominators = [as_f32(scale) for scale, power in traced for _ in range(max(-power, 0))]
+    if len(numerators) == 2 and numerators[0] is not numerators[1]:
+        # The smaller one first: it is the one that is small when the product is clamped
+        # from below (a zero scale included), and it is not when clamped from above.
+        numerators = [lax.min(*numerators), lax.max(*numerators)]
+    if numerators:
+        ratio = lax.div(numerators[0], out_scale)
+        for scale in numerators[1:]:
+            ratio = lax.mul(ratio, scale)
+    else:
         ratio = lax.div(np.float32(1.0), out_scale)
+    for scale in denominators:
+        ratio = lax.div(ratio, scale)
     if static != 1.0:
         ratio = lax.mul(ratio, np.float32(static))
+    if sum(abs(power) for _, power in traced) + (static != 1.0) > 2:
+        # A ratio of three factors or more may overflow float32 itself (x ** 3 with a scale
+        # beyond 2^43): capped, it still overflows every nonzero datum, and zeros stay zero.
+        ratio = lax.min(ratio, np.float32(2.0**127))
     data = acc.astype(cdtype) * ratio.astype(cdtype)
     return ScaledArray(data.astype(dtype), out_scale)
 

@@ -152,20 +152,42 @@ def _conv_vjp_fan_ins(dtype):
     return jsa.autoscale(vjp_of(conv_nhwc_groups))(x, w, ct)
 
 
-def test_conv_gradient_scales_use_the_contracted_size():
-    gx, gw = _conv_vjp_fan_ins(np.float16)
+def test_static_policy_conv_gradient_scales_use_the_contracted_size():
+    with jsa.AutoScaleConfig(policy=jsa.ScalePolicy.STATIC):
+        gx, gw = _conv_vjp_fan_ins(np.float16)
     # d/dx contracts 3 output features per group x 3x2 kernel taps = 18 -> pow2(sqrt) = 4.
     assert float(gx.scale) == 4.0
     # d/dw contracts batch x output positions = 2 * 3 * 5 = 30 -> pow2(sqrt(30)) = 4.
     assert float(gw.scale) == 4.0
 
 
-def test_dot_scale_and_float32_accumulation():
+def test_dynamic_policy_conv_gradient_data_in_unit_range():
+    gx, gw = _conv_vjp_fan_ins(np.float16)
+    for grad in (gx, gw):
+        largest = float(np.max(np.abs(np.asarray(grad.data, np.float32))))
+        assert 1.0 <= largest < 2.0
+
+
+def test_static_policy_dot_scale_and_float32_accumulation():
     a = make_scaled(np.full((2, 64), 1.0), np.float16, 2.0**-30)
     b = make_scaled(np.full((64, 3), 1.0), np.float16, 2.0**-30)
-    out = jsa.autoscale(lambda u, v: u @ v)(a, b)
+    with jsa.AutoScaleConfig(policy=jsa.ScalePolicy.STATIC):
+        out = jsa.autoscale(lambda u, v: u @ v)(a, b)
     assert float(out.scale) == 2.0**-60 * 8  # sqrt(64)
     np.testing.assert_array_equal(represented(out), np.full((2, 3), 64 * 2.0**-60))
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_dynamic_policy_dot_scale_and_float32_accumulation(use_jit):
+    """The default policy: the output scale is the power of two of the largest output (64
+    here: data 1), the float16 data accumulated in float32 (64 * 2048 overflows float16)."""
+    a = make_scaled(np.full((2, 64), 2048.0), np.float16, 2.0**-30)
+    b = make_scaled(np.full((64, 3), 1.0), np.float16, 2.0**-30)
+    fn = jsa.autoscale(lambda u, v: u @ v)
+    out = (jax.jit(fn) if use_jit else fn)(a, b)
+    assert float(out.scale) == 2.0**-60 * 64 * 2048
+    np.testing.assert_array_equal(np.asarray(out.data, np.float32), np.ones((2, 3)))
+    np.testing.assert_array_equal(represented(out), np.full((2, 3), 64 * 2048 * 2.0**-60))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)

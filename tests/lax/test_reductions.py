@@ -139,14 +139,31 @@ def test_reductions_table_covers_every_rule():
     assert_table_covers(reductions_module, CASES)
 
 
-def test_sum_scales_by_sqrt_n():
+def test_static_policy_sum_scales_by_sqrt_n():
     x = make_scaled(np.ones((16, 3)), np.float16, 2.0**-20)
-    out = jsa.autoscale(lambda a: jnp.sum(a, axis=0))(x)
+    with jsa.AutoScaleConfig(policy=jsa.ScalePolicy.STATIC):
+        out = jsa.autoscale(lambda a: jnp.sum(a, axis=0))(x)
+        cum = jsa.autoscale(lambda a: jnp.cumsum(a, axis=0))(x)
     assert float(out.scale) == 2.0**-18  # sqrt(16) = 4
     np.testing.assert_array_equal(represented(out), np.full(3, 16 * 2.0**-20))
-    cum = jsa.autoscale(lambda a: jnp.cumsum(a, axis=0))(x)
     assert float(cum.scale) == 2.0**-18
     np.testing.assert_array_equal(represented(cum)[-1], represented(out))
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_dynamic_policy_sum_scale_follows_the_sum(use_jit):
+    """Sums of non-negative terms grow like N, not sqrt(N): the default (dynamic) policy puts
+    the sum's largest magnitude in [1, 2) of the data, for sums that grow and that cancel."""
+    x = make_scaled(np.ones((16, 3)), np.float16, 2.0**-20)
+    fn = jsa.autoscale(lambda a: (jnp.sum(a, axis=0), jnp.cumsum(a, axis=0), jnp.sum(a - a[:1])))
+    out, cum, cancelled = (jax.jit(fn) if use_jit else fn)(x)
+    assert float(out.scale) == 2.0**-16  # 16 = 2^4
+    np.testing.assert_array_equal(np.asarray(out.data, np.float32), np.ones(3))
+    np.testing.assert_array_equal(represented(out), np.full(3, 16 * 2.0**-20))
+    assert float(cum.scale) == 2.0**-16
+    np.testing.assert_array_equal(represented(cum)[-1], represented(out))
+    # A zero sum keeps the input scale (t = 1).
+    assert float(cancelled.scale) == 2.0**-20 and float(cancelled.data) == 0.0
 
 
 def test_long_float16_sum_does_not_overflow():
