@@ -258,3 +258,14 @@ def scalar_aval_like(aval: Any, dtype: Any) -> Any:
     """A scalar abstract value of `dtype` derived from `aval` (varying mesh axes kept, so that
     a scalar computed from a value inside `shard_map` is typed as varying where it does)."""
     return aval.update(shape=(), dtype=jax.numpy.dtype(dtype), weak_type=False)
+
+
+def match_varying(*args: Any) -> tuple[Any, ...]:
+    """Operands made to vary over the same mesh axes (inside `shard_map`), as `jax.lax`'s
+    binary operations do before binding their primitive."""
+    from jax._src import core
+
+    insert = getattr(core, "auto_insert_reshard", None)
+    if insert is None:
+        return args
+    return tuple(insert(*args))

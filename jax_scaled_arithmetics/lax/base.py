@@ -32,6 +32,7 @@ from .scales import (
     common_scale,
     dynamic_scale,
     represent,
+    represent_dynamic,
     scale_div,
     scale_mul,
     static_value,
@@ -250,8 +251,7 @@ def scaled_output(y: Array, dtype: Any, output_scale: str = "one") -> ScaledArra
     """Wrap a value computed in high precision as a ScaledArray with `dtype` data."""
     if output_scale == "one":
         return ScaledArray(y.astype(dtype), np.float32(1.0))
-    scale = dynamic_scale(y)
-    return ScaledArray(lax.div(y, scale.astype(y.dtype)).astype(dtype), scale)
+    return represent_dynamic(y, (), dtype)
 
 
 def zeros_where_scale_zero(x: ScaledArray) -> Array:
@@ -465,10 +465,13 @@ def register_unscaled_elementwise(
         cdtype = compute_dtype(dtype)
         values = [unscaled_value(o, cdtype) if isinstance(o, ScaledArray) else o for o in operands]
         y = fn(*values, **params) if fn is not None else primitive.bind(*values, **params)
+        if output_scale == "dynamic":
+            return represent_dynamic(y, (), dtype)
         scale = elementwise_output_scale(
             output_scale, [o.scale for o in scaled], y, dtype=dtype, bound=bound, slope=slope
         )
-        data = y if static_value(scale) == 1.0 else lax.div(y, as_f32(scale).astype(y.dtype))
+        inverse = scale_div(np.float32(1.0), scale)
+        data = y if static_value(scale) == 1.0 else y * as_f32(inverse).astype(y.dtype)
         return ScaledArray(data.astype(dtype), as_f32(scale))
 
     rule.__name__ = f"scaled_{primitive.name}"

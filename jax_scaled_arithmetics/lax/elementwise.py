@@ -49,6 +49,7 @@ from .scales import (
     same_scale,
     scale_div,
     scale_mul,
+    scale_sqrt,
     static_value,
 )
 
@@ -286,7 +287,7 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params: Any) -> ScaledArray:
 
 def _pow2_root(scale: Any, degree: int) -> tuple[Any, Any]:
     """`(root, rest)` with `scale = root ** degree * rest`, root a power of two (rounded with
-    the configured mode; `rest` then in [1, 2^degree) rounding down), root >= SCALE_MIN."""
+    the configured mode: `rest` in [1, 2^degree) rounding down), by exponent arithmetic."""
     mode = get_autoscale_config().rounding_mode
     value = static_value(scale)
     if value is not None:
@@ -295,19 +296,19 @@ def _pow2_root(scale: Any, degree: int) -> tuple[Any, Any]:
         root = max(root, SCALE_MIN)
         return np.float32(root), np.float32(value / root**degree)
     scale = as_f32(scale)
-    exact = lax.sqrt(scale) if degree == 2 else lax.cbrt(scale)
     if mode == Pow2RoundMode.NONE:
+        exact = lax.sqrt(scale) if degree == 2 else lax.cbrt(scale)
         root = lax.max(exact, np.float32(SCALE_MIN))
-    elif mode == Pow2RoundMode.DOWN:
-        root = lax.max(pow2_floor(exact), np.float32(SCALE_MIN))
+    elif degree == 2:
+        root = scale_sqrt(scale, round_up=mode == Pow2RoundMode.UP)
     else:
-        root = lax.max(pow2_round_up(exact), np.float32(SCALE_MIN))
-    # Multiplied by the reciprocal one root at a time: no underflow of root ** degree (XLA
-    # rewrites (a / b) / c as a / (b * c), so the divisions would not stay separate).
-    inverse = lax.div(np.float32(1.0), root)
+        root = lax.max(pow2_floor(lax.cbrt(scale)), np.float32(SCALE_MIN))
+        if mode == Pow2RoundMode.UP:
+            root = lax.max(pow2_round_up(lax.cbrt(scale)), np.float32(SCALE_MIN))
+    # Divided by one root at a time: no underflow of root ** degree.
     rest = scale
     for _ in range(degree):
-        rest = lax.mul(rest, inverse)
+        rest = scale_div(rest, root)
     return root, rest
 
 

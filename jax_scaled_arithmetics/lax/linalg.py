@@ -4,9 +4,10 @@ The data is contracted (low-precision data accumulated in float32, unless
 `preferred_element_type` says otherwise) and the output scale is
 `lhs.scale * rhs.scale * t`, the data being the accumulator divided by `t`:
 
-- `ScalePolicy.DYNAMIC` (default): `t` is the power of two of the accumulator's
-  largest finite magnitude (one reduction over the output), so the output data's
-  largest magnitude is in [1, 2) whatever the inputs were;
+- `ScalePolicy.DYNAMIC` (default): the output scale is the power of two of the
+  output value's largest finite magnitude (one reduction over the output, the value
+  formed in float32 as plain float32 forms it), so the output data's largest
+  magnitude is in [1, 2) whatever the inputs were;
 - `ScalePolicy.STATIC`: the unit-scaling rule `t = pow2(sqrt(K))`, K the number of
   products summed into each output element, fixed at trace time.
 """
@@ -24,7 +25,7 @@ from ..core import registry
 from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.pow2 import static_pow2
-from .scales import dynamic_scale, represent
+from .scales import represent, represent_dynamic
 
 
 def fan_in_factor(fan_in: int) -> float:
@@ -40,11 +41,14 @@ def _accumulator_dtype(out_dtype: Any, preferred: Any) -> Any:
     return preferred
 
 
-def output_scale_factor(acc: Any, fan_in: int) -> Any:
-    """The factor `t` of a sum or contraction's output scale (see the module docstring)."""
+def represent_accumulation(
+    acc: Any, factors: Any, dtype: Any, fan_in: int
+) -> ScaledArray:
+    """The output of a sum or contraction of `fan_in` terms: `acc * prod(factors)`, with the
+    configured policy's output scale (see the module docstring)."""
     if get_autoscale_config().policy == ScalePolicy.STATIC:
-        return np.float32(fan_in_factor(fan_in))
-    return dynamic_scale(acc)
+        return represent(acc, factors, dtype, extra=np.float32(fan_in_factor(fan_in)))
+    return represent_dynamic(acc, factors, dtype)
 
 
 def _scaled_contraction(
@@ -59,8 +63,7 @@ def _scaled_contraction(
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if preferred is None else preferred
     bind_params = dict(params, preferred_element_type=_accumulator_dtype(out_dtype, preferred))
     acc = primitive.bind(lhs.data, rhs.data, *others, **bind_params)
-    factor = output_scale_factor(acc, fan_in)
-    return represent(acc, [(lhs.scale, 1), (rhs.scale, 1)], out_dtype, extra=factor)
+    return represent_accumulation(acc, [(lhs.scale, 1), (rhs.scale, 1)], out_dtype, fan_in)
 
 
 @registry.register_scaled_op(

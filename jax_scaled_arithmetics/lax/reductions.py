@@ -28,8 +28,7 @@ from .base import (
     unscaled_value,
 )
 from .indexing import masked_data, renormalised
-from .linalg import output_scale_factor
-from .scales import represent
+from .linalg import represent_accumulation
 
 Array = Any
 
@@ -39,8 +38,7 @@ def _sum_rule(primitive: Any, count_of: Any) -> Any:
 
     def rule(x: ScaledArray, **params: Any) -> ScaledArray:
         acc = primitive.bind(x.data.astype(compute_dtype(x.dtype)), **params)
-        factor = output_scale_factor(acc, count_of(x, params))
-        return represent(acc, [(x.scale, 1)], x.dtype, extra=factor)
+        return represent_accumulation(acc, [(x.scale, 1)], x.dtype, count_of(x, params))
 
     rule.__name__ = f"scaled_{primitive.name}"
     return rule

@@ -24,12 +24,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 from jax import lax
 
 from ..core import _compat
+from ..core.config import Pow2RoundMode, get_autoscale_config
 from ..core.datatype import ScaledArray
+from ..core.pow2 import static_pow2
 
 Array = Any
 Factor = tuple[Any, int]
@@ -47,6 +50,10 @@ __all__ = [
     "at_scale",
     "dynamic_scale",
     "dynamic_scale_p",
+    "represent_dynamic",
+    "scale_divide_p",
+    "scale_root_p",
+    "scale_sqrt",
 ]
 
 F32 = np.dtype(np.float32)
@@ -99,14 +106,21 @@ def scale_mul(a: Any, b: Any) -> Any:
 
 
 def scale_div(a: Any, b: Any) -> Any:
-    """`a / b` on scales, folded when static (and skipped for a divisor of 1)."""
+    """`a / b` on scales, folded when static (and skipped for a divisor of 1).
+
+    Traced, it is :data:`scale_divide_p` (exact for a power-of-two divisor, without the
+    division instruction XLA will not fuse), or a true division with
+    `Pow2RoundMode.NONE`, whose scales are not powers of two.
+    """
     va, vb = static_value(a), static_value(b)
     if va is not None and vb is not None:
         with np.errstate(all="ignore"):
             return np.float32(np.float64(va) / np.float64(vb))
     if vb == 1.0:
         return as_f32(a)
-    return lax.div(as_f32(a), as_f32(b))
+    if get_autoscale_config().rounding_mode == Pow2RoundMode.NONE:
+        return lax.div(as_f32(a), as_f32(b))
+    return scale_divide_p.bind(*_compat.match_varying(as_f32(a), as_f32(b)))
 
 
 def _scale_power(scale: Any, power: int) -> Any:
@@ -181,9 +195,9 @@ def represent(
     for scale, power in traced:
         term = _scale_power(scale, power)
         if product is None:
-            product = term if power > 0 else lax.div(np.float32(1.0), term)
+            product = term if power > 0 else scale_div(np.float32(1.0), term)
         else:
-            product = lax.mul(product, term) if power > 0 else lax.div(product, term)
+            product = lax.mul(product, term) if power > 0 else scale_div(product, term)
     if product is None:
         product = np.float32(static)
     elif static != 1.0:
@@ -209,13 +223,13 @@ def represent(
         # from below (a zero scale included), and it is not when clamped from above.
         numerators = [lax.min(*numerators), lax.max(*numerators)]
     if numerators:
-        ratio = lax.div(numerators[0], out_scale)
+        ratio = scale_div(numerators[0], out_scale)
         for scale in numerators[1:]:
             ratio = lax.mul(ratio, scale)
     else:
-        ratio = lax.div(np.float32(1.0), out_scale)
+        ratio = scale_div(np.float32(1.0), out_scale)
     for scale in denominators:
-        ratio = lax.div(ratio, scale)
+        ratio = scale_div(ratio, scale)
     if static != 1.0:
         ratio = lax.mul(ratio, np.float32(static))
     if sum(abs(power) for _, power in traced) + (static != 1.0) > 2:
@@ -272,40 +286,145 @@ def at_scale(data: Array, scale_in: Any, scale_out: Any, dtype: Any = None) -> A
     return _multiply_static(data, static, _compute_dtype(dtype)).astype(dtype)
 
 
+# --- scalar scale primitives ---------------------------------------------------------------
+#
+# XLA does not fuse a scalar division or square root into the elementwise operations that
+# broadcast it (it would recompute it per element), so each one becomes a kernel of its own,
+# and compile time grows with their number. Scales are powers of two: dividing by one, or
+# taking its root, is exponent arithmetic, which XLA fuses like a multiply.
+
+_EXPONENT_MASK = np.int32(0x7F800000)
+_MANTISSA_MASK = np.int32(0x007FFFFF)
+_EXPONENT_ONE = np.int32(1 << 23)
+_TWO_127 = np.int32(254 << 23)  # the bits of 2^127
+
+
+def _reciprocal_of_mantissa(mantissa_bits: Array) -> Array:
+    """1 / m for m = 1.mantissa in [1, 2), exactly 1 for m = 1 (Newton's iterations)."""
+    half_m = lax.bitcast_convert_type(mantissa_bits | np.int32(126 << 23), F32)  # m / 2
+    x = np.float32(48.0 / 17.0) - np.float32(32.0 / 17.0) * half_m
+    for _ in range(3):
+        x = x * (np.float32(2.0) - half_m * x)
+    return lax.select(mantissa_bits == 0, lax.full_like(x, 1.0), x * np.float32(0.5))
+
+
+def _scale_divide_impl(a: Array, b: Array) -> Array:
+    bits = lax.bitcast_convert_type(b, np.int32)
+    exponent = bits & _EXPONENT_MASK
+    inverse_bits = lax.clamp(np.int32(0), _TWO_127 - exponent, _TWO_127)
+    inverse = lax.bitcast_convert_type(inverse_bits, F32)  # 2^-e (0 for inf, 2^127 for 0)
+    inverse = inverse * _reciprocal_of_mantissa(bits & _MANTISSA_MASK)
+    inverse = lax.select(b == 0, lax.full_like(inverse, np.inf), inverse)
+    return a * inverse
+
+
+def _elementwise_batch(primitive: Any) -> Any:
+    def rule(args: Any, dims: Any, **params: Any) -> Any:
+        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        moved = []
+        for x, d in zip(args, dims):
+            if d is None:
+                moved.append(lax.broadcast(x, (size,)))
+            else:
+                moved.append(jax.numpy.moveaxis(x, d, 0))
+        return primitive.bind(*moved, **params), 0
+
+    return rule
+
+
+scale_divide_p = _compat.new_primitive("scale_divide")
+scale_divide_p.def_impl(_scale_divide_impl)
+scale_divide_p.def_abstract_eval(lambda a, b: a if a.ndim >= b.ndim else b)
+_compat.register_lowering(scale_divide_p, _scale_divide_impl)
+_compat.register_batching(scale_divide_p, _elementwise_batch(scale_divide_p))
+
+
+def _scale_divide_jvp(primals: Any, tangents: Any) -> Any:
+    a, b = primals
+    da, db = (_compat.instantiate_zeros(t) for t in tangents)
+    out = scale_divide_p.bind(a, b)
+    inverse = scale_divide_p.bind(lax.full_like(b, 1.0), b)
+    return out, da * inverse - out * inverse * db
+
+
+_compat.register_jvp(scale_divide_p, _scale_divide_jvp)
+
+
+def _scale_root_impl(scale: Array, *, degree: int, round_up: bool) -> Array:
+    bits = lax.bitcast_convert_type(scale, np.int32)
+    exponent = lax.shift_right_arithmetic(bits & _EXPONENT_MASK, np.int32(23)) - np.int32(127)
+    root = lax.shift_right_arithmetic(exponent, np.int32(1)) if degree == 2 else exponent
+    if round_up:  # up unless the scale is an even power of two
+        exact = ((bits & _MANTISSA_MASK) == 0) & ((exponent & np.int32(1)) == 0)
+        root = root + lax.convert_element_type(~exact, np.int32)
+    return lax.bitcast_convert_type(lax.shift_left(root + np.int32(127), np.int32(23)), F32)
+
+
+scale_root_p = _compat.new_primitive("scale_root")
+scale_root_p.def_impl(_scale_root_impl)
+scale_root_p.def_abstract_eval(lambda scale, **params: scale)
+_compat.register_lowering(scale_root_p, _scale_root_impl)
+_compat.register_batching(
+    scale_root_p, lambda args, dims, **params: (scale_root_p.bind(*args, **params), dims[0])
+)
+_compat.register_jvp(
+    scale_root_p,
+    lambda primals, tangents, **params: (
+        scale_root_p.bind(*primals, **params),
+        lax.full_like(primals[0], 0),
+    ),
+)
+
+
+def scale_sqrt(scale: Any, round_up: bool = False) -> Any:
+    """The power of two `pow2_round(sqrt(scale))` (down, or up), by exponent arithmetic.
+
+    A choice of scale: excluded from autodiff. Zero gives 2^-64 (any scale represents zeros).
+    """
+    value = static_value(scale)
+    if value is not None:
+        mode = Pow2RoundMode.UP if round_up else Pow2RoundMode.DOWN
+        return np.float32(static_pow2(np.sqrt(value), mode) if value > 0 else 2.0**-64)
+    return scale_root_p.bind(as_f32(scale), degree=2, round_up=round_up)
+
+
 # --- dynamic scale -----------------------------------------------------------------------
 
-_EXPONENT_MASK = np.uint32(0x7F800000)
-
-
-def _dynamic_scale_impl(x: Array) -> Array:
+def _dynamic_scale_impl(x: Array) -> list[Array]:
     if x.size == 0:
-        return np.float32(1.0)
+        return [np.float32(1.0), np.float32(1.0)]
     magnitude = lax.abs(x)
     finite = lax.select(lax.is_finite(x), magnitude, lax.full_like(magnitude, 0))
     amax = lax.reduce_max(finite, tuple(range(x.ndim))) if x.ndim else finite
     amax = lax.convert_element_type(amax, F32)
-    bits = lax.bitcast_convert_type(amax, np.uint32) & _EXPONENT_MASK
-    pow2 = lax.bitcast_convert_type(bits, F32)
-    pow2 = lax.clamp(np.float32(SCALE_MIN), pow2, np.float32(SCALE_MAX))
-    return lax.select(amax > 0, pow2, np.float32(1.0))
+    bits = lax.bitcast_convert_type(amax, np.int32) & _EXPONENT_MASK
+    bits = lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
+    bits = lax.select(amax > 0, bits, _ONE_BITS)
+    scale = lax.bitcast_convert_type(bits, F32)
+    inverse = lax.bitcast_convert_type(_TWO_127 - bits + _EXPONENT_ONE, F32)  # 2^-e, exactly
+    return [scale, inverse]
 
 
-dynamic_scale_p = _compat.new_primitive("dynamic_scale")
+_SCALE_MIN_BITS = np.int32((127 - 124) << 23)
+_SCALE_MAX_BITS = np.int32((127 + 126) << 23)
+_ONE_BITS = np.int32(127 << 23)
+
+dynamic_scale_p = _compat.new_primitive("dynamic_scale", multiple_results=True)
 dynamic_scale_p.def_impl(_dynamic_scale_impl)
-dynamic_scale_p.def_abstract_eval(lambda x: _compat.scalar_aval_like(x, F32))
-_compat.register_lowering(dynamic_scale_p, _dynamic_scale_impl)
+dynamic_scale_p.def_abstract_eval(lambda x: [_compat.scalar_aval_like(x, F32)] * 2)
+_compat.register_lowering(dynamic_scale_p, _dynamic_scale_impl, multiple_results=True)
 
 
 def _dynamic_scale_batch(args: Any, dims: Any) -> Any:
     # One scale for the whole batch: any positive scale represents the values, and one
     # that stays a scalar keeps `vmap`'s scales unbatched.
     (x,) = args
-    return dynamic_scale_p.bind(x), None
+    return dynamic_scale_p.bind(x), [None, None]
 
 
 def _dynamic_scale_jvp(primals: Any, tangents: Any) -> Any:
-    out = dynamic_scale_p.bind(*primals)
-    return out, lax.full_like(out, 0)
+    outs = dynamic_scale_p.bind(*primals)
+    return outs, [lax.full_like(o, 0) for o in outs]
 
 
 _compat.register_batching(dynamic_scale_p, _dynamic_scale_batch)
@@ -323,5 +442,36 @@ def dynamic_scale(y: Array) -> Array:
         >>> dynamic_scale(jnp.array([0.3, -5.0, jnp.inf]))
         Array(4., dtype=float32)
     """
-    return dynamic_scale_p.bind(lax.stop_gradient(y))
+    return dynamic_scale_p.bind(y)[0]
 
+
+def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> ScaledArray:
+    """`acc * prod(scale ** power)` as a ScaledArray whose scale follows the value.
+
+    The value is formed in float32 (float64 for float64 data), as the plain computation
+    forms it, and its scale is :func:`dynamic_scale` of it: the data's largest finite
+    magnitude is in [1, 2), values beyond float32's range overflow elementwise, and the
+    output scale depends on the data only, not on the input scales (so that the scalar
+    work XLA fuses into each kernel does not grow along the program).
+    """
+    cdtype = _compute_dtype(acc.dtype)
+    value = acc.astype(cdtype)
+    static = 1.0
+    product: Any = None
+    for scale, power in factors:
+        if power == 0:
+            continue
+        known = static_value(scale)
+        if known is not None:
+            with np.errstate(all="ignore"):
+                static *= float(np.float64(known) ** power)
+            continue
+        term = _scale_power(scale, power)
+        if power < 0:
+            term = scale_div(np.float32(1.0), term)
+        product = term if product is None else lax.mul(product, term)
+    if product is not None:
+        value = value * product.astype(cdtype)
+    value = _multiply_static(value, static, cdtype)
+    scale, inverse = dynamic_scale_p.bind(value)
+    return ScaledArray((value * inverse.astype(cdtype)).astype(dtype), scale)
