@@ -21,6 +21,10 @@ __all__ = [
     "leaf_avals",
     "trace_scaled_jaxpr",
     "coerce_scaledness",
+    "CompactSpec",
+    "flatten_compact",
+    "unflatten_compact",
+    "leaves_per_value",
 ]
 
 
@@ -67,33 +71,136 @@ def coerce_scaledness(value: Any, scaled: bool) -> Any:
     return value
 
 
+# --- compact flattening: static and shared scales are not leaves ------------------------
+#
+# A sub-jaxpr that takes every scale as an argument loses what the caller knew about it:
+# a static scale becomes a traced one (all the scale arithmetic inside it, and after it,
+# is then done at run time), and two values sharing one scale get two. Compact flattening
+# passes a static scale as a constant and a shared scale once, and returns an output
+# scale that is static, or one of the inputs' scales, without a leaf of its own.
+
+# Per value: ("plain",) one leaf; ("leaf",) data and scale leaves; ("static", v) data only,
+# scale v; ("as", j) data only, the scale of value j (an input of the sub-jaxpr for its
+# outputs, an earlier value of the same list for its inputs).
+CompactSpec = tuple
+
+
+def _static_scale(scale: Any) -> float | None:
+    if _compat.is_tracer(scale) or getattr(scale, "shape", ()) != ():
+        return None
+    try:
+        import numpy as np
+
+        return float(np.asarray(scale, np.float64))
+    except Exception:
+        return None
+
+
+def flatten_compact(values: Sequence[Any]) -> tuple[list[Any], tuple[CompactSpec, ...]]:
+    """Flatten values into leaves, leaving out static scales and repeated scales."""
+    leaves: list[Any] = []
+    specs: list[CompactSpec] = []
+    seen: list[tuple[Any, int]] = []
+    for v in values:
+        if not isinstance(v, ScaledArray):
+            leaves.append(v)
+            specs.append(("plain",))
+            continue
+        leaves.append(v.data)
+        static = _static_scale(v.scale)
+        earlier = next((j for s, j in seen if s is v.scale), None)
+        if static is not None:
+            specs.append(("static", static))
+        elif earlier is not None:
+            specs.append(("as", earlier))
+        else:
+            seen.append((v.scale, len(specs)))
+            leaves.append(v.scale)
+            specs.append(("leaf",))
+    return leaves, tuple(specs)
+
+
+def unflatten_compact(
+    leaves: Sequence[Any], specs: Sequence[CompactSpec], scales_of: Sequence[Any] | None = None
+) -> list[Any]:
+    """Inverse of :func:`flatten_compact`; `("as", j)` takes the scale of `scales_of[j]`
+    (default: of the j-th value rebuilt here)."""
+    import numpy as np
+
+    out: list[Any] = []
+    it = iter(leaves)
+    for spec in specs:
+        kind = spec[0]
+        if kind == "plain":
+            out.append(next(it))
+        elif kind == "leaf":
+            data = next(it)
+            out.append(ScaledArray(data, next(it)))
+        elif kind == "static":
+            out.append(ScaledArray(next(it), np.float32(spec[1])))
+        else:
+            source = out if scales_of is None else scales_of
+            out.append(ScaledArray(next(it), source[spec[1]].scale))
+    return out
+
+
+def leaves_per_value(specs: Sequence[CompactSpec]) -> list[int]:
+    """How many leaves each value of a compact flattening has."""
+    return [2 if spec[0] == "leaf" else 1 for spec in specs]
+
+
 def trace_scaled_jaxpr(
     closed_jaxpr: _compat.ClosedJaxpr,
     args: Sequence[Any],
     known: Sequence[Any] | None = None,
     out_scaled: Sequence[bool] | None = None,
-) -> tuple[_compat.ClosedJaxpr, list[Any], tuple[bool, ...]]:
+) -> tuple[_compat.ClosedJaxpr, list[Any], tuple[CompactSpec, ...], tuple[CompactSpec, ...]]:
     """Trace the scaled interpretation of `closed_jaxpr` on `args` into a new jaxpr.
 
-    Returns the new jaxpr (over the consts it closes over, then the leaves of
-    `args`), those consts, and which outputs are scaled. `out_scaled`, when
-    given, forces each output to be scaled or not.
+    The jaxpr takes the consts it closes over, then the compact leaves of `args`
+    (:func:`flatten_compact`), and returns the compact leaves of its outputs, where an
+    output scale that is static or one of the inputs' scales is not a leaf. Returns the
+    jaxpr, its consts, and the input and output specs (an output `("as", j)` refers to
+    the j-th argument). `out_scaled`, when given, forces each output to be scaled or not.
     """
-    leaves, in_specs = flatten_scaled(args)
-    out_specs_box: list[tuple[bool, ...]] = []
+    leaves, in_specs = flatten_compact(args)
+    out_specs_box: list[tuple[CompactSpec, ...]] = []
 
     def flat_fun(*flat: Any) -> list[Any]:
-        values = unflatten_scaled(flat, in_specs)
+        values = unflatten_compact(flat, in_specs)
         outs = registry.interpret_closed_jaxpr(closed_jaxpr, values, known)
         if out_scaled is not None:
             outs = [coerce_scaledness(o, s) for o, s in zip(outs, out_scaled)]
-        out_leaves, out_specs = flatten_scaled(outs)
-        out_specs_box.append(out_specs)
+        out_leaves: list[Any] = []
+        out_specs: list[CompactSpec] = []
+        for out in outs:
+            if not isinstance(out, ScaledArray):
+                out_leaves.append(out)
+                out_specs.append(("plain",))
+                continue
+            out_leaves.append(out.data)
+            static = _static_scale(out.scale)
+            source = next(
+                (
+                    j
+                    for j, v in enumerate(values)
+                    if isinstance(v, ScaledArray) and v.scale is out.scale
+                ),
+                None,
+            )
+            if static is not None:
+                out_specs.append(("static", static))
+            elif source is not None:
+                out_specs.append(("as", source))
+            else:
+                out_leaves.append(out.scale)
+                out_specs.append(("leaf",))
+        out_specs_box.append(tuple(out_specs))
         return out_leaves
 
     traced = jax.make_jaxpr(flat_fun)(*leaf_avals(leaves))
     new_jaxpr, consts = _compat.hoist_consts(traced)
-    return new_jaxpr, consts, out_specs_box[-1]
+    return new_jaxpr, consts, in_specs, out_specs_box[-1]
 
 
 # --- helpers for rules that re-emit control flow over leaves ------------------------------

@@ -31,6 +31,7 @@ from .scales import (
     at_scale,
     common_scale,
     dynamic_scale,
+    reciprocal,
     represent,
     represent_dynamic,
     scale_div,
@@ -141,7 +142,8 @@ def to_common_scale(
         # inf / NaN constants fit at any positive scale, but not at a zero one.
         if static_value(common) == 0.0:
             common = np.float32(1.0)
-    datas = [at_scale(x.data, x.scale, common) for x in xs]
+    inverse = reciprocal(common)
+    datas = [at_scale(x.data, x.scale, common, inverse_out=inverse) for x in xs]
     return datas, common
 
 
@@ -289,7 +291,8 @@ def register_unscaled_output(
         else:
             common = common_scale([x.scale for x in scaled])
             cdtype = compute_dtype(scaled[0].dtype)
-            datas = [at_scale(x.data, x.scale, common, cdtype) for x in scaled]
+            inverse = reciprocal(common)
+            datas = [at_scale(x.data, x.scale, common, cdtype, inverse) for x in scaled]
         args = list(operands)
         for i, d in zip(positions, datas):
             args[i] = d

@@ -47,21 +47,27 @@ from ..core.subjaxpr import (
     abstract_value,
     coerce_scaledness,
     find_primitive,
+    flatten_compact,
     flatten_scaled,
     leaf_avals,
+    leaves_per_value,
     outputs_depending_on,
     trace_scaled_jaxpr,
     trace_scaled_leaves,
+    unflatten_compact,
     unflatten_scaled,
 )
 from .base import register_materializing, rescale, safe_div
 
 
-def _expand_per_value(values: Sequence[Any], specs: Sequence[bool], name: str) -> tuple[Any, ...]:
+def _expand_per_value(
+    values: Sequence[Any], specs: Sequence[Any], name: str
+) -> tuple[Any, ...]:
+    """A per-value jit parameter expanded to the compact leaves (a scale leaf gets the default)."""
     out: list[Any] = []
-    for value, scaled in zip(values, specs, strict=True):
+    for value, count in zip(values, leaves_per_value(specs), strict=True):
         out.append(value)
-        if scaled:
+        if count == 2:
             out.append(_compat.default_per_arg_value(name))
     return tuple(out)
 
@@ -71,12 +77,12 @@ def _expand_per_value(values: Sequence[Any], specs: Sequence[bool], name: str) -
     always_scaled=True,
     promote=False,
     family="higher-order",
-    remark="kept as a sub-call with its shardings, layouts and donation",
+    remark="kept as a sub-call with its shardings, layouts and donation; static scales kept",
 )
 def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
     known = operand_constants()
-    new_jaxpr, consts, out_specs = trace_scaled_jaxpr(jaxpr, args, known)
-    leaves, in_specs = flatten_scaled(args)
+    new_jaxpr, consts, in_specs, out_specs = trace_scaled_jaxpr(jaxpr, args, known)
+    leaves, _ = flatten_compact(args)
     new_params = dict(params)
     for name in _compat.JIT_PER_INPUT_PARAMS:
         if name in params:
@@ -86,7 +92,7 @@ def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
         if name in params:
             new_params[name] = _expand_per_value(params[name], out_specs, name)
     outs = _compat.jit_p.bind(*consts, *leaves, jaxpr=new_jaxpr, **new_params)
-    return unflatten_scaled(outs, out_specs)
+    return unflatten_compact(outs, out_specs, scales_of=args)
 
 
 @registry.register_scaled_op(
@@ -110,17 +116,17 @@ def scaled_closed_call(*args: Any, call_jaxpr: Any, **params: Any) -> list[Any]:
 )
 def scaled_remat(*args: Any, jaxpr: Any, prevent_cse: Any, **params: Any) -> list[Any]:
     closed = _compat.ClosedJaxpr(jaxpr, ())
-    new_jaxpr, consts, out_specs = trace_scaled_jaxpr(closed, args, operand_constants())
-    leaves, in_specs = flatten_scaled(args)
+    new_jaxpr, consts, in_specs, out_specs = trace_scaled_jaxpr(closed, args, operand_constants())
+    leaves, _ = flatten_compact(args)
     if not isinstance(prevent_cse, bool):
         expanded: list[Any] = [True] * len(consts)
-        for value, scaled in zip(prevent_cse, in_specs, strict=True):
-            expanded.extend([value, value] if scaled else [value])
+        for value, count in zip(prevent_cse, leaves_per_value(in_specs), strict=True):
+            expanded.extend([value] * count)
         prevent_cse = tuple(expanded)
     outs = _compat.remat_p.bind(
         *consts, *leaves, jaxpr=new_jaxpr.jaxpr, prevent_cse=prevent_cse, **params
     )
-    return unflatten_scaled(outs, out_specs)
+    return unflatten_compact(outs, out_specs, scales_of=args)
 
 
 # --- custom derivatives -------------------------------------------------------------------

@@ -45,6 +45,7 @@ from .scales import (
     as_f32,
     at_scale,
     common_scale,
+    reciprocal,
     represent,
     same_scale,
     scale_div,
@@ -113,8 +114,9 @@ def _scaled_add_like(primitive: Any) -> Any:
         ):
             return ScaledArray(primitive.bind(a.data, b.data, **params), a.scale)
         scale = add_scale(a.scale, b.scale)
-        da = at_scale(a.data, a.scale, scale)
-        db = at_scale(b.data, b.scale, scale, a.dtype)
+        inverse = reciprocal(scale)
+        da = at_scale(a.data, a.scale, scale, inverse_out=inverse)
+        db = at_scale(b.data, b.scale, scale, a.dtype, inverse_out=inverse)
         return ScaledArray(primitive.bind(da, db, **params), scale)
 
     rule.__name__ = f"scaled_{primitive.name}"

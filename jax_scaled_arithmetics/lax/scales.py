@@ -47,6 +47,7 @@ __all__ = [
     "scale_div",
     "represent",
     "common_scale",
+    "reciprocal",
     "at_scale",
     "dynamic_scale",
     "dynamic_scale_p",
@@ -97,7 +98,8 @@ def scale_mul(a: Any, b: Any) -> Any:
     """`a * b` on scales, folded when static (and skipped for a factor of 1)."""
     va, vb = static_value(a), static_value(b)
     if va is not None and vb is not None:
-        return np.float32(va * vb)
+        with np.errstate(all="ignore"):
+            return np.float32(va * vb)
     if va == 1.0:
         return as_f32(b)
     if vb == 1.0:
@@ -120,7 +122,7 @@ def scale_div(a: Any, b: Any) -> Any:
         return as_f32(a)
     if get_autoscale_config().rounding_mode == Pow2RoundMode.NONE:
         return lax.div(as_f32(a), as_f32(b))
-    return scale_divide_p.bind(*_compat.match_varying(as_f32(a), as_f32(b)))
+    return scale_divide_p.bind(*_compat.match_varying(as_f32(a), as_f32(b)), zero_gives_inf=True)
 
 
 def _scale_power(scale: Any, power: int) -> Any:
@@ -243,8 +245,9 @@ def represent(
 def common_scale(scales: Sequence[Any]) -> Any:
     """The largest of `scales` (static zeros, i.e. known zeros, need no scale).
 
-    Shared and static scales are folded; a traced result is floored at `SCALE_MIN`
-    when every operand could have a zero scale, so that ratios to it are defined.
+    Shared and static scales are folded. It may be 0 when every operand's scale is: the
+    ratios of :func:`at_scale` are then 0 (with `Pow2RoundMode.NONE`, whose ratios are
+    true divisions, a traced result is floored at `SCALE_MIN` instead).
     """
     unique: list[Any] = []
     static_max: float | None = None
@@ -261,22 +264,42 @@ def common_scale(scales: Sequence[Any]) -> Any:
         out = lax.max(out, as_f32(scale))
     if static_max is not None and static_max > 0:
         return lax.max(out, np.float32(static_max))
-    if len(unique) == 1:  # one traced scale (beside known zeros): the data is at it already
-        return out
-    return lax.max(out, np.float32(SCALE_MIN))
+    if len(unique) > 1 and get_autoscale_config().rounding_mode == Pow2RoundMode.NONE:
+        return lax.max(out, np.float32(SCALE_MIN))
+    return out
 
 
-def at_scale(data: Array, scale_in: Any, scale_out: Any, dtype: Any = None) -> Array:
+def reciprocal(scale: Any) -> Any:
+    """`1 / scale` for ratios to it: 2^127 for a zero scale (so that the ratio of a zero
+    scale to it is 0, not NaN), exact for powers of two, no division instruction."""
+    value = static_value(scale)
+    if value is not None:
+        return np.float32(min(1.0 / value, 2.0**127) if value else 2.0**127)
+    if get_autoscale_config().rounding_mode == Pow2RoundMode.NONE:
+        return lax.div(np.float32(1.0), as_f32(scale))
+    return scale_divide_p.bind(np.float32(1.0), as_f32(scale), zero_gives_inf=False)
+
+
+def at_scale(
+    data: Array, scale_in: Any, scale_out: Any, dtype: Any = None, inverse_out: Any = None
+) -> Array:
     """`data` (at `scale_in`) brought to `scale_out`, in `dtype` (default: data's).
 
-    No work when the scales are the same; a zero `scale_in` gives (signed) zeros.
+    No work when the scales are the same; a zero `scale_in` gives (signed) zeros. Pass
+    `inverse_out` (:func:`reciprocal` of `scale_out`) when bringing several operands to
+    one scale, so that it is computed once.
     """
     dtype = data.dtype if dtype is None else dtype
     if same_scale(scale_in, scale_out):
         return data.astype(dtype)
     if static_value(scale_in) == 0.0:  # known zeros
         return data.astype(dtype) * np.asarray(0, dtype)
-    ratio = scale_div(scale_in, scale_out)
+    v_in, v_out = static_value(scale_in), static_value(scale_out)
+    if v_in is not None and v_out is not None:
+        ratio: Any = np.float64(v_in) / np.float64(v_out) if v_out else 0.0
+    else:
+        inverse = reciprocal(scale_out) if inverse_out is None else inverse_out
+        ratio = scale_mul(scale_in, inverse)
     static = static_value(ratio)
     if static is None:
         return data.astype(dtype) * ratio.astype(dtype)
@@ -308,13 +331,14 @@ def _reciprocal_of_mantissa(mantissa_bits: Array) -> Array:
     return lax.select(mantissa_bits == 0, lax.full_like(x, 1.0), x * np.float32(0.5))
 
 
-def _scale_divide_impl(a: Array, b: Array) -> Array:
+def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool) -> Array:
     bits = lax.bitcast_convert_type(b, np.int32)
     exponent = bits & _EXPONENT_MASK
     inverse_bits = lax.clamp(np.int32(0), _TWO_127 - exponent, _TWO_127)
     inverse = lax.bitcast_convert_type(inverse_bits, F32)  # 2^-e (0 for inf, 2^127 for 0)
     inverse = inverse * _reciprocal_of_mantissa(bits & _MANTISSA_MASK)
-    inverse = lax.select(b == 0, lax.full_like(inverse, np.inf), inverse)
+    if zero_gives_inf:
+        inverse = lax.select(b == 0, lax.full_like(inverse, np.inf), inverse)
     return a * inverse
 
 
@@ -334,16 +358,16 @@ def _elementwise_batch(primitive: Any) -> Any:
 
 scale_divide_p = _compat.new_primitive("scale_divide")
 scale_divide_p.def_impl(_scale_divide_impl)
-scale_divide_p.def_abstract_eval(lambda a, b: a if a.ndim >= b.ndim else b)
+scale_divide_p.def_abstract_eval(lambda a, b, **params: a if a.ndim >= b.ndim else b)
 _compat.register_lowering(scale_divide_p, _scale_divide_impl)
 _compat.register_batching(scale_divide_p, _elementwise_batch(scale_divide_p))
 
 
-def _scale_divide_jvp(primals: Any, tangents: Any) -> Any:
+def _scale_divide_jvp(primals: Any, tangents: Any, **params: Any) -> Any:
     a, b = primals
     da, db = (_compat.instantiate_zeros(t) for t in tangents)
-    out = scale_divide_p.bind(a, b)
-    inverse = scale_divide_p.bind(lax.full_like(b, 1.0), b)
+    out = scale_divide_p.bind(a, b, **params)
+    inverse = scale_divide_p.bind(lax.full_like(b, 1.0), b, **params)
     return out, da * inverse - out * inverse * db
 
 
@@ -390,18 +414,22 @@ def scale_sqrt(scale: Any, round_up: bool = False) -> Any:
 
 # --- dynamic scale -----------------------------------------------------------------------
 
-def _dynamic_scale_impl(x: Array) -> list[Array]:
+def _dynamic_scale_impl(x: Array, factor: Array = np.float32(1.0)) -> list[Array]:
+    """(t, 1 / t): t the power of two at or below the largest finite `|x| * factor`."""
     if x.size == 0:
         return [np.float32(1.0), np.float32(1.0)]
     magnitude = lax.abs(x)
-    finite = lax.select(lax.is_finite(x), magnitude, lax.full_like(magnitude, 0))
+    if magnitude.dtype != F32 and magnitude.dtype != np.float64:
+        magnitude = lax.convert_element_type(magnitude, F32)
+    magnitude = magnitude * lax.convert_element_type(factor, magnitude.dtype)
+    finite = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
     amax = lax.reduce_max(finite, tuple(range(x.ndim))) if x.ndim else finite
     amax = lax.convert_element_type(amax, F32)
     bits = lax.bitcast_convert_type(amax, np.int32) & _EXPONENT_MASK
     bits = lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
     bits = lax.select(amax > 0, bits, _ONE_BITS)
     scale = lax.bitcast_convert_type(bits, F32)
-    inverse = lax.bitcast_convert_type(_TWO_127 - bits + _EXPONENT_ONE, F32)  # 2^-e, exactly
+    inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)  # 2^-e, exactly
     return [scale, inverse]
 
 
@@ -411,15 +439,24 @@ _ONE_BITS = np.int32(127 << 23)
 
 dynamic_scale_p = _compat.new_primitive("dynamic_scale", multiple_results=True)
 dynamic_scale_p.def_impl(_dynamic_scale_impl)
-dynamic_scale_p.def_abstract_eval(lambda x: [_compat.scalar_aval_like(x, F32)] * 2)
+dynamic_scale_p.def_abstract_eval(lambda x, factor: [_compat.scalar_aval_like(x, F32)] * 2)
 _compat.register_lowering(dynamic_scale_p, _dynamic_scale_impl, multiple_results=True)
 
 
 def _dynamic_scale_batch(args: Any, dims: Any) -> Any:
     # One scale for the whole batch: any positive scale represents the values, and one
     # that stays a scalar keeps `vmap`'s scales unbatched.
-    (x,) = args
-    return dynamic_scale_p.bind(x), [None, None]
+    x, factor = args
+    x_dim, factor_dim = dims
+    if factor_dim is not None:  # one factor per example: applied to its example's values
+        x = jax.numpy.moveaxis(x, x_dim, 0) if x_dim is not None else lax.broadcast(
+            x, (factor.shape[factor_dim],)
+        )
+        factor = jax.numpy.moveaxis(factor, factor_dim, 0)
+        factor = factor.reshape(factor.shape + (1,) * (x.ndim - factor.ndim))
+        x = x * factor.astype(x.dtype)
+        factor = np.float32(1.0)
+    return dynamic_scale_p.bind(x, factor), [None, None]
 
 
 def _dynamic_scale_jvp(primals: Any, tangents: Any) -> Any:
@@ -442,20 +479,21 @@ def dynamic_scale(y: Array) -> Array:
         >>> dynamic_scale(jnp.array([0.3, -5.0, jnp.inf]))
         Array(4., dtype=float32)
     """
-    return dynamic_scale_p.bind(y)[0]
+    return dynamic_scale_p.bind(y, np.float32(1.0))[0]
 
 
 def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> ScaledArray:
     """`acc * prod(scale ** power)` as a ScaledArray whose scale follows the value.
 
-    The value is formed in float32 (float64 for float64 data), as the plain computation
-    forms it, and its scale is :func:`dynamic_scale` of it: the data's largest finite
-    magnitude is in [1, 2), values beyond float32's range overflow elementwise, and the
-    output scale depends on the data only, not on the input scales (so that the scalar
-    work XLA fuses into each kernel does not grow along the program).
+    The output scale `t` is the power of two of the value's largest finite magnitude
+    (:data:`dynamic_scale_p` of `|acc| * prod`, one reduction), and the data is
+    `acc * (prod / t)`: its largest magnitude is in [1, 2), values beyond float32's range
+    overflow elementwise, and tiny values keep their precision (the value itself is never
+    formed). `t` depends on the data only, not on the input scales: the scalar work that
+    XLA fuses into each kernel does not grow along the program.
     """
     cdtype = _compute_dtype(acc.dtype)
-    value = acc.astype(cdtype)
+    acc = acc.astype(cdtype)
     static = 1.0
     product: Any = None
     for scale, power in factors:
@@ -470,8 +508,14 @@ def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> Scal
         if power < 0:
             term = scale_div(np.float32(1.0), term)
         product = term if product is None else lax.mul(product, term)
-    if product is not None:
-        value = value * product.astype(cdtype)
-    value = _multiply_static(value, static, cdtype)
-    scale, inverse = dynamic_scale_p.bind(value)
-    return ScaledArray((value * inverse.astype(cdtype)).astype(dtype), scale)
+    if not (static == 0.0 or SCALE_MIN <= abs(static) <= SCALE_MAX):
+        # A static product beyond float32's range (huge or tiny constant scales): formed
+        # without overflow by the static path, which moves the excess into the data.
+        return represent(acc, factors, dtype)
+    if product is None:
+        product = np.float32(static)
+    elif static != 1.0:
+        product = lax.mul(product, np.float32(static))
+    scale, inverse = dynamic_scale_p.bind(acc, product)
+    ratio = scale_mul(product, inverse)
+    return ScaledArray((acc * as_f32(ratio).astype(cdtype)).astype(dtype), scale)

@@ -162,8 +162,7 @@ def test_dynamic_policy_sum_scale_follows_the_sum(use_jit):
     np.testing.assert_array_equal(represented(out), np.full(3, 16 * 2.0**-20))
     assert float(cum.scale) == 2.0**-16
     np.testing.assert_array_equal(represented(cum)[-1], represented(out))
-    # A zero sum keeps the input scale (t = 1).
-    assert float(cancelled.scale) == 2.0**-20 and float(cancelled.data) == 0.0
+    assert float(cancelled.scale) == 1.0 and float(cancelled.data) == 0.0  # zeros: scale 1
 
 
 def test_long_float16_sum_does_not_overflow():
