@@ -318,6 +318,14 @@ def _leaf_aval(leaf: Any) -> Any:
     return leaf
 
 
+def _as_output(value: Any) -> Any:
+    """An output as users get it: a scale that rules folded at trace time (a NumPy scalar)
+    becomes a JAX array, like every other scale."""
+    if isinstance(value, ScaledArray) and isinstance(value.scale, (np.ndarray, np.generic)):
+        return ScaledArray(value.data, jnp.asarray(value.scale))
+    return value
+
+
 _TRACE_CACHE_SIZE = 64
 
 
@@ -453,7 +461,7 @@ def autoscale(
                 values.append(leaf)
                 known.append(None)
         outs, _ = interpret_jaxpr(closed.jaxpr, closed.consts, values, known)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return jax.tree_util.tree_unflatten(out_tree, [_as_output(o) for o in outs])
 
     trace_cache: dict[Any, tuple[Any, Any]] = {}
     return scaled_fun

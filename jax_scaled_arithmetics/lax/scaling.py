@@ -17,7 +17,7 @@ import numpy as np
 
 from ..core import _compat, registry
 from ..core.datatype import ScaledArray, is_floating
-from .base import rescale, safe_div
+from .scales import at_scale, same_scale, scale_div
 
 __all__ = ["set_scaling", "stop_scaling", "get_data_scale", "rebalance", "apply_to_data"]
 
@@ -67,9 +67,13 @@ _compat.register_jvp(set_scaling_p, _set_scaling_jvp)
 )
 def scaled_set_scaling(x: Any, scale: Any) -> ScaledArray:
     scale = jnp.asarray(_plain(scale))
-    if isinstance(x, ScaledArray):
-        return ScaledArray(rescale(x.data, safe_div(x.scale, scale)), scale)
-    return ScaledArray(rescale(x, safe_div(1.0, scale)), scale)
+    if not isinstance(x, ScaledArray):
+        x = ScaledArray(x, np.float32(1.0))
+    if same_scale(x.scale, scale):
+        return x
+    cdtype = np.float64 if x.dtype == np.float64 else np.float32
+    data = at_scale(x.data, x.scale, scale, cdtype, inverse_out=scale_div(np.float32(1.0), scale))
+    return ScaledArray(data.astype(x.dtype), scale)
 
 
 def set_scaling(x: Array, scale: Array) -> Any:
@@ -232,7 +236,9 @@ def scaled_rebalance(x: Any, factor: Any) -> Any:
     if not isinstance(x, ScaledArray):
         return x
     factor = jnp.asarray(_plain(factor))
-    return ScaledArray(rescale(x.data, factor), jnp.asarray(x.scale) / factor.astype(jnp.float32))
+    cdtype = np.float64 if x.dtype == np.float64 else np.float32
+    data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
+    return ScaledArray(data, scale_div(x.scale, factor.astype(jnp.float32)))
 
 
 def rebalance(x: Array, factor: Array) -> Any:

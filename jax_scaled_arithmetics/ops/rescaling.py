@@ -7,10 +7,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
-from ..core.pow2 import pow2_round_down
 from ..lax.scaling import get_data_scale, rebalance
 
 __all__ = [
@@ -43,9 +43,13 @@ def _rescale_leaf(x: Array, norm: Callable[[Array], Array], epsilon: float) -> A
         return x
     data, _ = get_data_scale(x)
     magnitude = norm(data.astype(jnp.float32))
-    magnitude = jnp.where(jnp.isfinite(magnitude), jnp.maximum(magnitude, epsilon), 1.0)
-    factor = jax.lax.stop_gradient(pow2_round_down(magnitude))
-    return rebalance(x, (1.0 / factor).astype(jnp.float32))
+    finite = jax.lax.is_finite(magnitude)
+    magnitude = jax.lax.select(finite, jnp.maximum(magnitude, np.float32(epsilon)), np.float32(1.0))
+    # The power of two at or below the magnitude, as exponent bits: its inverse is exact.
+    bits = jax.lax.bitcast_convert_type(magnitude, jnp.int32) & np.int32(0x7F800000)
+    bits = jnp.minimum(bits, np.int32(253 << 23))
+    inverse = jax.lax.bitcast_convert_type(np.int32(254 << 23) - bits, jnp.float32)
+    return rebalance(x, jax.lax.stop_gradient(inverse))
 
 
 def _rescale_tree(tree: Any, norm: Callable[[Array], Array], epsilon: float) -> Any:
