@@ -40,7 +40,7 @@ class GPTConfig:
 
 
 def init_params(key: jax.Array, config: GPTConfig) -> Params:
-    """float32 parameters, initialised as nanoGPT does (normal(0.02), scaled residual projections)."""
+    """float32 parameters, initialised as nanoGPT does (normal(0.02), scaled projections)."""
     d = config.n_embd
     keys = iter(jax.random.split(key, 2 + 4 * config.n_layer))
     std = 0.02
@@ -94,7 +94,7 @@ def attention(x: jax.Array, p: Params, n_head: int) -> jax.Array:
     q, k, v = heads(q), heads(k), heads(v)
     scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(head))
     causal = jnp.tril(jnp.ones((seq, seq), bool))
-    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    scores = jnp.where(causal, scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
     out = (weights @ v).transpose(0, 2, 1, 3).reshape(batch, seq, d)
     return out @ p["proj"] + p["proj_b"]

@@ -57,6 +57,8 @@ class TensorRange:
         dtype: the data's dtype.
         shape: the data's shape.
         scale: the scale (1.0 for a plain array).
+        scaled: whether the output is a ScaledArray (False for the plain values a function
+            computes apart from its scaled inputs: constants, masks, integer counts).
         rms: root mean square of the data's finite elements (nan if there are none).
         max_abs: largest magnitude of the data's finite elements (nan if there are none).
         subnormal: nonzero elements that are subnormal in the data's dtype (lost precision).
@@ -75,6 +77,7 @@ class TensorRange:
     dtype: str
     shape: tuple[int, ...]
     scale: float
+    scaled: bool
     rms: float
     max_abs: float
     subnormal: float
@@ -115,11 +118,18 @@ class RangeTable:
     def __str__(self) -> str:
         return self.to_text()
 
-    def select(self, phase: str) -> tuple[TensorRange, ...]:
-        """The rows of one pass, 'forward' or 'backward'."""
-        if phase not in _PHASES:
+    def select(
+        self, phase: str | None = None, scaled: bool | None = None
+    ) -> tuple[TensorRange, ...]:
+        """The rows of one pass, 'forward' or 'backward' (None: both), optionally only the
+        scaled (True) or plain (False) outputs."""
+        if phase is not None and phase not in _PHASES:
             raise ValueError(f"Unknown pass {phase!r}: expected 'forward' or 'backward'.")
-        return tuple(row for row in self.rows if row.phase == phase)
+        return tuple(
+            row
+            for row in self.rows
+            if (phase is None or row.phase == phase) and (scaled is None or row.scaled == scaled)
+        )
 
     def to_dicts(self) -> list[dict[str, Any]]:
         """One flat dict per row (e.g. for `pandas.DataFrame`); per-format fractions are
@@ -175,10 +185,13 @@ class RangeTable:
     def summary(self) -> dict[str, dict[str, float]]:
         """Per pass: number of rows, range of the data (min and max RMS over nonzero rows,
         largest max), range of the scales, and how many rows hold non-finite values or lose
-        elements in each format."""
+        elements in each format. When some outputs are scaled, over those only (the plain
+        values a function computes apart from its scaled inputs, such as a constant mask,
+        are what the function asked for, not a choice of scale)."""
         out = {}
+        only_scaled = True if any(row.scaled for row in self.rows) else None
         for phase in _PHASES:
-            rows = self.select(phase)
+            rows = self.select(phase, scaled=only_scaled)
             if not rows:
                 continue
             rms = [r.rms for r in rows if math.isfinite(r.rms) and r.rms > 0]
@@ -357,6 +370,7 @@ class _Slot:
     dtype: str
     shape: tuple[int, ...]
     nested: bool
+    scaled: bool = False
     step: int = -1  # evaluation order of the concrete equation that ran it
     equation: int = -1
 
@@ -420,6 +434,7 @@ class _Recorder:
                 dtype=jnp.dtype(data.dtype).name,
                 shape=tuple(np.shape(data)),
                 nested=nested,
+                scaled=isinstance(out, ScaledArray),
             )
             index = len(self.slots)
             self.slots.append(slot)
@@ -481,6 +496,7 @@ class _Recorder:
                     dtype=slot.dtype,
                     shape=slot.shape,
                     scale=scale,
+                    scaled=slot.scaled,
                     rms=float(magnitudes[0]),
                     max_abs=float(magnitudes[1]),
                     subnormal=int(counts[1]) / nonzero,

@@ -7,9 +7,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .config import Pow2RoundMode, get_autoscale_config
+from .config import Pow2RoundMode, ScalePolicy, get_autoscale_config
 from .datatype import ScaledArray, is_floating
 from .pow2 import static_pow2
+from .scale_primitives import dynamic_scale_p
 
 __all__ = ["promote_to_scaled"]
 
@@ -18,8 +19,12 @@ def promote_to_scaled(x: Any, known: Any = None) -> Any:
     """Promote an unscaled floating operand of a scaled equation to a ScaledArray.
 
     A statically known zero gets scale 0; a known scalar (or a broadcast of one)
-    gets a power-of-two scale so that its data is in [1, 2); any other array gets
-    scale 1. Non-floating values and ScaledArrays are returned unchanged.
+    gets a power-of-two scale so that its data is in [1, 2); any other array gets the
+    power of two of its largest finite magnitude (its data then in [1, 2), like every
+    output of a sum or contraction: a plain value computed from constants, such as the
+    cotangent a loss's mean sends back, joins scaled ones at its own magnitude), or
+    scale 1 with `ScalePolicy.STATIC`. Non-floating values and ScaledArrays are returned
+    unchanged.
     """
     if isinstance(x, ScaledArray) or not is_floating(x):
         return x
@@ -33,4 +38,9 @@ def promote_to_scaled(x: Any, known: Any = None) -> Any:
         dtype = x.dtype
         data = jnp.full(np.shape(x), known / scale, dtype=dtype)
         return ScaledArray(data, np.asarray(scale, scale_dtype))
-    return ScaledArray(x, np.asarray(1.0, scale_dtype))
+    if config.policy == ScalePolicy.STATIC or np.ndim(x) == 0:
+        return ScaledArray(x, np.asarray(1.0, scale_dtype))
+    scale, inverse = dynamic_scale_p.bind(x, np.float32(1.0))
+    cdtype = np.float64 if x.dtype == np.float64 else np.float32
+    data = (x.astype(cdtype) * inverse.astype(cdtype)).astype(x.dtype)
+    return ScaledArray(data, scale)

@@ -60,9 +60,7 @@ from ..core.subjaxpr import (
 from .base import register_materializing, rescale, safe_div
 
 
-def _expand_per_value(
-    values: Sequence[Any], specs: Sequence[Any], name: str
-) -> tuple[Any, ...]:
+def _expand_per_value(values: Sequence[Any], specs: Sequence[Any], name: str) -> tuple[Any, ...]:
     """A per-value jit parameter expanded to the compact leaves (a scale leaf gets the default)."""
     out: list[Any] = []
     for value, count in zip(values, leaves_per_value(specs), strict=True):

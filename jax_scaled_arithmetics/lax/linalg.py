@@ -41,9 +41,7 @@ def _accumulator_dtype(out_dtype: Any, preferred: Any) -> Any:
     return preferred
 
 
-def represent_accumulation(
-    acc: Any, factors: Any, dtype: Any, fan_in: int
-) -> ScaledArray:
+def represent_accumulation(acc: Any, factors: Any, dtype: Any, fan_in: int) -> ScaledArray:
     """The output of a sum or contraction of `fan_in` terms: `acc * prod(factors)`, with the
     configured policy's output scale (see the module docstring)."""
     if get_autoscale_config().policy == ScalePolicy.STATIC:
@@ -67,7 +65,9 @@ def _scaled_contraction(
 
 
 @registry.register_scaled_op(
-    lax.dot_general_p, family="dot", remark="scale sa * sb * t (t dynamic, or sqrt(K)), any dimension numbers"
+    lax.dot_general_p,
+    family="dot",
+    remark="scale sa * sb * t (t dynamic, or sqrt(K)), any dimension numbers",
 )
 def scaled_dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> ScaledArray:
     """K is the product of the lhs contracting dimensions (batch dimensions excluded)."""

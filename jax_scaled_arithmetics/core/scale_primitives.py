@@ -1,0 +1,199 @@
+"""Scalar primitives of the scale algebra, cheap for XLA to fuse.
+
+XLA does not fuse a scalar division or square root into the elementwise operations that
+broadcast it (it would recompute it per element), so each becomes a kernel of its own, and
+compile time grows with their number; and XLA copies the cheap scalar work a kernel needs
+into every kernel. Scales are powers of two: dividing by one, or taking its root, is
+exponent arithmetic, which fuses like a multiply. These primitives are that arithmetic,
+and the dynamic scale (a tensor's largest finite magnitude, as a power of two) that lets
+a rule's output scale follow its data.
+
+Each is the identity-free, pure function of its operands on plain arrays: it runs, jits,
+vmaps and differentiates outside `autoscale` (derivatives of chosen scales are zero).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from . import _compat
+
+Array = Any
+
+__all__ = [
+    "F32",
+    "SCALE_MIN",
+    "SCALE_MAX",
+    "dynamic_scale",
+    "dynamic_scale_p",
+    "scale_divide_p",
+    "scale_root_p",
+]
+
+F32 = np.dtype(np.float32)
+# Scales computed by rules stay in this range: their reciprocals are normal float32 numbers
+# (XLA may divide by multiplying with a reciprocal, which it flushes to zero if subnormal).
+SCALE_MIN = 2.0**-124
+SCALE_MAX = 2.0**126
+
+# --- division and roots of scales ---------------------------------------------------------
+
+_EXPONENT_MASK = np.int32(0x7F800000)
+_MANTISSA_MASK = np.int32(0x007FFFFF)
+_EXPONENT_ONE = np.int32(1 << 23)
+_TWO_127 = np.int32(254 << 23)  # the bits of 2^127
+
+
+def _reciprocal_of_mantissa(mantissa_bits: Array) -> Array:
+    """1 / m for m = 1.mantissa in [1, 2), exactly 1 for m = 1 (Newton's iterations)."""
+    half_m = lax.bitcast_convert_type(mantissa_bits | np.int32(126 << 23), F32)  # m / 2
+    x = np.float32(48.0 / 17.0) - np.float32(32.0 / 17.0) * half_m
+    for _ in range(3):
+        x = x * (np.float32(2.0) - half_m * x)
+    return lax.select(mantissa_bits == 0, lax.full_like(x, 1.0), x * np.float32(0.5))
+
+
+def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool) -> Array:
+    bits = lax.bitcast_convert_type(b, np.int32)
+    exponent = bits & _EXPONENT_MASK
+    inverse_bits = lax.clamp(np.int32(0), _TWO_127 - exponent, _TWO_127)
+    inverse = lax.bitcast_convert_type(inverse_bits, F32)  # 2^-e (0 for inf, 2^127 for 0)
+    inverse = inverse * _reciprocal_of_mantissa(bits & _MANTISSA_MASK)
+    if zero_gives_inf:
+        inverse = lax.select(b == 0, lax.full_like(inverse, np.inf), inverse)
+    return a * inverse
+
+
+def _elementwise_batch(primitive: Any) -> Any:
+    def rule(args: Any, dims: Any, **params: Any) -> Any:
+        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        moved = []
+        for x, d in zip(args, dims):
+            if d is None:
+                moved.append(lax.broadcast(x, (size,)))
+            else:
+                moved.append(jax.numpy.moveaxis(x, d, 0))
+        return primitive.bind(*moved, **params), 0
+
+    return rule
+
+
+scale_divide_p = _compat.new_primitive("scale_divide")
+scale_divide_p.def_impl(_scale_divide_impl)
+scale_divide_p.def_abstract_eval(lambda a, b, **params: a if a.ndim >= b.ndim else b)
+_compat.register_lowering(scale_divide_p, _scale_divide_impl)
+_compat.register_batching(scale_divide_p, _elementwise_batch(scale_divide_p))
+
+
+def _scale_divide_jvp(primals: Any, tangents: Any, **params: Any) -> Any:
+    a, b = primals
+    da, db = (_compat.instantiate_zeros(t) for t in tangents)
+    out = scale_divide_p.bind(a, b, **params)
+    inverse = scale_divide_p.bind(lax.full_like(b, 1.0), b, **params)
+    return out, da * inverse - out * inverse * db
+
+
+_compat.register_jvp(scale_divide_p, _scale_divide_jvp)
+
+
+def _scale_root_impl(scale: Array, *, degree: int, round_up: bool) -> Array:
+    bits = lax.bitcast_convert_type(scale, np.int32)
+    exponent = lax.shift_right_arithmetic(bits & _EXPONENT_MASK, np.int32(23)) - np.int32(127)
+    root = lax.shift_right_arithmetic(exponent, np.int32(1)) if degree == 2 else exponent
+    if round_up:  # up unless the scale is an even power of two
+        exact = ((bits & _MANTISSA_MASK) == 0) & ((exponent & np.int32(1)) == 0)
+        root = root + lax.convert_element_type(~exact, np.int32)
+    return lax.bitcast_convert_type(lax.shift_left(root + np.int32(127), np.int32(23)), F32)
+
+
+scale_root_p = _compat.new_primitive("scale_root")
+scale_root_p.def_impl(_scale_root_impl)
+scale_root_p.def_abstract_eval(lambda scale, **params: scale)
+_compat.register_lowering(scale_root_p, _scale_root_impl)
+_compat.register_batching(
+    scale_root_p, lambda args, dims, **params: (scale_root_p.bind(*args, **params), dims[0])
+)
+_compat.register_jvp(
+    scale_root_p,
+    lambda primals, tangents, **params: (
+        scale_root_p.bind(*primals, **params),
+        lax.full_like(primals[0], 0),
+    ),
+)
+
+
+# --- dynamic scale -----------------------------------------------------------------------
+
+
+def _dynamic_scale_impl(x: Array, factor: Array) -> list[Array]:
+    """(t, 1 / t): t the power of two at or below the largest finite `|x| * factor`."""
+    if x.size == 0:
+        return [np.float32(1.0), np.float32(1.0)]
+    magnitude = lax.abs(x)
+    if magnitude.dtype != F32 and magnitude.dtype != np.float64:
+        magnitude = lax.convert_element_type(magnitude, F32)
+    magnitude = magnitude * lax.convert_element_type(factor, magnitude.dtype)
+    finite = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
+    amax = lax.reduce_max(finite, tuple(range(x.ndim))) if x.ndim else finite
+    amax = lax.convert_element_type(amax, F32)
+    bits = lax.bitcast_convert_type(amax, np.int32) & _EXPONENT_MASK
+    bits = lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
+    bits = lax.select(amax > 0, bits, _ONE_BITS)
+    scale = lax.bitcast_convert_type(bits, F32)
+    inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)  # 2^-e, exactly
+    return [scale, inverse]
+
+
+_SCALE_MIN_BITS = np.int32((127 - 124) << 23)
+_SCALE_MAX_BITS = np.int32((127 + 126) << 23)
+_ONE_BITS = np.int32(127 << 23)
+
+dynamic_scale_p = _compat.new_primitive("dynamic_scale", multiple_results=True)
+dynamic_scale_p.def_impl(_dynamic_scale_impl)
+dynamic_scale_p.def_abstract_eval(lambda x, factor: [_compat.scalar_aval_like(x, F32)] * 2)
+_compat.register_lowering(dynamic_scale_p, _dynamic_scale_impl, multiple_results=True)
+
+
+def _dynamic_scale_batch(args: Any, dims: Any) -> Any:
+    # One scale for the whole batch: any positive scale represents the values, and one
+    # that stays a scalar keeps `vmap`'s scales unbatched.
+    x, factor = args
+    x_dim, factor_dim = dims
+    if factor_dim is not None:  # one factor per example: applied to its example's values
+        x = (
+            jax.numpy.moveaxis(x, x_dim, 0)
+            if x_dim is not None
+            else lax.broadcast(x, (factor.shape[factor_dim],))
+        )
+        factor = jax.numpy.moveaxis(factor, factor_dim, 0)
+        factor = factor.reshape(factor.shape + (1,) * (x.ndim - factor.ndim))
+        x = x * factor.astype(x.dtype)
+        factor = np.float32(1.0)
+    return dynamic_scale_p.bind(x, factor), [None, None]
+
+
+def _dynamic_scale_jvp(primals: Any, tangents: Any) -> Any:
+    outs = dynamic_scale_p.bind(*primals)
+    return outs, [lax.full_like(o, 0) for o in outs]
+
+
+_compat.register_batching(dynamic_scale_p, _dynamic_scale_batch)
+_compat.register_jvp(dynamic_scale_p, _dynamic_scale_jvp)
+
+
+def dynamic_scale(y: Array) -> Array:
+    """The power of two at or below the largest finite `|y|` (1 when there is none, or it
+    is 0), within `[SCALE_MIN, SCALE_MAX]`: `y / dynamic_scale(y)` has its largest finite
+    magnitude in [1, 2). Excluded from autodiff (a choice of representation).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jax_scaled_arithmetics.core.scale_primitives import dynamic_scale
+        >>> dynamic_scale(jnp.array([0.3, -5.0, jnp.inf]))
+        Array(4., dtype=float32)
+    """
+    return dynamic_scale_p.bind(y, np.float32(1.0))[0]
