@@ -1,0 +1,200 @@
+"""A char GPT under `autoscale`: float16/bfloat16 gradients and Adam steps match float32.
+
+The model is the 2-block char GPT of `experiments/gpt/model.py` (width 128, 4 heads,
+context 64), parameters converted with `jsa.as_scaled_array` and no rescaling placed by
+hand: the scales the rules choose must follow the data through the forward and backward
+passes, or the gradients far from the loss flush to zero in float16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jax_scaled_arithmetics as jsa
+
+MODEL_PATH = Path(__file__).resolve().parents[2] / "experiments" / "gpt" / "model.py"
+
+
+def _load_model():
+    spec = importlib.util.spec_from_file_location("gpt_model", MODEL_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+gpt = _load_model()
+
+
+@pytest.fixture(autouse=True)
+def _implicit_broadcasting():
+    """The model broadcasts biases implicitly, as model code does (the suite raises on it)."""
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+CONFIG = gpt.GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64)
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def problem():
+    params = gpt.init_params(jax.random.PRNGKey(0), CONFIG)
+    rng = np.random.default_rng(0)
+    shape = (BATCH, CONFIG.block_size)
+    tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, shape), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, CONFIG.vocab_size, shape), jnp.int32)
+    return params, tokens, targets
+
+
+def grad_fn(params, tokens, targets):
+    return jax.grad(gpt.loss_fn)(params, tokens, targets, CONFIG)
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=jsa.is_scaled_leaf)[0]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_gradients_match_float32(problem, dtype):
+    """Every gradient tensor within 2e-2 (max abs error / max abs) of the float32 gradient
+    at the same parameter values, with at most 1% of its nonzero entries flushed to zero."""
+    params, tokens, targets = problem
+    scaled = jsa.as_scaled_array(params, dtype=dtype)
+    values = jsa.asarray(scaled, jnp.float32)
+    expected = jax.jit(grad_fn)(values, tokens, targets)
+    grads = jax.jit(jsa.autoscale(grad_fn))(scaled, tokens, targets)
+    for (path, grad), ref in zip(_leaves(grads), jax.tree_util.tree_leaves(expected), strict=True):
+        assert isinstance(grad, jsa.ScaledArray) and grad.dtype == np.dtype(dtype)
+        got = np.asarray(grad.to_array(np.float32), np.float64)
+        ref = np.asarray(ref, np.float64)
+        error = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+        flushed = np.mean(got[ref != 0] == 0)
+        name = jax.tree_util.keystr(path)
+        assert error < 2e-2, f"{name}: relative error {error:.2e}"
+        assert flushed <= 0.01, f"{name}: {flushed:.1%} of its entries flushed to zero"
+
+
+def _adam_step(opt, apply):
+    def step(params, state, tokens, targets):
+        grads = grad_fn(params, tokens, targets)
+        updates, state = opt.update(grads, state, params)
+        return apply(params, updates), state
+
+    return step
+
+
+def _check_updates(new_params, reference, before, grads, tol, floor):
+    """Parameter updates within `tol` (max abs error / max abs update) of the reference.
+
+    Adam divides each gradient by its own root mean square, so an entry's update is its
+    gradient's sign whatever its magnitude: entries whose gradient is below the
+    computation's absolute error get a step of either sign. In float32 that is the key
+    bias of attention (zero in exact arithmetic, softmax ignores it; rounding noise of
+    1e-12 in plain float32 too), in float16 gradients below its precision relative to the
+    tensor's largest. Entries whose float32 gradient is below `floor` times the tensor's
+    largest are left out: no precision decides their update.
+    """
+    flat = zip(
+        _leaves(new_params),
+        jax.tree_util.tree_leaves(reference),
+        jax.tree_util.tree_leaves(before),
+        jax.tree_util.tree_leaves(grads),
+        strict=True,
+    )
+    for (path, new), ref, old, grad in flat:
+        new = np.asarray(jsa.asarray(new, jnp.float32), np.float64)
+        ref, old, grad = (np.asarray(a, np.float64) for a in (ref, old, grad))
+        conditioned = np.abs(grad) >= floor * np.max(np.abs(grad))
+        update, expected = (new - old)[conditioned], (ref - old)[conditioned]
+        error = np.max(np.abs(update - expected)) / np.max(np.abs(expected))
+        assert error < tol, f"{jax.tree_util.keystr(path)}: update error {error:.2e}"
+
+
+def test_adam_step_matches_float32(problem):
+    """`optax.adam` on float32 ScaledArrays: the updated parameters are those of float32."""
+    params, tokens, targets = problem
+    opt = optax.adam(1e-3)
+    expected, _ = jax.jit(_adam_step(opt, optax.apply_updates))(
+        params, opt.init(params), tokens, targets
+    )
+    scaled = jsa.as_scaled_array(params)
+    step = jax.jit(jsa.autoscale(_adam_step(opt, optax.apply_updates)))
+    new_params, state = step(scaled, jsa.as_scaled_array(opt.init(params)), tokens, targets)
+    grads = jax.jit(grad_fn)(params, tokens, targets)
+    _check_updates(new_params, expected, params, grads, tol=1e-4, floor=1e-4)
+    assert isinstance(state[0].mu["wte"], jsa.ScaledArray)
+
+
+def test_scaled_optimizer_float16_step(problem):
+    """`jsa.optax.scale_optimizer(optax.adam)` with float16 parameters and state: updates
+    within 2e-2 of float32 Adam's, for entries whose gradient is above float16's precision
+    (2e-2 of the largest); the new float16 parameters are the old plus the update, rounded
+    to float16 (within half a float16 ulp of the parameter, plus that tolerance)."""
+    params, tokens, targets = problem
+    scaled = jsa.as_scaled_array(params, dtype=jnp.float16)
+    values = jsa.asarray(scaled, jnp.float32)
+    adam = optax.adam(1e-3)
+    opt = jsa.optax.scale_optimizer(adam)
+
+    def step(params, state, tokens, targets):
+        grads = grad_fn(params, tokens, targets)
+        updates, state = opt.update(grads, state, params)
+        return updates, jsa.optax.apply_updates(params, updates), state
+
+    updates, new_params, _ = jax.jit(jsa.autoscale(step))(
+        scaled, opt.init(scaled), tokens, targets
+    )
+    grads = jax.jit(grad_fn)(values, tokens, targets)
+    expected, _ = adam.update(grads, adam.init(values), values)
+    flat = zip(
+        _leaves(updates),
+        _leaves(new_params),
+        jax.tree_util.tree_leaves(expected),
+        jax.tree_util.tree_leaves(values),
+        jax.tree_util.tree_leaves(grads),
+        strict=True,
+    )
+    for (path, update), (_, new), ref, old, grad in flat:
+        name = jax.tree_util.keystr(path)
+        assert new.dtype == np.float16, name
+        update = np.asarray(update.to_array(np.float32), np.float64)
+        new = np.asarray(new.to_array(np.float32), np.float64)
+        ref, old, grad = (np.asarray(a, np.float64) for a in (ref, old, grad))
+        conditioned = np.abs(grad) >= 2e-2 * np.max(np.abs(grad))
+        error = np.max(np.abs(update - ref)[conditioned]) / np.max(np.abs(ref[conditioned]))
+        assert error < 2e-2, f"{name}: update error {error:.2e}"
+        half_ulp = np.spacing(np.abs(old).astype(np.float16)).astype(np.float64) / 2
+        slack = half_ulp + 2e-2 * np.max(np.abs(ref))
+        assert np.all(np.abs(new - (old + update)) <= slack), f"{name}: parameters"
+
+
+def test_float16_data_stays_in_range(problem):
+    """`jsa.analysis` over the gradient computation (one block): the data of every scaled
+    float16 tensor, forward and backward, has its RMS within [2^-10, 2^8] (zeros aside)."""
+    params, tokens, targets = problem
+    config = gpt.GPTConfig(n_layer=1, n_head=4, n_embd=128, block_size=64)
+    params = gpt.init_params(jax.random.PRNGKey(1), config)
+    scaled = jsa.as_scaled_array(params, dtype=jnp.float16)
+
+    def grads(params, tokens, targets):
+        return jax.grad(gpt.loss_fn)(params, tokens, targets, config)
+
+    table = jsa.analysis.tensor_ranges(grads, scaled, tokens[:4], targets[:4])
+    rows = [
+        row
+        for row in table.select(scaled=True)
+        if row.dtype == "float16" and np.isfinite(row.rms) and row.rms > 0
+    ]
+    assert {row.phase for row in rows} == {"forward", "backward"}
+    for row in rows:
+        assert 2.0**-10 <= row.rms <= 2.0**8, (row.phase, row.primitive, row.source, row.rms)

@@ -1,0 +1,122 @@
+"""Scales follow the data through the ops of a transformer, forward and backward.
+
+Each op runs under `autoscale` on float16 data of unit variance at a scale far from 1,
+and its vector-Jacobian product on a unit-variance cotangent at another scale. The
+outputs and the input gradients must match float32 on the represented values, and their
+data must sit near unit range: largest magnitude within [2^-4, 2^4] (the scale each rule
+chose is within a factor 16 of the value's actual magnitude; static estimates that drift,
+such as `sqrt(N)` for a sum of squares, fail this), and RMS of the nonzero entries within
+[2^-6, 2^4] (softmax gradients are peaked: their RMS is a tenth of their largest entry).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scaled_arithmetics as jsa
+from tests.helpers import assert_close, represented
+
+RNG = np.random.default_rng(0)
+BATCH, SEQ, WIDTH, HEADS, VOCAB = 4, 16, 32, 2, 29
+TOKENS = jnp.asarray(RNG.integers(0, VOCAB, (BATCH, SEQ)), jnp.int32)
+GAMMA = RNG.uniform(0.5, 1.5, (WIDTH,))
+BETA = RNG.normal(size=(WIDTH,)) * 0.1
+
+
+def layer_norm(x, gamma, beta):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.var(x, axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * gamma[None, None] + beta[None, None]
+
+
+def rms_norm(x, gamma):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * gamma[None, None]
+
+
+def masked_softmax(x):
+    causal = jnp.tril(jnp.ones((SEQ, WIDTH), bool))[None]
+    return jax.nn.softmax(jnp.where(causal, x, -jnp.inf), axis=-1)
+
+
+def log_softmax_loss(x):
+    logp = jax.nn.log_softmax(x[..., :VOCAB], axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, TOKENS[..., None], axis=-1))
+
+
+def attention(x, w):
+    qkv = jnp.einsum("btd,de->bte", x, w)
+    q, k, v = (t.reshape(BATCH, SEQ, HEADS, -1) for t in jnp.split(qkv, 3, axis=-1))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / float(np.sqrt(q.shape[-1])))
+    causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))[None, None]
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(BATCH, SEQ, WIDTH)
+
+
+def residual(x, y):
+    return x + y
+
+
+def embedding(table):
+    return table[TOKENS]
+
+
+# name -> (function, operand shapes, operand scales): the first operand is the activation.
+OPS = {
+    "layer_norm": (layer_norm, [(BATCH, SEQ, WIDTH), GAMMA, BETA], [2.0**-12, 1.0, 2.0**-3]),
+    "rms_norm": (rms_norm, [(BATCH, SEQ, WIDTH), GAMMA], [2.0**12, 1.0]),
+    "softmax": (lambda x: jax.nn.softmax(x, axis=-1), [(BATCH, SEQ, WIDTH)], [2.0**2]),
+    "masked_softmax": (masked_softmax, [(BATCH, SEQ, WIDTH)], [2.0**2]),
+    "log_softmax_loss": (log_softmax_loss, [(BATCH, SEQ, WIDTH)], [2.0**3]),
+    "attention": (attention, [(BATCH, SEQ, WIDTH), (WIDTH, 3 * WIDTH)], [2.0**-10, 2.0**-3]),
+    "gelu": (jax.nn.gelu, [(BATCH, SEQ, WIDTH)], [2.0**-2]),
+    "residual_add": (residual, [(BATCH, SEQ, WIDTH), (BATCH, SEQ, WIDTH)], [2.0**-9, 2.0**-4]),
+    "embedding": (embedding, [(VOCAB, WIDTH)], [2.0**-6]),
+}
+
+
+def _operands(shapes, scales):
+    out = []
+    for shape, scale in zip(shapes, scales, strict=True):
+        data = shape if isinstance(shape, np.ndarray) else RNG.normal(size=shape)
+        out.append(jsa.scaled_array(np.asarray(data, np.float16), np.float32(scale)))
+    return out
+
+
+def _assert_data_in_range(x, what):
+    data = np.asarray(x.data, np.float64)
+    data = data[np.isfinite(data) & (data != 0)]
+    rms, peak = np.sqrt(np.mean(data**2)), np.max(np.abs(data))
+    message = f"{what}: data RMS {rms:.3g}, max {peak:.3g}, scale {float(x.scale):.3g}"
+    assert 2.0**-4 <= peak <= 2.0**4, message
+    assert 2.0**-6 <= rms <= 2.0**4, message
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_forward_and_backward_scales_follow_the_data(name, use_jit):
+    fn, shapes, scales = OPS[name]
+    args = _operands(shapes, scales)
+    values = [jnp.asarray(represented(a), jnp.float32) for a in args]
+    out_shape = jax.eval_shape(fn, *values)
+    ct_scale = np.float32(2.0**-7)
+    ct_data = RNG.normal(size=out_shape.shape).astype(np.float16)
+    cotangent = jsa.scaled_array(ct_data, ct_scale)
+
+    def forward_and_vjp(*operands_and_ct):
+        *operands, ct = operands_and_ct
+        out, vjp = jax.vjp(fn, *operands)
+        return out, vjp(ct)
+
+    scaled_fn = jsa.autoscale(forward_and_vjp)
+    with jax.numpy_rank_promotion("allow"):
+        out, grads = (jax.jit(scaled_fn) if use_jit else scaled_fn)(*args, cotangent)
+        expected_out, expected_grads = forward_and_vjp(*values, jnp.asarray(represented(cotangent)))
+    assert_close(out, np.asarray(expected_out), 2e-2, atol_rel=2e-2)
+    _assert_data_in_range(out, f"{name} output")
+    for i, (grad, expected) in enumerate(zip(grads, expected_grads, strict=True)):
+        assert isinstance(grad, jsa.ScaledArray) and grad.dtype == np.float16
+        assert_close(grad, np.asarray(expected), 2e-2, atol_rel=2e-2)
+        _assert_data_in_range(grad, f"{name} gradient {i}")
