@@ -31,11 +31,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # `jsa.optax` needs optax, which the core does not depend on: import it on first use.
-    if name == "optax":
+    # `jsa.optax` needs optax, which the core does not depend on; `jsa.checkpoint` registers
+    # ScaledArray with Flax serialization when Flax is installed: import them on first use.
+    if name in ("checkpoint", "optax"):
         import importlib
 
-        return importlib.import_module(".optax", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -48,6 +49,7 @@ __all__ = [
     "as_scaled_array",
     "asarray",
     "autoscale",
+    "checkpoint",
     "coverage",
     "is_scaled_leaf",
     "lax",

@@ -1,9 +1,10 @@
 """Train an MLP on MNIST with Adam in float32, scaled FP16/BF16 and plain FP16/BF16.
 
-Data: the genuine MNIST test split (IDX files) from `../shared/data/mnist`
-relative to the repository root; the first 8,000 images train, the last 2,000
-evaluate. Every mode starts from the same float32 initialisation and sees the
-same batches (same `--seed`).
+Data: the genuine MNIST test split (IDX files), from `--data-dir` (default: the
+`JSA_DATA_DIR` environment variable, then the per-user cache, then a checked
+download; see `experiments/data.py`); the first 8,000 images train, the last
+2,000 evaluate. Every mode starts from the same float32 initialisation and sees
+the same batches (same `--seed`).
 
 Modes:
     fp32         float32 parameters, Adam state and compute (the baseline).
@@ -19,14 +20,15 @@ Modes:
 Test accuracy is measured with the parameters' values in float32.
 
 Run: python experiments/mnist/train_mlp.py --mode scaled-fp16 --steps 1000
+     python experiments/mnist/train_mlp.py --data-dir ../shared/data/mnist  # offline copy
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
-import struct
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,49 +42,34 @@ import optax
 import jax_scaled_arithmetics as jsa
 import jax_scaled_arithmetics.optax as jsa_optax
 
-MODES = ("fp32", "scaled-fp16", "scaled-bf16", "plain-fp16", "plain-bf16", "mixed-fp16")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "mnist"
+if str(REPO_ROOT) not in sys.path:  # run as a script, only this folder is on the path
+    sys.path.insert(0, str(REPO_ROOT))
+
+from experiments import data as datasets  # noqa: E402
+
+MODES = ("fp32", "scaled-fp16", "scaled-bf16", "plain-fp16", "plain-bf16", "mixed-fp16")
 N_TRAIN = 8000
 ADAM_B2 = 0.999
 ADAM_EPS = 1e-8
 
-_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+def as_features(images: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flatten uint8 images to float32 rows in [0, 1] (shape (N, 784)); labels to int32."""
+    images = np.asarray(images)
+    features = images.reshape(images.shape[0], -1).astype(np.float32) / 255.0
+    return features, np.asarray(labels, np.int32)
 
 
-def read_idx(path: str | Path) -> np.ndarray:
-    """Read an IDX file (optionally gzip-compressed) into a NumPy array."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
-    zero, type_code, ndim = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or type_code not in _IDX_DTYPES:
-        raise ValueError(f"{path}: not an IDX file (magic {raw[:4].hex()}).")
-    shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
-    data = np.frombuffer(raw, dtype=_IDX_DTYPES[type_code], offset=4 + 4 * ndim)
-    if data.size != int(np.prod(shape)):
-        raise ValueError(f"{path}: {data.size} values for shape {shape}.")
-    return data.reshape(shape)
+def load_mnist(
+    data_dir: str | os.PathLike[str] | None = None, split: str = "test"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Images (float32 in [0, 1], shape (N, 784)) and labels (int32) of a genuine MNIST split.
 
-
-def load_mnist(path: str | Path = DEFAULT_DATA_DIR, split: str = "t10k") -> tuple[Any, Any]:
-    """Images (float32 in [0, 1], shape (N, 784)) and labels (int32) of an MNIST split.
-
-    Raises:
-        FileNotFoundError: the IDX files are not in `path`.
+    `data_dir` as in :func:`experiments.data.mnist`: None looks in `$JSA_DATA_DIR`, then the
+    per-user cache, then downloads (checked against the recorded SHA-256s).
     """
-    path = Path(path)
-    images_file = path / f"{split}-images-idx3-ubyte.gz"
-    labels_file = path / f"{split}-labels-idx1-ubyte.gz"
-    for file in (images_file, labels_file):
-        if not file.is_file():
-            raise FileNotFoundError(f"MNIST file {file} not found (expected ../shared/data/mnist).")
-    images = read_idx(images_file).astype(np.float32) / 255.0
-    labels = read_idx(labels_file).astype(np.int32)
-    if images.shape[0] != labels.shape[0]:
-        raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels.")
-    return images.reshape(images.shape[0], -1), labels
+    return as_features(*datasets.mnist(split, data_dir))
 
 
 # --- model -------------------------------------------------------------------------------
@@ -228,22 +215,30 @@ def fp16_adam_diagnostics(
     rounded to float16; the fraction of gradient entries flushed to zero in
     float16 (while nonzero in float32); the fraction of nonzero float16
     gradients whose second-moment increment `(1 - b2) * g**2` underflows to
-    zero in float16 (those entries then get `mu / eps` = `mu / 0` updates).
+    zero in float16 (those entries then get `mu / eps` = `mu / 0` updates); the
+    median nonzero float32 gradient magnitude; the fractions of the entries of
+    plain FP16 Adam's first update that are infinite and NaN.
     """
     x, y = jnp.asarray(images), jax.nn.one_hot(labels, 10)
     grad_fn = jax.jit(jax.grad(cross_entropy))
-    g32 = jax.tree_util.tree_leaves(grad_fn(params32, x, y))
     p16 = jsa.tree.astype(params32, jnp.float16)
-    g16 = jax.tree_util.tree_leaves(grad_fn(p16, x.astype(jnp.float16), y.astype(jnp.float16)))
-    g32 = np.concatenate([np.ravel(g) for g in g32])
-    g16 = np.concatenate([np.ravel(g) for g in g16])
+    leaves32 = jax.tree_util.tree_leaves(grad_fn(params32, x, y))
+    grads16 = grad_fn(p16, x.astype(jnp.float16), y.astype(jnp.float16))
+    leaves16 = jax.tree_util.tree_leaves(grads16)
+    g32: np.ndarray = np.concatenate([np.ravel(g) for g in leaves32])
+    g16: np.ndarray = np.concatenate([np.ravel(g) for g in leaves16])
     nu16 = (1 - np.float16(b2)) * np.square(g16)
     nonzero32, nonzero16 = g32 != 0, g16 != 0
+    adam = optax.adam(1e-3, b2=b2, eps=ADAM_EPS)
+    update = adam.update(grads16, adam.init(p16), p16)[0]
+    u16 = np.concatenate([np.ravel(np.asarray(u, np.float32)) for u in jax.tree.leaves(update)])
     return {
         "eps_in_float16": float(np.float16(ADAM_EPS)),
         "grad_flushed_to_zero": float(np.mean(~nonzero16[nonzero32])),
         "nu_underflow": float(np.mean(nu16[nonzero16] == 0)),
         "grad_abs_median": float(np.median(np.abs(g32[nonzero32]))),
+        "first_update_inf": float(np.mean(np.isinf(u16))),
+        "first_update_nan": float(np.mean(np.isnan(u16))),
     }
 
 
@@ -266,7 +261,8 @@ def train(
         lr: Adam learning rate.
         seed: seeds the initialisation and the batch order (identical across modes).
         hidden: hidden layer widths.
-        data: `(images, labels)` as returned by :func:`load_mnist` (loaded if None).
+        data: `(images, labels)` as returned by :func:`load_mnist` (genuine MNIST's test
+            split, located as :func:`load_mnist` does, if None).
         n_train: the first `n_train` examples train, the rest evaluate.
     """
     if mode not in MODES:
@@ -298,17 +294,25 @@ def train(
 
 def main(argv: Sequence[str] | None = None) -> list[TrainResult]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=(*MODES, "all"), default="all")
+    parser.add_argument(
+        "--mode", choices=(*MODES, "all"), nargs="+", default=["all"], help="one or more modes"
+    )
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 256])
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"folder with the MNIST IDX .gz files (default: ${datasets.DATA_DIR_ENV}, then the "
+        "cache, then a download)",
+    )
     args = parser.parse_args(argv)
 
     data = load_mnist(args.data_dir)
-    modes = MODES if args.mode == "all" else (args.mode,)
+    modes = MODES if "all" in args.mode else tuple(args.mode)
     results = []
     print(
         f"{'mode':<12} {'test acc':>9} {'test loss':>10} {'last loss':>10} {'NaN at':>7} {'s':>6}"

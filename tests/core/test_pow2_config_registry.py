@@ -122,6 +122,7 @@ def test_public_names_are_pinned():
             "as_scaled_array",
             "asarray",
             "autoscale",
+            "checkpoint",
             "coverage",
             "is_scaled_leaf",
             "lax",

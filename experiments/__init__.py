@@ -1,0 +1,1 @@
+"""Experiments (scripts, not part of the installed package); `experiments.data` loads datasets."""
