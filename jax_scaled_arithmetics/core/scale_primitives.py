@@ -30,7 +30,9 @@ __all__ = [
     "SCALE_MAX",
     "dynamic_scale",
     "dynamic_scale_p",
+    "common_scale_p",
     "scale_divide_p",
+    "scale_product_p",
     "scale_root_p",
 ]
 
@@ -126,11 +128,124 @@ _compat.register_jvp(
 )
 
 
+def _reciprocal(scale: Array) -> Array:
+    """`1 / scale` without a division: exact for powers of two, 2^127 for 0, 0 for inf."""
+    return _scale_divide_impl(np.float32(1.0), scale, zero_gives_inf=False)
+
+
+def _multi_output(name: str, impl: Any, jvp: Any, count: Any) -> Any:
+    """A primitive of scalar scales with `count(num_operands, **params)` scalar outputs."""
+    primitive = _compat.new_primitive(name, multiple_results=True)
+    primitive.def_impl(impl)
+    primitive.def_abstract_eval(
+        lambda *scales, **params: [max(scales, key=lambda a: a.ndim)] * count(len(scales), **params)
+    )
+    _compat.register_lowering(primitive, impl, multiple_results=True)
+
+    def batch(args: Any, dims: Any, **params: Any) -> Any:
+        outs, _ = _elementwise_batch(primitive)(args, dims, **params)
+        return outs, [0] * len(outs)
+
+    _compat.register_batching(primitive, batch)
+    _compat.register_jvp(primitive, jvp)
+    return primitive
+
+
+# --- the largest of several scales, and each one's ratio to it ------------------------------
+
+
+def _common_scale_impl(*scales: Array, num_wanted: int) -> list[Array]:
+    """(common, s_i / common...): common the largest of the first `num_wanted` scales;
+    every operand (those after them too) gets its ratio to it."""
+    common = scales[0]
+    for scale in scales[1:num_wanted]:
+        common = lax.max(common, scale)
+    inverse = _reciprocal(common)
+    return [common, *(scale * inverse for scale in scales)]
+
+
+def _common_scale_jvp(primals: Any, tangents: Any, *, num_wanted: int) -> Any:
+    common, *ratios = common_scale_p.bind(*primals, num_wanted=num_wanted)
+    inverse = _reciprocal(common)
+    # The common scale is a choice (no derivative); each ratio is linear in its scale.
+    out_tangents = [lax.full_like(common, 0)]
+    for tangent in tangents:
+        out_tangents.append(_compat.instantiate_zeros(tangent) * inverse)
+    return [common, *ratios], out_tangents
+
+
+common_scale_p = _multi_output(
+    "common_scale", _common_scale_impl, _common_scale_jvp, lambda n, num_wanted: n + 1
+)
+
+
+# --- a product of scales, kept in range, and what it leaves for the data --------------------
+
+
+def _scale_product_impl(*scales: Array, powers: tuple[int, ...]) -> list[Array]:
+    """`(out, ratio)`: out the product `prod(s_i ** p_i)` clamped to [SCALE_MIN, SCALE_MAX],
+    ratio `product / out` (1 unless clamped), formed one factor at a time in an order that
+    neither overflows nor multiplies a zero scale by an infinite intermediate."""
+    product = None
+    numerators: list[Array] = []
+    denominators: list[Array] = []
+    for scale, power in zip(scales, powers, strict=True):
+        numerators += [scale] * max(power, 0)
+        denominators += [scale] * max(-power, 0)
+    for scale in numerators:
+        product = scale if product is None else product * scale
+    if product is None:
+        product = lax.full_like(scales[0], 1.0)
+    for scale in denominators:
+        product = _scale_divide_impl(product, scale, zero_gives_inf=True)
+    out = lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
+    inverse = _reciprocal(out)
+    if len(numerators) == 2 and len(scales) == 2:
+        # The smaller one first: it is the small one when the product is clamped from
+        # below (a zero scale included), and it is not when clamped from above.
+        numerators = [lax.min(*numerators), lax.max(*numerators)]
+    ratio = inverse
+    for scale in numerators:
+        ratio = scale * ratio
+    for scale in denominators:
+        ratio = _scale_divide_impl(ratio, scale, zero_gives_inf=True)
+    if len(numerators) + len(denominators) > 2:
+        # A ratio of three factors or more may overflow float32 itself (x ** 3 with a scale
+        # beyond 2^43): capped, it still overflows every nonzero datum, and zeros stay zero.
+        ratio = lax.min(ratio, np.float32(2.0**127))
+    return [out, ratio]
+
+
+def _scale_product_jvp(primals: Any, tangents: Any, *, powers: tuple[int, ...]) -> Any:
+    out, ratio = scale_product_p.bind(*primals, powers=powers)
+    inverse = _reciprocal(out)
+    # out is a choice (no derivative); ratio = product / out carries d product / out.
+    tangent = lax.full_like(ratio, 0)
+    for i, (scale, power, dscale) in enumerate(zip(primals, powers, tangents, strict=True)):
+        if power == 0 or _compat.is_symbolic_zero(dscale):
+            continue
+        partial = lax.full_like(scale, float(power))  # d product / d scale_i
+        for j, (other, other_power) in enumerate(zip(primals, powers, strict=True)):
+            exponent = other_power - 1 if j == i else other_power
+            for _ in range(abs(exponent)):
+                if exponent > 0:
+                    partial = partial * other
+                else:
+                    partial = _scale_divide_impl(partial, other, zero_gives_inf=True)
+        tangent = tangent + _compat.instantiate_zeros(dscale) * partial * inverse
+    return [out, ratio], [lax.full_like(out, 0), tangent]
+
+
+scale_product_p = _multi_output(
+    "scale_product", _scale_product_impl, _scale_product_jvp, lambda n, powers: 2
+)
+
+
 # --- dynamic scale -----------------------------------------------------------------------
 
 
 def _dynamic_scale_impl(x: Array, factor: Array) -> list[Array]:
-    """(t, 1 / t): t the power of two at or below the largest finite `|x| * factor`."""
+    """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`."""
     if x.size == 0:
         return [np.float32(1.0), np.float32(1.0)]
     magnitude = lax.abs(x)
@@ -145,7 +260,7 @@ def _dynamic_scale_impl(x: Array, factor: Array) -> list[Array]:
     bits = lax.select(amax > 0, bits, _ONE_BITS)
     scale = lax.bitcast_convert_type(bits, F32)
     inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)  # 2^-e, exactly
-    return [scale, inverse]
+    return [scale, lax.convert_element_type(factor, F32) * inverse]
 
 
 _SCALE_MIN_BITS = np.int32((127 - 124) << 23)
@@ -163,22 +278,24 @@ def _dynamic_scale_batch(args: Any, dims: Any) -> Any:
     # that stays a scalar keeps `vmap`'s scales unbatched.
     x, factor = args
     x_dim, factor_dim = dims
-    if factor_dim is not None:  # one factor per example: applied to its example's values
-        x = (
-            jax.numpy.moveaxis(x, x_dim, 0)
-            if x_dim is not None
-            else lax.broadcast(x, (factor.shape[factor_dim],))
-        )
-        factor = jax.numpy.moveaxis(factor, factor_dim, 0)
-        factor = factor.reshape(factor.shape + (1,) * (x.ndim - factor.ndim))
-        x = x * factor.astype(x.dtype)
-        factor = np.float32(1.0)
-    return dynamic_scale_p.bind(x, factor), [None, None]
+    if factor_dim is None:
+        return dynamic_scale_p.bind(x, factor), [None, None]
+    # One factor per example: applied to its example's values; the ratio is per example.
+    factor = jax.numpy.moveaxis(factor, factor_dim, 0)
+    if x_dim is None:
+        x = lax.broadcast(x, (factor.shape[0],))
+    else:
+        x = jax.numpy.moveaxis(x, x_dim, 0)
+    scaled = x * factor.reshape(factor.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
+    scale, inverse = dynamic_scale_p.bind(scaled, np.float32(1.0))
+    return [scale, factor.astype(F32) * inverse], [None, 0]
 
 
 def _dynamic_scale_jvp(primals: Any, tangents: Any) -> Any:
-    outs = dynamic_scale_p.bind(*primals)
-    return outs, [lax.full_like(o, 0) for o in outs]
+    scale, ratio = dynamic_scale_p.bind(*primals)
+    # The scale is a choice (no derivative); ratio = factor / scale is linear in factor.
+    dfactor = _compat.instantiate_zeros(tangents[1])
+    return [scale, ratio], [lax.full_like(scale, 0), dfactor * _reciprocal(scale)]
 
 
 _compat.register_batching(dynamic_scale_p, _dynamic_scale_batch)

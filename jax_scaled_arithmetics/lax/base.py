@@ -27,11 +27,11 @@ from ..core.datatype import ScaledArray, is_floating
 from ..core.pow2 import pow2_round, static_pow2
 from .scales import (
     SCALE_MIN,
+    apply_ratio,
     as_f32,
-    at_scale,
-    common_scale,
+    at_scale_ratio,
+    common_ratios,
     dynamic_scale,
-    reciprocal,
     represent,
     represent_dynamic,
     scale_div,
@@ -137,14 +137,12 @@ def to_common_scale(
     wanted = [
         _constant_scale(c, x.dtype) if _is_number(c) else x.scale for x, c in zip(xs, constants)
     ]
-    common = common_scale(wanted)
-    if any(_is_number(c) and not np.isfinite(c) for c in constants):
+    common, ratios = common_ratios([x.scale for x in xs], wanted)
+    if static_value(common) == 0.0 and any(_is_number(c) and not np.isfinite(c) for c in constants):
         # inf / NaN constants fit at any positive scale, but not at a zero one.
-        if static_value(common) == 0.0:
-            common = np.float32(1.0)
-    inverse = reciprocal(common)
-    datas = [at_scale(x.data, x.scale, common, inverse_out=inverse) for x in xs]
-    return datas, common
+        common = np.float32(1.0)
+        ratios = [at_scale_ratio(x.scale, common) for x in xs]
+    return [apply_ratio(x.data, ratio) for x, ratio in zip(xs, ratios, strict=True)], common
 
 
 def _is_number(value: Any) -> bool:
@@ -289,10 +287,9 @@ def register_unscaled_output(
         if len(scaled) == 1:
             datas = [zeros_where_scale_zero(scaled[0])]
         else:
-            common = common_scale([x.scale for x in scaled])
+            _, ratios = common_ratios([x.scale for x in scaled])
             cdtype = compute_dtype(scaled[0].dtype)
-            inverse = reciprocal(common)
-            datas = [at_scale(x.data, x.scale, common, cdtype, inverse) for x in scaled]
+            datas = [apply_ratio(x.data, r, cdtype) for x, r in zip(scaled, ratios)]
         args = list(operands)
         for i, d in zip(positions, datas):
             args[i] = d

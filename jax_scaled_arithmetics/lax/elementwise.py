@@ -42,10 +42,10 @@ from .base import (
 )
 from .scales import (
     SCALE_MIN,
+    apply_ratio,
     as_f32,
     at_scale,
-    common_scale,
-    reciprocal,
+    common_ratios,
     represent,
     same_scale,
     scale_div,
@@ -71,28 +71,31 @@ def compare_operands(a: ScaledArray, b: ScaledArray) -> tuple[Array, Array]:
     if same_scale(a.scale, b.scale):
         return zeros_where_scale_zero(a), zeros_where_scale_zero(b)
     cdtype = compute_dtype(a.dtype)
-    common = common_scale([a.scale, b.scale])
-    return value_at_scale(a, common, cdtype), value_at_scale(b, common, cdtype)
+    _, (ra, rb) = common_ratios([a.scale, b.scale])
+    return apply_ratio(a.data, ra, cdtype), apply_ratio(b.data, rb, cdtype)
 
 
 # --- add, sub ----------------------------------------------------------------------------
 
 
-def add_scale(sa: Any, sb: Any) -> Any:
-    """The output scale of a sum: `sqrt(sa^2 + sb^2)` rounded to a power of two.
+def add_scale(sa: Any, sb: Any) -> tuple[Any, Any, Any]:
+    """The output scale of a sum, `sqrt(sa^2 + sb^2)` rounded to a power of two, and the
+    operands' ratios to it.
 
     For powers of two this is `max(sa, sb)` rounding down (the default) and twice that
-    rounding up: one `max`, no square root. With `Pow2RoundMode.NONE` the root is computed
-    (as `max * sqrt(1 + (min / max)^2)`, which cannot overflow).
+    rounding up: one :data:`common_scale_p`, no square root. With `Pow2RoundMode.NONE`
+    the root is computed (as `max * sqrt(1 + (min / max)^2)`, which cannot overflow).
     """
     mode = get_autoscale_config().rounding_mode
-    common = common_scale([sa, sb])
+    common, (ra, rb) = common_ratios([sa, sb])
     if mode == Pow2RoundMode.DOWN:
-        return common
+        return common, ra, rb
     if mode == Pow2RoundMode.UP:
-        return scale_mul(common, np.float32(2.0))
+        half = np.float32(0.5)
+        return scale_mul(common, np.float32(2.0)), scale_mul(ra, half), scale_mul(rb, half)
     low = scale_div(_smaller(sa, sb), common)
-    return scale_mul(common, _sqrt_scalar(scale_mul(low, low) + np.float32(1.0)))
+    scale = scale_mul(common, _sqrt_scalar(scale_mul(low, low) + np.float32(1.0)))
+    return scale, scale_div(sa, scale), scale_div(sb, scale)
 
 
 def _smaller(sa: Any, sb: Any) -> Any:
@@ -113,10 +116,9 @@ def _scaled_add_like(primitive: Any) -> Any:
             Pow2RoundMode.DOWN
         ):
             return ScaledArray(primitive.bind(a.data, b.data, **params), a.scale)
-        scale = add_scale(a.scale, b.scale)
-        inverse = reciprocal(scale)
-        da = at_scale(a.data, a.scale, scale, inverse_out=inverse)
-        db = at_scale(b.data, b.scale, scale, a.dtype, inverse_out=inverse)
+        scale, ra, rb = add_scale(a.scale, b.scale)
+        da = apply_ratio(a.data, ra)
+        db = apply_ratio(b.data, rb, a.dtype)
         return ScaledArray(primitive.bind(da, db, **params), scale)
 
     rule.__name__ = f"scaled_{primitive.name}"
@@ -177,14 +179,14 @@ def _minmax_rule(primitive: Any, is_max: bool) -> Any:
         known = list(operand_constants()) or [None, None]
         if _keeps_scale(known[1], is_max) and known[0] is None:
             scale = a.scale
+            da, db = a.data, value_at_scale(b, scale, a.dtype)
         elif _keeps_scale(known[0], is_max) and known[1] is None:
             scale = b.scale
+            da, db = value_at_scale(a, scale, a.dtype), b.data
         else:
-            scale = common_scale([a.scale, b.scale])
-        out = primitive.bind(
-            value_at_scale(a, scale, a.dtype), value_at_scale(b, scale, a.dtype), **params
-        )
-        return ScaledArray(out, scale)
+            scale, (ra, rb) = common_ratios([a.scale, b.scale])
+            da, db = apply_ratio(a.data, ra), apply_ratio(b.data, rb, a.dtype)
+        return ScaledArray(primitive.bind(da, db, **params), scale)
 
     rule.__name__ = f"scaled_{primitive.name}"
     return rule
@@ -215,9 +217,10 @@ def scaled_clamp(lo: ScaledArray, x: ScaledArray, hi: ScaledArray, **params: Any
     known = list(operand_constants()) or [None] * 3
     if _keeps_scale(known[0], is_max=True) and _keeps_scale(known[2], is_max=False):
         scale = x.scale
+        datas = [value_at_scale(o, scale, x.dtype) for o in (lo, x, hi)]
     else:
-        scale = common_scale([lo.scale, x.scale, hi.scale])
-    datas = [value_at_scale(o, scale, x.dtype) for o in (lo, x, hi)]
+        scale, ratios = common_ratios([lo.scale, x.scale, hi.scale])
+        datas = [apply_ratio(o.data, r, x.dtype) for o, r in zip((lo, x, hi), ratios)]
     return ScaledArray(lax.clamp_p.bind(*datas, **params), scale)
 
 
@@ -292,6 +295,7 @@ def _pow2_root(scale: Any, degree: int) -> tuple[Any, Any]:
     the configured mode: `rest` in [1, 2^degree) rounding down), by exponent arithmetic."""
     mode = get_autoscale_config().rounding_mode
     value = static_value(scale)
+    root: Any
     if value is not None:
         exact = float(np.float64(value) ** (1.0 / degree))
         root = exact if mode == Pow2RoundMode.NONE else static_pow2(exact, mode)
@@ -299,8 +303,8 @@ def _pow2_root(scale: Any, degree: int) -> tuple[Any, Any]:
         return np.float32(root), np.float32(value / root**degree)
     scale = as_f32(scale)
     if mode == Pow2RoundMode.NONE:
-        exact = lax.sqrt(scale) if degree == 2 else lax.cbrt(scale)
-        root = lax.max(exact, np.float32(SCALE_MIN))
+        traced_root = lax.sqrt(scale) if degree == 2 else lax.cbrt(scale)
+        root = lax.max(traced_root, np.float32(SCALE_MIN))
     elif degree == 2:
         root = scale_sqrt(scale, round_up=mode == Pow2RoundMode.UP)
     else:

@@ -45,7 +45,7 @@ def represent_accumulation(acc: Any, factors: Any, dtype: Any, fan_in: int) -> S
     """The output of a sum or contraction of `fan_in` terms: `acc * prod(factors)`, with the
     configured policy's output scale (see the module docstring)."""
     if get_autoscale_config().policy == ScalePolicy.STATIC:
-        return represent(acc, factors, dtype, extra=np.float32(fan_in_factor(fan_in)))
+        return represent(acc, factors, dtype, extra=float(fan_in_factor(fan_in)))
     return represent_dynamic(acc, factors, dtype)
 
 

@@ -36,9 +36,11 @@ from ..core.scale_primitives import (
     F32,
     SCALE_MAX,
     SCALE_MIN,
+    common_scale_p,
     dynamic_scale,
     dynamic_scale_p,
     scale_divide_p,
+    scale_product_p,
     scale_root_p,
 )
 
@@ -55,6 +57,9 @@ __all__ = [
     "scale_div",
     "represent",
     "common_scale",
+    "common_ratios",
+    "at_scale_ratio",
+    "apply_ratio",
     "reciprocal",
     "at_scale",
     "dynamic_scale",
@@ -157,19 +162,19 @@ def represent(
     acc: Array,
     factors: Sequence[Factor],
     dtype: Any,
-    extra: Any = None,
+    extra: float = 1.0,
 ) -> ScaledArray:
     """`acc * prod(scale ** power)` as a ScaledArray with `dtype` data.
 
-    The output scale is the product of the factors, times `extra` when given (a scale
-    chosen for the data, e.g. :func:`dynamic_scale` of `acc`: the data is then
-    `acc / extra`). Static factors are folded at trace time. Where the product could
-    leave `[SCALE_MIN, SCALE_MAX]` it is clamped into it and the rest multiplies the
-    data (computed in float32), so that values beyond float32's range become +-inf and
-    values below it 0, elementwise, as in plain float32; a zero divisor scale gives
-    `+-inf` / NaN as plain division by zero does. When the product is known to stay in
-    range (static, or one traced scale times a static factor of at most 1), no scalar
-    work is added at all.
+    The output scale is the product of the factors, times the static `extra` (a factor
+    chosen for the data, such as the unit-scaling `sqrt(K)` of a contraction: the data is
+    then `acc / extra`). Static factors are folded at trace time. Where the product could
+    leave `[SCALE_MIN, SCALE_MAX]`, :data:`scale_product_p` clamps it into that range and
+    returns the rest, which multiplies the data (in float32), so that values beyond
+    float32's range become +-inf and values below it 0, elementwise, as in plain
+    float32; a zero divisor scale gives `+-inf` / NaN as plain division by zero does.
+    When the product is known to stay in range (static, or one traced scale times a
+    static factor of at most 1), it is formed directly.
     """
     static = 1.0
     traced: list[Factor] = []
@@ -182,94 +187,143 @@ def represent(
         else:
             with np.errstate(all="ignore"):
                 static *= float(np.float64(value) ** power)
-    extra_value = static_value(extra) if extra is not None else 1.0
     cdtype = _compute_dtype(acc.dtype)
+    data_factor = 1.0 / extra  # what the data is multiplied by, beside the clamped excess
+    static *= extra
 
-    if not traced and extra_value is not None:
-        out = static * extra_value
-        if out == 0.0 or SCALE_MIN <= out <= SCALE_MAX:
-            data = acc if extra_value == 1.0 else _multiply_static(acc, 1.0 / extra_value, cdtype)
-            return ScaledArray(data.astype(dtype), np.float32(out))
-        scale = float(np.clip(out, SCALE_MIN, SCALE_MAX)) if np.isfinite(out) else SCALE_MAX
+    if not traced:
+        if static == 0.0 or SCALE_MIN <= static <= SCALE_MAX:
+            data = _multiply_static(acc, data_factor, cdtype).astype(dtype)
+            return ScaledArray(data, np.float32(static))
+        scale = float(np.clip(static, SCALE_MIN, SCALE_MAX)) if np.isfinite(static) else SCALE_MAX
         with np.errstate(all="ignore"):
             ratio = static / scale if np.isfinite(static) else static
-        return ScaledArray(_multiply_static(acc, ratio, cdtype).astype(dtype), np.float32(scale))
+        data = _multiply_static(acc, ratio * data_factor, cdtype)
+        return ScaledArray(data.astype(dtype), np.float32(scale))
 
-    # The product of the traced factors, the static one and `extra`.
-    product: Any = None
-    for scale, power in traced:
-        term = _scale_power(scale, power)
-        if product is None:
-            product = term if power > 0 else scale_div(np.float32(1.0), term)
-        else:
-            product = lax.mul(product, term) if power > 0 else scale_div(product, term)
-    if product is None:
-        product = np.float32(static)
-    elif static != 1.0:
-        product = lax.mul(product, np.float32(static))
-    if extra is not None and extra_value is None:
-        product = lax.mul(product, as_f32(extra))
-    elif extra_value != 1.0:
-        product = lax.mul(product, np.float32(extra_value))
-
-    single = len(traced) == 1 and traced[0][1] == 1 and extra_value is not None
-    if single and static * extra_value <= 1.0:
+    if len(traced) == 1 and traced[0][1] == 1 and static <= 1.0:
         # One traced scale times a static factor at most 1: it can only underflow (to a
         # scale that represents what plain float32 flushes to zero anyway).
-        data = acc if extra_value == 1.0 else _multiply_static(acc, 1.0 / extra_value, cdtype)
-        return ScaledArray(data.astype(dtype), product)
-    out_scale = lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
-    # ratio = prod(factors) / out_scale, one factor at a time, in an order that neither
-    # overflows nor divides a zero factor's product by a tiny out_scale (0 * inf).
-    numerators = [as_f32(scale) for scale, power in traced for _ in range(max(power, 0))]
-    denominators = [as_f32(scale) for scale, power in traced for _ in range(max(-power, 0))]
-    if len(numerators) == 2 and numerators[0] is not numerators[1]:
-        # The smaller one first: it is the one that is small when the product is clamped
-        # from below (a zero scale included), and it is not when clamped from above.
-        numerators = [lax.min(*numerators), lax.max(*numerators)]
-    if numerators:
-        ratio = scale_div(numerators[0], out_scale)
-        for scale in numerators[1:]:
-            ratio = lax.mul(ratio, scale)
-    else:
-        ratio = scale_div(np.float32(1.0), out_scale)
-    for scale in denominators:
-        ratio = scale_div(ratio, scale)
+        product = scale_mul(traced[0][0], np.float32(static))
+        return ScaledArray(_multiply_static(acc, data_factor, cdtype).astype(dtype), product)
+    if not (SCALE_MIN <= static <= SCALE_MAX):
+        # A static factor beyond float32's range (a huge or tiny constant) multiplies the
+        # data itself, in chunks, instead of entering the scale product.
+        data_factor *= static
+        static = 1.0
+    operands = [as_f32(scale) for scale, _ in traced]
+    powers = tuple(power for _, power in traced)
     if static != 1.0:
-        ratio = lax.mul(ratio, np.float32(static))
-    if sum(abs(power) for _, power in traced) + (static != 1.0) > 2:
-        # A ratio of three factors or more may overflow float32 itself (x ** 3 with a scale
-        # beyond 2^43): capped, it still overflows every nonzero datum, and zeros stay zero.
-        ratio = lax.min(ratio, np.float32(2.0**127))
+        operands.append(np.float32(static))
+        powers += (1,)
+    out_scale, ratio = scale_product_p.bind(*_compat.match_varying(*operands), powers=powers)
     data = acc.astype(cdtype) * ratio.astype(cdtype)
-    return ScaledArray(data.astype(dtype), out_scale)
+    return ScaledArray(_multiply_static(data, data_factor, cdtype).astype(dtype), out_scale)
 
 
 def common_scale(scales: Sequence[Any]) -> Any:
-    """The largest of `scales` (static zeros, i.e. known zeros, need no scale).
+    """The largest of `scales` (see :func:`common_ratios`, which also gives the ratios)."""
+    return common_ratios(scales)[0]
 
-    Shared and static scales are folded. It may be 0 when every operand's scale is: the
-    ratios of :func:`at_scale` are then 0 (with `Pow2RoundMode.NONE`, whose ratios are
-    true divisions, a traced result is floored at `SCALE_MIN` instead).
+
+def common_ratios(
+    scales: Sequence[Any], wanted: Sequence[Any] | None = None
+) -> tuple[Any, list[Any]]:
+    """The largest of `scales` and each scale's ratio to it: `(common, [s_i / common])`.
+
+    `wanted`, when given, is the scale each operand asks for, which may be smaller than
+    its own when it is static (a constant asks only for the smallest scale it fits at):
+    the common scale is the largest wanted one, the ratios are of the operands' scales.
+    Static scales are folded and a scale shared by several operands counts once; known
+    zeros (static scale 0) need no scale and get ratio 0. Traced, it is one
+    :data:`common_scale_p` (the ratios of powers of two are exact; a zero common scale
+    gives ratios 0). With `Pow2RoundMode.NONE` the ratios are true divisions by a
+    common scale floored at `SCALE_MIN`.
     """
-    unique: list[Any] = []
-    static_max: float | None = None
-    for scale in scales:
-        value = static_value(scale)
-        if value is not None:
-            static_max = value if static_max is None else max(static_max, value)
-        elif not any(scale is u for u in unique):
-            unique.append(scale)
+    wanted = list(scales) if wanted is None else list(wanted)
+    values = [static_value(scale) for scale in scales]
+    unique: list[Any] = []  # distinct traced wanted scales: they take part in the max
+    static_max = 0.0
+    any_static = False
+    for w in wanted:
+        value = static_value(w)
+        if value is None:
+            if not any(w is u for u in unique):
+                unique.append(w)
+        else:
+            any_static = True
+            static_max = max(static_max, value)
     if not unique:
-        return np.float32(static_max if static_max is not None else 1.0)
-    out = as_f32(unique[0])
-    for scale in unique[1:]:
-        out = lax.max(out, as_f32(scale))
-    if static_max is not None and static_max > 0:
-        return lax.max(out, np.float32(static_max))
-    if len(unique) > 1 and get_autoscale_config().rounding_mode == Pow2RoundMode.NONE:
-        return lax.max(out, np.float32(SCALE_MIN))
-    return out
+        static_common = np.float32(static_max if any_static else 1.0)
+        return static_common, [at_scale_ratio(scale, static_common) for scale in scales]
+    if get_autoscale_config().rounding_mode == Pow2RoundMode.NONE:
+        traced_common: Any = as_f32(unique[0])
+        for scale in unique[1:]:
+            traced_common = lax.max(traced_common, as_f32(scale))
+        if static_max > 0.0:
+            traced_common = lax.max(traced_common, np.float32(max(static_max, SCALE_MIN)))
+        return traced_common, [at_scale_ratio(scale, traced_common) for scale in scales]
+    operands = [as_f32(scale) for scale in unique]
+    if static_max > 0.0:
+        # Floored at a normal number: XLA flushes subnormal scales (and their ratios) to 0.
+        operands.append(np.float32(max(static_max, SCALE_MIN)))
+    num_wanted = len(operands)
+    # Operands' scales that are not among the wanted ones (a constant's, which asks for
+    # less than it has) get their ratios from extra operands, which are not in the max.
+    extra: list[Any] = []
+    for scale, value in zip(scales, values, strict=True):
+        if value == 0.0 or (value is None and any(scale is u for u in unique)):
+            continue
+        if value is None:
+            if not any(scale is e for e in extra):
+                extra.append(scale)
+        elif not any(static_value(e) == value for e in extra):
+            extra.append(np.float32(value))
+    if num_wanted == 1 and not extra:  # one traced scale, beside known zeros
+        return unique[0], [0.0 if value == 0.0 else 1.0 for value in values]
+    common, *all_ratios = common_scale_p.bind(
+        *_compat.match_varying(*operands, *[as_f32(e) for e in extra]), num_wanted=num_wanted
+    )
+    ratios = []
+    for scale, value in zip(scales, values, strict=True):
+        if value == 0.0:
+            ratios.append(0.0)
+        elif value is None and any(scale is u for u in unique):
+            ratios.append(all_ratios[next(i for i, u in enumerate(unique) if u is scale)])
+        elif value is None:
+            ratios.append(
+                all_ratios[num_wanted + next(i for i, e in enumerate(extra) if e is scale)]
+            )
+        else:
+            index = next(i for i, e in enumerate(extra) if static_value(e) == value)
+            ratios.append(all_ratios[num_wanted + index])
+    return common, ratios
+
+
+def at_scale_ratio(scale_in: Any, scale_out: Any) -> Any:
+    """`scale_in / scale_out` (0 for a known zero `scale_in`), folded when static."""
+    v_in, v_out = static_value(scale_in), static_value(scale_out)
+    if v_in == 0.0:
+        return 0.0
+    if v_in is not None and v_out is not None:
+        return float(np.float64(v_in) / np.float64(v_out)) if v_out else 0.0
+    if get_autoscale_config().rounding_mode == Pow2RoundMode.NONE:
+        return lax.div(as_f32(scale_in), as_f32(scale_out))
+    return scale_div(scale_in, scale_out)
+
+
+def apply_ratio(data: Array, ratio: Any, dtype: Any = None) -> Array:
+    """`data * ratio` in `dtype` (default: data's); nothing to do for a static ratio of 1."""
+    dtype = data.dtype if dtype is None else dtype
+    static = static_value(ratio) if not isinstance(ratio, float) else ratio
+    if static is None:
+        return data.astype(dtype) * ratio.astype(dtype)
+    if static == 1.0:
+        return data.astype(dtype)
+    finfo = ml_dtypes.finfo(dtype)
+    if static == 0.0 or float(finfo.tiny) <= abs(static) <= float(finfo.max):
+        return data.astype(dtype) * np.asarray(static, dtype)
+    return _multiply_static(data, static, _compute_dtype(dtype)).astype(dtype)
 
 
 def reciprocal(scale: Any) -> Any:
@@ -283,33 +337,15 @@ def reciprocal(scale: Any) -> Any:
     return scale_divide_p.bind(np.float32(1.0), as_f32(scale), zero_gives_inf=False)
 
 
-def at_scale(
-    data: Array, scale_in: Any, scale_out: Any, dtype: Any = None, inverse_out: Any = None
-) -> Array:
+def at_scale(data: Array, scale_in: Any, scale_out: Any, dtype: Any = None) -> Array:
     """`data` (at `scale_in`) brought to `scale_out`, in `dtype` (default: data's).
 
-    No work when the scales are the same; a zero `scale_in` gives (signed) zeros. Pass
-    `inverse_out` (:func:`reciprocal` of `scale_out`) when bringing several operands to
-    one scale, so that it is computed once.
+    No work when the scales are the same; a zero `scale_in` gives (signed) zeros. To
+    bring several operands to their largest scale, use :func:`common_ratios`.
     """
-    dtype = data.dtype if dtype is None else dtype
     if same_scale(scale_in, scale_out):
-        return data.astype(dtype)
-    if static_value(scale_in) == 0.0:  # known zeros
-        return data.astype(dtype) * np.asarray(0, dtype)
-    v_in, v_out = static_value(scale_in), static_value(scale_out)
-    if v_in is not None and v_out is not None:
-        ratio: Any = np.float64(v_in) / np.float64(v_out) if v_out else 0.0
-    else:
-        inverse = reciprocal(scale_out) if inverse_out is None else inverse_out
-        ratio = scale_mul(scale_in, inverse)
-    static = static_value(ratio)
-    if static is None:
-        return data.astype(dtype) * ratio.astype(dtype)
-    finfo = ml_dtypes.finfo(dtype)
-    if static == 0.0 or float(finfo.tiny) <= abs(static) <= float(finfo.max):
-        return data.astype(dtype) * np.asarray(static, dtype)
-    return _multiply_static(data, static, _compute_dtype(dtype)).astype(dtype)
+        return data.astype(data.dtype if dtype is None else dtype)
+    return apply_ratio(data, at_scale_ratio(scale_in, scale_out), dtype)
 
 
 def scale_sqrt(scale: Any, round_up: bool = False) -> Any:
@@ -358,6 +394,5 @@ def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> Scal
         product = np.float32(static)
     elif static != 1.0:
         product = lax.mul(product, np.float32(static))
-    scale, inverse = dynamic_scale_p.bind(acc, product)
-    ratio = scale_mul(product, inverse)
-    return ScaledArray((acc * as_f32(ratio).astype(cdtype)).astype(dtype), scale)
+    scale, ratio = dynamic_scale_p.bind(*_compat.match_varying(acc, product))
+    return ScaledArray((acc * ratio.astype(cdtype)).astype(dtype), scale)

@@ -72,7 +72,7 @@ def scaled_set_scaling(x: Any, scale: Any) -> ScaledArray:
     if same_scale(x.scale, scale):
         return x
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
-    data = at_scale(x.data, x.scale, scale, cdtype, inverse_out=scale_div(np.float32(1.0), scale))
+    data = at_scale(x.data, x.scale, scale, cdtype)
     return ScaledArray(data.astype(x.dtype), scale)
 
 

@@ -151,9 +151,7 @@ def test_scaled_optimizer_float16_step(problem):
         updates, state = opt.update(grads, state, params)
         return updates, jsa.optax.apply_updates(params, updates), state
 
-    updates, new_params, _ = jax.jit(jsa.autoscale(step))(
-        scaled, opt.init(scaled), tokens, targets
-    )
+    updates, new_params, _ = jax.jit(jsa.autoscale(step))(scaled, opt.init(scaled), tokens, targets)
     grads = jax.jit(grad_fn)(values, tokens, targets)
     expected, _ = adam.update(grads, adam.init(values), values)
     flat = zip(
