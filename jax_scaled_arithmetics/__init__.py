@@ -26,6 +26,8 @@ from .core.interpreter import autoscale as autoscale
 from .core.interpreter import scalify as scalify
 from .core.registry import coverage as coverage
 from .core.registry import register_scaled_op as register_scaled_op
+from .core.vmap import scaled_axes as scaled_axes
+from .core.vmap import vmap as vmap
 
 __version__ = "0.1.0"
 
@@ -60,5 +62,7 @@ __all__ = [
     "register_scaled_op",
     "scaled_array",
     "scalify",
+    "scaled_axes",
     "tree",
+    "vmap",
 ]

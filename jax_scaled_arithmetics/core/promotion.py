@@ -10,7 +10,7 @@ import numpy as np
 from .config import Pow2RoundMode, ScalePolicy, get_autoscale_config
 from .datatype import ScaledArray, is_floating
 from .pow2 import static_pow2
-from .scale_primitives import dynamic_scale_p
+from .scale_primitives import dynamic_scale_p, mark_pow2
 
 __all__ = ["promote_to_scaled"]
 
@@ -41,6 +41,8 @@ def promote_to_scaled(x: Any, known: Any = None) -> Any:
     if config.policy == ScalePolicy.STATIC or np.ndim(x) == 0:
         return ScaledArray(x, np.asarray(1.0, scale_dtype))
     scale, inverse = dynamic_scale_p.bind(x, np.float32(1.0))
+    mark_pow2(scale)
+    mark_pow2(inverse)
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
     data = (x.astype(cdtype) * inverse.astype(cdtype)).astype(x.dtype)
     return ScaledArray(data, scale)

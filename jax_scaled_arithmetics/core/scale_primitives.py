@@ -14,6 +14,7 @@ vmaps and differentiates outside `autoscale` (derivatives of chosen scales are z
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -34,6 +35,8 @@ __all__ = [
     "scale_divide_p",
     "scale_product_p",
     "scale_root_p",
+    "is_pow2",
+    "mark_pow2",
 ]
 
 F32 = np.dtype(np.float32)
@@ -41,6 +44,32 @@ F32 = np.dtype(np.float32)
 # (XLA may divide by multiplying with a reciprocal, which it flushes to zero if subnormal).
 SCALE_MIN = 2.0**-124
 SCALE_MAX = 2.0**126
+
+# --- scales known to be powers of two -----------------------------------------------------
+
+# Traced scales that rules produced as powers of two (dynamic scales, their products,
+# ratios and roots), by identity: the primitives skip the mantissa work for them. Weak:
+# an entry lives as long as its tracer.
+_KNOWN_POW2: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def mark_pow2(scale: Any) -> Any:
+    """Record that the traced `scale` is a power of two (or 0 or inf); returns it."""
+    if _compat.is_tracer(scale):
+        _KNOWN_POW2[id(scale)] = scale
+    return scale
+
+
+def is_pow2(scale: Any) -> bool:
+    """Whether `scale` is known, when tracing, to be a power of two (or 0 or inf)."""
+    if _compat.is_tracer(scale):
+        return _KNOWN_POW2.get(id(scale)) is scale
+    try:
+        value = float(np.asarray(scale, np.float64))
+    except Exception:  # an abstract value, or not a scalar
+        return False
+    return value == 0.0 or not np.isfinite(value) or abs(np.frexp(value)[0]) == 0.5
+
 
 # --- division and roots of scales ---------------------------------------------------------
 
@@ -59,12 +88,15 @@ def _reciprocal_of_mantissa(mantissa_bits: Array) -> Array:
     return lax.select(mantissa_bits == 0, lax.full_like(x, 1.0), x * np.float32(0.5))
 
 
-def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool) -> Array:
+def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool = False) -> Array:
+    """`a / b` (0 for inf `b`; inf or 2^127 * a for zero `b`). With `pow2`, `b` is known to
+    be a power of two (or 0 or inf): its mantissa is not read, a few operations fewer."""
     bits = lax.bitcast_convert_type(b, np.int32)
     exponent = bits & _EXPONENT_MASK
     inverse_bits = lax.clamp(np.int32(0), _TWO_127 - exponent, _TWO_127)
     inverse = lax.bitcast_convert_type(inverse_bits, F32)  # 2^-e (0 for inf, 2^127 for 0)
-    inverse = inverse * _reciprocal_of_mantissa(bits & _MANTISSA_MASK)
+    if not pow2:
+        inverse = inverse * _reciprocal_of_mantissa(bits & _MANTISSA_MASK)
     if zero_gives_inf:
         inverse = lax.select(b == 0, lax.full_like(inverse, np.inf), inverse)
     return a * inverse
@@ -85,7 +117,9 @@ def _elementwise_batch(primitive: Any) -> Any:
 
 
 scale_divide_p = _compat.new_primitive("scale_divide")
-scale_divide_p.def_impl(_scale_divide_impl)
+scale_divide_p.def_impl(
+    lambda a, b, **params: _scale_divide_impl(jax.numpy.asarray(a), jax.numpy.asarray(b), **params)
+)
 scale_divide_p.def_abstract_eval(lambda a, b, **params: a if a.ndim >= b.ndim else b)
 _compat.register_lowering(scale_divide_p, _scale_divide_impl)
 _compat.register_batching(scale_divide_p, _elementwise_batch(scale_divide_p))
@@ -128,15 +162,22 @@ _compat.register_jvp(
 )
 
 
-def _reciprocal(scale: Array) -> Array:
+def _pow2_up(scale: Array) -> Array:
+    """The power of two at or above a non-negative scale (0 stays 0, inf stays inf)."""
+    bits = lax.bitcast_convert_type(scale, np.int32)
+    inexact = lax.convert_element_type((bits & _MANTISSA_MASK) != 0, np.int32)
+    return lax.bitcast_convert_type((bits & _EXPONENT_MASK) + inexact * _EXPONENT_ONE, F32)
+
+
+def _reciprocal(scale: Array, pow2: bool = False) -> Array:
     """`1 / scale` without a division: exact for powers of two, 2^127 for 0, 0 for inf."""
-    return _scale_divide_impl(np.float32(1.0), scale, zero_gives_inf=False)
+    return _scale_divide_impl(np.float32(1.0), scale, zero_gives_inf=False, pow2=pow2)
 
 
 def _multi_output(name: str, impl: Any, jvp: Any, count: Any) -> Any:
     """A primitive of scalar scales with `count(num_operands, **params)` scalar outputs."""
     primitive = _compat.new_primitive(name, multiple_results=True)
-    primitive.def_impl(impl)
+    primitive.def_impl(lambda *scales, **params: impl(*map(jax.numpy.asarray, scales), **params))
     primitive.def_abstract_eval(
         lambda *scales, **params: [max(scales, key=lambda a: a.ndim)] * count(len(scales), **params)
     )
@@ -154,19 +195,22 @@ def _multi_output(name: str, impl: Any, jvp: Any, count: Any) -> Any:
 # --- the largest of several scales, and each one's ratio to it ------------------------------
 
 
-def _common_scale_impl(*scales: Array, num_wanted: int) -> list[Array]:
-    """(common, s_i / common...): common the largest of the first `num_wanted` scales;
-    every operand (those after them too) gets its ratio to it."""
+def _common_scale_impl(*scales: Array, num_wanted: int, pow2: bool) -> list[Array]:
+    """(common, s_i / common...): common the power of two at or above the largest of the
+    first `num_wanted` scales (that largest itself when `pow2` says they are powers of two);
+    every operand (those after them too) gets its ratio to it, at most 1, exact."""
     common = scales[0]
     for scale in scales[1:num_wanted]:
         common = lax.max(common, scale)
-    inverse = _reciprocal(common)
+    if not pow2:
+        common = _pow2_up(common)
+    inverse = _reciprocal(common, pow2=True)
     return [common, *(scale * inverse for scale in scales)]
 
 
-def _common_scale_jvp(primals: Any, tangents: Any, *, num_wanted: int) -> Any:
-    common, *ratios = common_scale_p.bind(*primals, num_wanted=num_wanted)
-    inverse = _reciprocal(common)
+def _common_scale_jvp(primals: Any, tangents: Any, *, num_wanted: int, pow2: bool) -> Any:
+    common, *ratios = common_scale_p.bind(*primals, num_wanted=num_wanted, pow2=pow2)
+    inverse = _reciprocal(common, pow2=True)
     # The common scale is a choice (no derivative); each ratio is linear in its scale.
     out_tangents = [lax.full_like(common, 0)]
     for tangent in tangents:
@@ -175,17 +219,18 @@ def _common_scale_jvp(primals: Any, tangents: Any, *, num_wanted: int) -> Any:
 
 
 common_scale_p = _multi_output(
-    "common_scale", _common_scale_impl, _common_scale_jvp, lambda n, num_wanted: n + 1
+    "common_scale", _common_scale_impl, _common_scale_jvp, lambda n, **params: n + 1
 )
 
 
 # --- a product of scales, kept in range, and what it leaves for the data --------------------
 
 
-def _scale_product_impl(*scales: Array, powers: tuple[int, ...]) -> list[Array]:
-    """`(out, ratio)`: out the product `prod(s_i ** p_i)` clamped to [SCALE_MIN, SCALE_MAX],
-    ratio `product / out` (1 unless clamped), formed one factor at a time in an order that
-    neither overflows nor multiplies a zero scale by an infinite intermediate."""
+def _scale_product_impl(*scales: Array, powers: tuple[int, ...], pow2: bool) -> list[Array]:
+    """`(out, ratio)`: out the product `prod(s_i ** p_i)` clamped to [SCALE_MIN, SCALE_MAX]
+    (and rounded up to a power of two unless `pow2` says the scales are powers of two),
+    ratio `product / out` (1 unless clamped or rounded), formed one factor at a time in an
+    order that neither overflows nor multiplies a zero scale by an infinite intermediate."""
     product = None
     numerators: list[Array] = []
     denominators: list[Array] = []
@@ -197,9 +242,11 @@ def _scale_product_impl(*scales: Array, powers: tuple[int, ...]) -> list[Array]:
     if product is None:
         product = lax.full_like(scales[0], 1.0)
     for scale in denominators:
-        product = _scale_divide_impl(product, scale, zero_gives_inf=True)
+        product = _scale_divide_impl(product, scale, zero_gives_inf=True, pow2=pow2)
     out = lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
-    inverse = _reciprocal(out)
+    if not pow2:
+        out = _pow2_up(out)
+    inverse = _reciprocal(out, pow2=True)
     if len(numerators) == 2 and len(scales) == 2:
         # The smaller one first: it is the small one when the product is clamped from
         # below (a zero scale included), and it is not when clamped from above.
@@ -208,7 +255,7 @@ def _scale_product_impl(*scales: Array, powers: tuple[int, ...]) -> list[Array]:
     for scale in numerators:
         ratio = scale * ratio
     for scale in denominators:
-        ratio = _scale_divide_impl(ratio, scale, zero_gives_inf=True)
+        ratio = _scale_divide_impl(ratio, scale, zero_gives_inf=True, pow2=pow2)
     if len(numerators) + len(denominators) > 2:
         # A ratio of three factors or more may overflow float32 itself (x ** 3 with a scale
         # beyond 2^43): capped, it still overflows every nonzero datum, and zeros stay zero.
@@ -216,9 +263,9 @@ def _scale_product_impl(*scales: Array, powers: tuple[int, ...]) -> list[Array]:
     return [out, ratio]
 
 
-def _scale_product_jvp(primals: Any, tangents: Any, *, powers: tuple[int, ...]) -> Any:
-    out, ratio = scale_product_p.bind(*primals, powers=powers)
-    inverse = _reciprocal(out)
+def _scale_product_jvp(primals: Any, tangents: Any, *, powers: tuple[int, ...], pow2: bool) -> Any:
+    out, ratio = scale_product_p.bind(*primals, powers=powers, pow2=pow2)
+    inverse = _reciprocal(out, pow2=True)
     # out is a choice (no derivative); ratio = product / out carries d product / out.
     tangent = lax.full_like(ratio, 0)
     for i, (scale, power, dscale) in enumerate(zip(primals, powers, tangents, strict=True)):
@@ -231,13 +278,13 @@ def _scale_product_jvp(primals: Any, tangents: Any, *, powers: tuple[int, ...]) 
                 if exponent > 0:
                     partial = partial * other
                 else:
-                    partial = _scale_divide_impl(partial, other, zero_gives_inf=True)
+                    partial = _scale_divide_impl(partial, other, zero_gives_inf=True, pow2=pow2)
         tangent = tangent + _compat.instantiate_zeros(dscale) * partial * inverse
     return [out, ratio], [lax.full_like(out, 0), tangent]
 
 
 scale_product_p = _multi_output(
-    "scale_product", _scale_product_impl, _scale_product_jvp, lambda n, powers: 2
+    "scale_product", _scale_product_impl, _scale_product_jvp, lambda n, **params: 2
 )
 
 
@@ -295,7 +342,7 @@ def _dynamic_scale_jvp(primals: Any, tangents: Any) -> Any:
     scale, ratio = dynamic_scale_p.bind(*primals)
     # The scale is a choice (no derivative); ratio = factor / scale is linear in factor.
     dfactor = _compat.instantiate_zeros(tangents[1])
-    return [scale, ratio], [lax.full_like(scale, 0), dfactor * _reciprocal(scale)]
+    return [scale, ratio], [lax.full_like(scale, 0), dfactor * _reciprocal(scale, pow2=True)]
 
 
 _compat.register_batching(dynamic_scale_p, _dynamic_scale_batch)
@@ -313,4 +360,4 @@ def dynamic_scale(y: Array) -> Array:
         >>> dynamic_scale(jnp.array([0.3, -5.0, jnp.inf]))
         Array(4., dtype=float32)
     """
-    return dynamic_scale_p.bind(y, np.float32(1.0))[0]
+    return mark_pow2(dynamic_scale_p.bind(y, np.float32(1.0))[0])

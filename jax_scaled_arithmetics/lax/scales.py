@@ -39,6 +39,8 @@ from ..core.scale_primitives import (
     common_scale_p,
     dynamic_scale,
     dynamic_scale_p,
+    is_pow2,
+    mark_pow2,
     scale_divide_p,
     scale_product_p,
     scale_root_p,
@@ -98,7 +100,8 @@ def as_f32(scale: Any) -> Any:
     if value is not None:
         return np.float32(value)
     if scale.dtype != F32:
-        return lax.convert_element_type(scale, F32)
+        converted = lax.convert_element_type(scale, F32)
+        return mark_pow2(converted) if is_pow2(scale) else converted
     return scale
 
 
@@ -112,7 +115,8 @@ def scale_mul(a: Any, b: Any) -> Any:
         return as_f32(b)
     if vb == 1.0:
         return as_f32(a)
-    return lax.mul(as_f32(a), as_f32(b))
+    out = lax.mul(as_f32(a), as_f32(b))
+    return mark_pow2(out) if is_pow2(a) and is_pow2(b) else out
 
 
 def scale_div(a: Any, b: Any) -> Any:
@@ -130,13 +134,16 @@ def scale_div(a: Any, b: Any) -> Any:
         return as_f32(a)
     if get_autoscale_config().rounding_mode == Pow2RoundMode.NONE:
         return lax.div(as_f32(a), as_f32(b))
-    return scale_divide_p.bind(*_compat.match_varying(as_f32(a), as_f32(b)), zero_gives_inf=True)
+    out = scale_divide_p.bind(
+        *_compat.match_varying(as_f32(a), as_f32(b)), zero_gives_inf=True, pow2=is_pow2(b)
+    )
+    return mark_pow2(out) if is_pow2(a) and is_pow2(b) else out
 
 
 def _scale_power(scale: Any, power: int) -> Any:
     out = as_f32(scale)
     for _ in range(abs(power) - 1):
-        out = lax.mul(out, as_f32(scale))
+        out = scale_mul(out, scale)
     return out
 
 
@@ -216,7 +223,13 @@ def represent(
     if static != 1.0:
         operands.append(np.float32(static))
         powers += (1,)
-    out_scale, ratio = scale_product_p.bind(*_compat.match_varying(*operands), powers=powers)
+    pow2 = all(is_pow2(operand) for operand in operands)
+    out_scale, ratio = scale_product_p.bind(
+        *_compat.match_varying(*operands), powers=powers, pow2=pow2
+    )
+    mark_pow2(out_scale)  # a power of two always (rounded up when the factors are not)
+    if pow2:
+        mark_pow2(ratio)
     data = acc.astype(cdtype) * ratio.astype(cdtype)
     return ScaledArray(_multiply_static(data, data_factor, cdtype).astype(dtype), out_scale)
 
@@ -281,9 +294,15 @@ def common_ratios(
             extra.append(np.float32(value))
     if num_wanted == 1 and not extra:  # one traced scale, beside known zeros
         return unique[0], [0.0 if value == 0.0 else 1.0 for value in values]
+    extra_f32 = [as_f32(e) for e in extra]
+    pow2 = all(is_pow2(operand) for operand in operands)
     common, *all_ratios = common_scale_p.bind(
-        *_compat.match_varying(*operands, *[as_f32(e) for e in extra]), num_wanted=num_wanted
+        *_compat.match_varying(*operands, *extra_f32), num_wanted=num_wanted, pow2=pow2
     )
+    mark_pow2(common)  # a power of two always (rounded up when the wanted are not)
+    for operand, ratio in zip(operands + extra_f32, all_ratios, strict=True):
+        if is_pow2(operand):
+            mark_pow2(ratio)
     ratios = []
     for scale, value in zip(scales, values, strict=True):
         if value == 0.0:
@@ -334,7 +353,9 @@ def reciprocal(scale: Any) -> Any:
         return np.float32(min(1.0 / value, 2.0**127) if value else 2.0**127)
     if get_autoscale_config().rounding_mode == Pow2RoundMode.NONE:
         return lax.div(np.float32(1.0), as_f32(scale))
-    return scale_divide_p.bind(np.float32(1.0), as_f32(scale), zero_gives_inf=False)
+    pow2 = is_pow2(scale)
+    out = scale_divide_p.bind(np.float32(1.0), as_f32(scale), zero_gives_inf=False, pow2=pow2)
+    return mark_pow2(out) if pow2 else out
 
 
 def at_scale(data: Array, scale_in: Any, scale_out: Any, dtype: Any = None) -> Array:
@@ -357,7 +378,7 @@ def scale_sqrt(scale: Any, round_up: bool = False) -> Any:
     if value is not None:
         mode = Pow2RoundMode.UP if round_up else Pow2RoundMode.DOWN
         return np.float32(static_pow2(np.sqrt(value), mode) if value > 0 else 2.0**-64)
-    return scale_root_p.bind(as_f32(scale), degree=2, round_up=round_up)
+    return mark_pow2(scale_root_p.bind(as_f32(scale), degree=2, round_up=round_up))
 
 
 def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> ScaledArray:
@@ -385,7 +406,7 @@ def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> Scal
         term = _scale_power(scale, power)
         if power < 0:
             term = scale_div(np.float32(1.0), term)
-        product = term if product is None else lax.mul(product, term)
+        product = term if product is None else scale_mul(product, term)
     if not (static == 0.0 or SCALE_MIN <= abs(static) <= SCALE_MAX):
         # A static product beyond float32's range (huge or tiny constant scales): formed
         # without overflow by the static path, which moves the excess into the data.
@@ -393,6 +414,9 @@ def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> Scal
     if product is None:
         product = np.float32(static)
     elif static != 1.0:
-        product = lax.mul(product, np.float32(static))
+        product = scale_mul(product, np.float32(static))
     scale, ratio = dynamic_scale_p.bind(*_compat.match_varying(acc, product))
+    mark_pow2(scale)
+    if is_pow2(product):
+        mark_pow2(ratio)
     return ScaledArray((acc * ratio.astype(cdtype)).astype(dtype), scale)

@@ -133,7 +133,9 @@ def test_public_names_are_pinned():
             "register_scaled_op",
             "scaled_array",
             "scalify",
+            "scaled_axes",
             "tree",
+            "vmap",
         ]
     )
     for name in jsa.__all__:

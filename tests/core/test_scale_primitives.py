@@ -1,0 +1,173 @@
+"""The scalar primitives of the scale algebra, on plain arrays and through `autoscale`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.core.scale_primitives import (
+    SCALE_MAX,
+    SCALE_MIN,
+    common_scale_p,
+    dynamic_scale,
+    dynamic_scale_p,
+    is_pow2,
+    scale_divide_p,
+    scale_product_p,
+)
+
+F32 = np.float32
+USE_JIT = [False, True]
+
+
+def _maybe_jit(fn, use_jit):
+    return jax.jit(fn) if use_jit else fn
+
+
+def _is_power_of_two(value: float) -> bool:
+    return value > 0 and np.frexp(value)[0] == 0.5
+
+
+@pytest.mark.parametrize("use_jit", USE_JIT)
+@pytest.mark.parametrize(
+    "scales",
+    [(2.0**-60, 2.0**40), (1.0, 1.0), (0.0, 2.0**-3), (0.0, 0.0), (2.0**126, 2.0**-124)],
+)
+def test_common_scale_of_powers_of_two_is_their_largest(scales, use_jit):
+    bind = _maybe_jit(lambda *s: common_scale_p.bind(*s, num_wanted=2, pow2=True), use_jit)
+    common, *ratios = bind(*(F32(s) for s in scales))
+    assert float(common) == max(scales)
+    for scale, ratio in zip(scales, ratios):
+        # float32's ratio: it flushes to zero below float32's range.
+        assert float(ratio) == (F32(scale / max(scales)) if max(scales) else 0.0)
+
+
+@pytest.mark.parametrize("use_jit", USE_JIT)
+@pytest.mark.parametrize("scales", [(3.0, 0.5), (0.3, 1.7e5, 2.0**-70), (5.0, 4.0)])
+def test_common_scale_of_any_scales_is_a_power_of_two_at_or_above(scales, use_jit):
+    bind = _maybe_jit(
+        lambda *s: common_scale_p.bind(*s, num_wanted=len(scales), pow2=False), use_jit
+    )
+    common, *ratios = bind(*(F32(s) for s in scales))
+    common = float(common)
+    assert _is_power_of_two(common) and max(scales) <= common < 2 * max(scales)
+    for scale, ratio in zip(scales, ratios):
+        # Exact: a float32 scale times a power of two.
+        assert float(ratio) == float(F32(scale)) / common and float(ratio) <= 1.0
+
+
+def test_common_scale_extra_operands_get_ratios_but_not_the_max():
+    common, wanted_ratio, extra_ratio = common_scale_p.bind(
+        F32(2.0**-3), F32(1.0), num_wanted=1, pow2=True
+    )
+    assert float(common) == 2.0**-3
+    assert float(wanted_ratio) == 1.0 and float(extra_ratio) == 8.0
+
+
+@pytest.mark.parametrize("use_jit", USE_JIT)
+@pytest.mark.parametrize(
+    "scales, powers, out, ratio",
+    [
+        ((2.0**-3, 2.0**5), (1, 1), 2.0**2, 1.0),
+        ((2.0**100, 2.0**100), (1, 1), SCALE_MAX, 2.0**74),
+        ((2.0**-100, 2.0**-100), (1, 1), SCALE_MIN, 2.0**-76),
+        ((0.0, 2.0**100), (1, 1), SCALE_MIN, 0.0),
+        ((2.0**3, 2.0**-4), (1, -1), 2.0**7, 1.0),
+        ((2.0**-60,), (3,), SCALE_MIN, 2.0**-56),
+    ],
+)
+def test_scale_product_clamps_and_returns_the_rest(scales, powers, out, ratio, use_jit):
+    bind = _maybe_jit(lambda *s: scale_product_p.bind(*s, powers=powers, pow2=True), use_jit)
+    got_out, got_ratio = bind(*(F32(s) for s in scales))
+    assert float(got_out) == out and float(got_ratio) == ratio
+
+
+def test_scale_product_of_any_scales_is_rounded_up_to_a_power_of_two():
+    out, ratio = scale_product_p.bind(F32(3.0), F32(0.3), powers=(1, 1), pow2=False)
+    product = float(F32(3.0)) * float(F32(0.3))
+    assert _is_power_of_two(float(out)) and product <= float(out) < 2 * product
+    np.testing.assert_allclose(float(ratio) * float(out), product, rtol=1e-6)
+    assert 0.5 < float(ratio) <= 1.0
+
+
+def test_scale_product_ratio_has_the_derivative_of_the_product():
+    def ratio(a, b):
+        return scale_product_p.bind(a, b, powers=(1, -1), pow2=False)[1]
+
+    a, b = F32(3.0), F32(5.0)
+    out = scale_product_p.bind(a, b, powers=(1, -1), pow2=False)[0]
+    da, db = jax.grad(ratio, argnums=(0, 1))(a, b)
+    np.testing.assert_allclose(float(da), 1 / 5 / float(out), rtol=1e-6)
+    np.testing.assert_allclose(float(db), -3 / 25 / float(out), rtol=1e-6)
+
+
+@pytest.mark.parametrize("divisor", [2.0**-100, 1.0, 2.0**90, 3.0, 0.7])
+def test_scale_divide(divisor):
+    exact = _is_power_of_two(divisor)
+    got = scale_divide_p.bind(F32(6.0), F32(divisor), zero_gives_inf=True, pow2=exact)
+    np.testing.assert_allclose(float(got), 6.0 / float(F32(divisor)), rtol=0 if exact else 1e-6)
+    zero = scale_divide_p.bind(F32(6.0), F32(0.0), zero_gives_inf=True, pow2=True)
+    assert float(zero) == np.inf
+
+
+@pytest.mark.parametrize("use_jit", USE_JIT)
+def test_dynamic_scale_and_ratio(use_jit):
+    bind = _maybe_jit(dynamic_scale_p.bind, use_jit)
+    x = jnp.array([0.3, -5.0, jnp.inf, jnp.nan], jnp.float32)
+    scale, ratio = bind(x, F32(2.0**-40))
+    assert float(scale) == 2.0**-38 and float(ratio) == 0.25
+    assert [float(v) for v in bind(jnp.zeros(3), F32(1.0))] == [1.0, 1.0]
+
+
+def test_dynamic_scale_under_vmap_is_shared_by_the_batch():
+    x = jnp.array([[1.0, 2.0], [40.0, -3.0]], jnp.float32)
+    scale, ratio = jax.vmap(lambda row: dynamic_scale_p.bind(row, F32(1.0)))(x)
+    # vmap broadcasts the unbatched outputs: every example sees the batch's scale.
+    assert scale.tolist() == [32.0, 32.0] and ratio.tolist() == [1 / 32, 1 / 32]
+    jaxpr = jax.make_jaxpr(jax.vmap(lambda row: dynamic_scale_p.bind(row, F32(1.0))))(x)
+    scale_eqn = next(e for e in jaxpr.eqns if e.primitive is dynamic_scale_p)
+    assert all(v.aval.shape == () for v in scale_eqn.outvars)
+
+
+def test_known_powers_of_two():
+    assert is_pow2(F32(2.0**-100)) and is_pow2(np.float32(0.0)) and not is_pow2(F32(3.0))
+
+    def check(x):
+        assert not is_pow2(x)  # an input scale: any value
+        assert is_pow2(dynamic_scale(x))
+        return x
+
+    jax.jit(check)(jnp.ones(2))
+
+
+# --- through autoscale: scales that are not powers of two ---------------------------------
+
+
+@pytest.mark.parametrize("use_jit", USE_JIT)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+@pytest.mark.parametrize("scales", [(3.0, 0.3), (1.7e5, 2.0**-50), (0.7, 0.7)])
+def test_non_power_of_two_input_scales(scales, dtype, use_jit):
+    rng = np.random.default_rng(0)
+    a = jsa.scaled_array(rng.normal(size=(4, 8)).astype(dtype), np.float32(scales[0]))
+    b = jsa.scaled_array(rng.normal(size=(4, 8)).astype(dtype), np.float32(scales[1]))
+    w = jsa.scaled_array(rng.normal(size=(8, 3)).astype(dtype), np.float32(scales[1]))
+
+    def fn(a, b, w):
+        return a + b, a * b, a - 2.0 * b, a @ w, jnp.maximum(a, b)
+
+    scaled = _maybe_jit(jsa.autoscale(fn), use_jit)(a, b, w)
+    plain = fn(*(np.asarray(x.data, np.float64) * float(x.scale) for x in (a, b, w)))
+    rtol = {np.float32: 1e-5, np.float16: 2e-3}.get(dtype, 1.6e-2)
+    for got, want in zip(scaled, plain):
+        assert isinstance(got, jsa.ScaledArray)
+        if use_jit:  # traced scales are rounded to powers of two; static ones are exact
+            assert _is_power_of_two(float(got.scale))
+        np.testing.assert_allclose(
+            np.asarray(got.data, np.float64) * float(got.scale),
+            want,
+            rtol=rtol,
+            atol=rtol * np.abs(want).max(),
+        )
