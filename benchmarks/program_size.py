@@ -30,20 +30,23 @@ Run:
 
     gpt2-small's plain step takes ~20 s on 2 CPU cores: `--cases gpt2-small --warmup 1 --iters 3`.
 
-Cases (`--cases`, default: all but gpt2-small, which is slow: opt in):
+Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slow: opt in):
     mlp: MLP 784-1024x4-10, batch 256, SGD step.
     cnn: 2 conv layers (28x28x1), relu, average and max pooling, dense; batch 64, SGD step.
     block: one pre-norm GPT block (experiments/gpt/model.py; d 128, 4 heads, T 64, batch 16),
         grad of a sum-of-squares loss of its output w.r.t. its params.
-    gpt-adam, gpt2-adam: char GPT with 1 or 2 blocks (same shapes), optax.adam step.
+    gpt-adam, gpt2-adam, gpt8-adam: char GPT with 1, 2 or 8 blocks (same shapes), optax.adam step.
+    gpt8-scan: gpt8-adam with the blocks stacked and run as a lax.scan over layers.
     gpt-scaled-opt: char GPT, 1 block; scaled: `jsa.optax.scale_optimizer(optax.adam)` and
         `jsa.optax.apply_updates`; plain: the float32 optax.adam step.
     nnx: Flax NNX Linear-LayerNorm-Linear (784-512-10), batch 64, SGD step on `nnx.split`'s state.
     gpt2-small: 12 blocks, d 768, 12 heads, T 256, batch 4, vocab 50257, optax.adam step.
+    gpt2-small-scan: the same with its blocks as a lax.scan over layers.
 
 The data dtype of the scaled variant is `--dtype`, by default float32, except float16 for
-gpt-scaled-opt and gpt2-small. The header line gives the machine, the git commit and the number
-of uncommitted changes under jax_scaled_arithmetics/ (the numbers are of the working tree).
+gpt-scaled-opt, gpt2-small and gpt2-small-scan. The header line gives the machine, the git
+commit and the number of uncommitted changes under jax_scaled_arithmetics/ (the numbers are of
+the working tree).
 """
 
 from __future__ import annotations
@@ -232,10 +235,14 @@ def _gpt_step(config: Any, opt: Any, apply_updates: Callable[..., Any]) -> Calla
     return step
 
 
-def _gpt_adam_case(config: Any, batch: int, dtype: Any) -> Case:
-    """Char GPT training step with optax.adam; params and Adam state scaled alike."""
+def _gpt_adam_case(config: Any, batch: int, dtype: Any, scan: bool = False) -> Case:
+    """Char GPT training step with optax.adam; params and Adam state scaled alike.
+
+    With `scan`, the blocks are stacked and run as a `lax.scan` over layers."""
     opt = optax.adam(1e-3)
     params = gpt.init_params(jax.random.PRNGKey(4), config)
+    if scan:
+        params = gpt.stack_blocks(params)
     state = opt.init(params)
     tokens, targets = _tokens(config, batch)
     return Case(
@@ -253,6 +260,16 @@ def case_gpt_adam(dtype: Any) -> Case:
 def case_gpt2_adam(dtype: Any) -> Case:
     """Char GPT, 2 blocks, optax.adam step."""
     return _gpt_adam_case(_gpt_config(2), 16, dtype)
+
+
+def case_gpt8_adam(dtype: Any) -> Case:
+    """Char GPT, 8 blocks (unrolled), optax.adam step."""
+    return _gpt_adam_case(_gpt_config(8), 16, dtype)
+
+
+def case_gpt8_scan(dtype: Any) -> Case:
+    """Char GPT, 8 blocks run as a lax.scan over stacked block parameters, optax.adam step."""
+    return _gpt_adam_case(_gpt_config(8), 16, dtype, scan=True)
 
 
 def case_gpt_scaled_opt(dtype: Any) -> Case:
@@ -305,6 +322,12 @@ def case_gpt2_small(dtype: Any) -> Case:
     return _gpt_adam_case(config, 4, dtype)
 
 
+def case_gpt2_small_scan(dtype: Any) -> Case:
+    """The GPT-2-small-shaped step with its 12 blocks run as a lax.scan over layers."""
+    config = gpt.GPTConfig(vocab_size=50257, block_size=256, n_layer=12, n_head=12, n_embd=768)
+    return _gpt_adam_case(config, 4, dtype, scan=True)
+
+
 # name: (builder, default data dtype of the scaled variant)
 CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "mlp": (case_mlp, "float32"),
@@ -312,11 +335,14 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "block": (case_block, "float32"),
     "gpt-adam": (case_gpt_adam, "float32"),
     "gpt2-adam": (case_gpt2_adam, "float32"),
+    "gpt8-adam": (case_gpt8_adam, "float32"),
+    "gpt8-scan": (case_gpt8_scan, "float32"),
     "gpt-scaled-opt": (case_gpt_scaled_opt, "float16"),
     "nnx": (case_nnx, "float32"),
     "gpt2-small": (case_gpt2_small, "float16"),
+    "gpt2-small-scan": (case_gpt2_small_scan, "float16"),
 }
-OPT_IN = {"gpt2-small"}
+OPT_IN = {"gpt2-small", "gpt2-small-scan"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -636,7 +662,7 @@ def main() -> None:
         "--dtype",
         choices=["float32", "float16", "bfloat16"],
         help="data dtype of the scaled variant (default: float32; float16 for gpt-scaled-opt "
-        "and gpt2-small)",
+        "and gpt2-small[-scan])",
     )
     parser.add_argument("--by-primitive", action="store_true", help="top-10 primitives per case")
     parser.add_argument("--json", metavar="PATH", help="write all the numbers as JSON")

@@ -110,12 +110,25 @@ def block(x: jax.Array, p: Params, config: GPTConfig) -> jax.Array:
     return x + mlp(layer_norm(x, p["ln2"], config.layer_norm_eps), p)
 
 
+def stack_blocks(params: Params) -> Params:
+    """The same parameters with the blocks stacked along a leading layer axis: `forward`
+    then runs the blocks as a `lax.scan` (one block's program, whatever the depth)."""
+    stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *params["blocks"])
+    return dict(params, blocks=stacked)
+
+
 def forward(params: Params, tokens: jax.Array, config: GPTConfig) -> jax.Array:
-    """Logits of shape (batch, seq, vocab) for int32 tokens of shape (batch, seq)."""
+    """Logits of shape (batch, seq, vocab) for int32 tokens of shape (batch, seq).
+
+    `params["blocks"]` is a list of blocks, or one stacked block (`stack_blocks`) scanned over.
+    """
     seq = tokens.shape[1]
     x = params["wte"][tokens] + params["wpe"][:seq]
-    for p in params["blocks"]:
-        x = block(x, p, config)
+    if isinstance(params["blocks"], dict):
+        x, _ = jax.lax.scan(lambda h, p: (block(h, p, config), None), x, params["blocks"])
+    else:
+        for p in params["blocks"]:
+            x = block(x, p, config)
     x = layer_norm(x, params["lnf"], config.layer_norm_eps)
     return x @ params["wte"].T
 
