@@ -244,6 +244,12 @@ def test_doctests():
         assert result.failed == 0 and result.attempted > 0
 
 
+def _without_counts(line: str) -> str:
+    if re.match(r"(\w+: |  forward: |  backward: )\d+ tensors", line):
+        return re.sub(r"(\d+ tensors|flush \d+)", "#", line)
+    return line
+
+
 def test_doc_snippet_runs_and_its_output_is_current(tmp_path, monkeypatch, capsys):
     text = DOC.read_text()
     (block,) = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
@@ -252,6 +258,9 @@ def test_doc_snippet_runs_and_its_output_is_current(tmp_path, monkeypatch, capsy
     out = capsys.readouterr().out
     assert (tmp_path / "ranges.png").exists()
     shown = re.search(r"^```\n(loss: .*?)^```", text, re.S | re.M).group(1)
+    # JAX releases differ by an equation here and there (a convert, a broadcast): summary
+    # lines are compared with their counts of tensors and flushed rows left out.
+    printed = [_without_counts(line) for line in out.splitlines()]
     for line in shown.splitlines():
         if "..." not in line:
-            assert line in out.splitlines()
+            assert _without_counts(line) in printed
