@@ -112,7 +112,8 @@ def vmap(
     `in_axes` and `out_axes` are as for `jax.vmap` (an int or None for everything, or a
     prefix tree), with an axis meaning the data's axis for a ScaledArray (a
     `ScaledArray(data_axis, scale_axis)` entry is passed to `jax.vmap` as given); other keyword
-    arguments (`axis_name`, `axis_size`, `spmd_axis_name`) are passed on. Outputs are
+    arguments of `vmap` (`axis_name`, `axis_size`, `spmd_axis_name`) are passed on; keyword
+    arguments of the batched function are mapped along axis 0. Outputs are
     per-tensor ScaledArrays: an output whose scale is one per example is brought to the
     largest of them (exact for powers of two). Works for `fun` under `jsa.autoscale` and
     for plain functions of ScaledArrays alike.
@@ -135,10 +136,12 @@ def vmap(
     )
 
     @functools.wraps(fun)
-    def batched(*args: Any) -> Any:
+    def batched(*args: Any, **kwargs: Any) -> Any:
+        # Keyword arguments are mapped along axis 0, as `jax.vmap` maps them.
+        axes = (_expand_in_axes(in_axes, args), scaled_axes(kwargs, 0))
         mapped = jax.vmap(
-            fun, in_axes=_expand_in_axes(in_axes, args), out_axes=jax_out_axes, **vmap_kwargs
+            lambda a, k: fun(*a, **k), in_axes=axes, out_axes=jax_out_axes, **vmap_kwargs
         )
-        return _apply_out_axes(out_axes, mapped(*args))
+        return _apply_out_axes(out_axes, mapped(args, kwargs))
 
     return batched

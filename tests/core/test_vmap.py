@@ -52,6 +52,12 @@ def test_vmap_default_in_axes_maps_every_argument():
     np.testing.assert_array_equal(np.asarray(out.to_array()), np.arange(6.0).reshape(3, 2) ** 2)
 
 
+def test_vmap_maps_keyword_arguments_along_axis_0():
+    x = jsa.as_scaled_array(jnp.arange(6.0).reshape(3, 2), scale=0.5)
+    out = jsa.vmap(jsa.autoscale(lambda a, *, b: a + b))(x, b=x)
+    np.testing.assert_array_equal(np.asarray(out.to_array()), 2 * np.arange(6.0).reshape(3, 2))
+
+
 def test_vmap_out_axes_moves_the_data_axis():
     x = jsa.as_scaled_array(jnp.arange(6.0).reshape(3, 2))
     out = jsa.vmap(jsa.autoscale(lambda row: (row * 2.0, jnp.sum(row))), out_axes=(1, 0))(x)
