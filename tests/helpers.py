@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -11,6 +14,21 @@ import ml_dtypes
 import numpy as np
 
 import jax_scaled_arithmetics as jsa
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str, relative_path: str) -> Any:
+    """Import a script of the repository (experiments, scripts) by its path, as module `name`.
+
+    Registered in `sys.modules`, where dataclasses look their module up."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 WIDE_SCALES = tuple(2.0**e for e in (-60, -30, -20, -4, 0, 4, 20, 30, 60))

@@ -6,14 +6,12 @@ equations of the plain one, and each primitive at most its count in the committe
 (`tests/program_size_budget.json`): a rule change that adds scalar work fails here,
 naming the primitive whose count grew. After an intended change, regenerate the budget:
 
-    python tests/test_program_size.py
+    python -m tests.test_program_size
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -21,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_scaled_arithmetics as jsa
+from tests.helpers import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 BUDGET_PATH = Path(__file__).with_name("program_size_budget.json")
 # Equations of the scaled step over the plain one: measured 2.3x on JAX 0.10.2 (632 vs
 # 273); the lean-programs target is 3x, see docs/benchmarks.md.
@@ -31,18 +29,10 @@ RATIO = 2.5
 SLACK = 1.05
 
 
-def _load_model():
-    spec = importlib.util.spec_from_file_location("gpt_model", ROOT / "experiments/gpt/model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def block_training_step():
     """A pre-norm transformer block (width 128, 4 heads, context 64, batch 16): loss,
     gradient and SGD update, as a function and its float32 arguments."""
-    gpt = _load_model()
+    gpt = load_script("gpt_model", "experiments/gpt/model.py")
     config = gpt.GPTConfig(n_layer=1, n_head=4, n_embd=128, block_size=64)
     params = gpt.init_params(jax.random.PRNGKey(0), config)["blocks"][0]
     x = jax.random.normal(jax.random.PRNGKey(1), (16, 64, 128), jnp.float32)

@@ -1,16 +1,12 @@
-import importlib.util
 import pathlib
+
+from tests.helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _load_generator():
-    spec = importlib.util.spec_from_file_location(
-        "gen_operators_doc", ROOT / "scripts" / "gen_operators_doc.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gen_operators_doc", "scripts/gen_operators_doc.py")
 
 
 def test_operators_doc_is_current():

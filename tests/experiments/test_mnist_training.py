@@ -12,17 +12,15 @@ Measured on this fixture (seeds 0-5): float32 89.4-90.2% test accuracy, scaled F
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from experiments import data
+from tests.helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "experiments" / "mnist" / "train_mlp.py"
 FIXTURE = REPO_ROOT / "tests" / "data" / "mnist-t10k-first-2000"
 FIXTURE_SHA256 = {  # tests/data/README.md
     "t10k-images-idx3-ubyte.gz": "74533fb890e3bad361d9e017c363d263b51060a0d3ccccd54740633cf2918c31",
@@ -32,15 +30,7 @@ N_TRAIN = 1500
 CONFIG = {"steps": 300, "batch_size": 128, "lr": 1e-3, "seed": 0, "hidden": (128, 128)}
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("mnist_train_mlp", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-train_mlp = _load_script()
+train_mlp = load_script("mnist_train_mlp", "experiments/mnist/train_mlp.py")
 
 
 @pytest.fixture(scope="module")

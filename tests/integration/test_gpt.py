@@ -8,10 +8,6 @@ passes, or the gradients far from the loss flush to zero in float16.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -20,19 +16,9 @@ import optax
 import pytest
 
 import jax_scaled_arithmetics as jsa
+from tests.helpers import load_script
 
-MODEL_PATH = Path(__file__).resolve().parents[2] / "experiments" / "gpt" / "model.py"
-
-
-def _load_model():
-    spec = importlib.util.spec_from_file_location("gpt_model", MODEL_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gpt = _load_model()
+gpt = load_script("gpt_model", "experiments/gpt/model.py")
 
 
 @pytest.fixture(autouse=True)

@@ -1,17 +1,12 @@
-import importlib.util
 from pathlib import Path
+
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location(
-        "gen_formats_doc", ROOT / "scripts" / "gen_formats_doc.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gen_formats_doc", "scripts/gen_formats_doc.py")
 
 
 def test_committed_formats_doc_is_up_to_date():
