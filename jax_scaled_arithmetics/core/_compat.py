@@ -269,3 +269,13 @@ def match_varying(*args: Any) -> tuple[Any, ...]:
     if insert is None:
         return args
     return tuple(insert(*args))
+
+
+def eqn_code_frames(eqn: JaxprEqn) -> list[tuple[Any, int]]:
+    """The Python frames (code object, bytecode offset) that were live when the equation was
+    traced, innermost first; empty when JAX recorded no traceback."""
+    traceback = getattr(eqn.source_info, "traceback", None)
+    if traceback is None:
+        return []
+    codes, offsets = traceback.raw_frames()
+    return list(zip(codes, offsets))

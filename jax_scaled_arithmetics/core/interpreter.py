@@ -464,6 +464,14 @@ def autoscale(
         return jax.tree_util.tree_unflatten(out_tree, [_as_output(o) for o in outs])
 
     trace_cache: dict[Any, tuple[Any, Any]] = {}
+    # Lets a transform applied on top (`unit_scale`, `simulate_fp8`) act on `fun` first:
+    # `unit_scale(autoscale(f))` is `autoscale(unit_scale(f))`.
+    scaled_fun.__jsa_rewrap__ = (  # type: ignore[attr-defined]
+        fun,
+        lambda inner: autoscale(
+            inner, static_argnums=static_argnums, static_argnames=static_argnames
+        ),
+    )
     return scaled_fun
 
 

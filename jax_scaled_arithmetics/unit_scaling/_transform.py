@@ -1,0 +1,609 @@
+"""`unit_scale`: a jaxpr transform giving a plain JAX function unit scaling.
+
+Stages, on the jaxpr of the function (and of every `jit`/`scan`/`while`/`cond`/
+`checkpoint` body in it):
+
+1. the user's replacements (`replace={function: replacement}`);
+2. `dot_general` and `conv_general_dilated` become unit-scaled matmuls/convolutions, and
+   calls of recognised library functions (`jax.nn.gelu`, `jax.nn.silu`, `jax.nn.softmax`)
+   their unit-scaled versions;
+3. residual adds, found by dependency analysis (an `add` one of whose operands is computed
+   from the other), become `residual_add`, and the branch leaving the skip connection gets
+   the matching `residual_split` gradient scaling;
+4. the ops after the final residual add are unconstrained (their forward and backward
+   factors are chosen independently: a scale mismatch there only multiplies every
+   gradient by one constant), and constant multiplications there (the `1/N` of a mean loss)
+   act on the forward pass only;
+5. :func:`unit_init` unit-scales the weights and zeroes the biases of a parameter pytree.
+
+Functions are recognised from the Python frames JAX records for each equation: the
+equations traced inside one call of `jax.nn.gelu` carry `gelu`'s code object in their
+traceback (JAX inlines `gelu`, so no `jit` boundary marks it). Jitted functions are also
+recognised by the name of their `jit` equation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import _compat
+from . import _ops, _scale
+from ._rewrite import Group, JaxprRewriter, code_of, find_calls, trace_flat, unwrap_outer
+
+__all__ = ["unit_scale", "unit_init"]
+
+# Library functions recognised by default: name -> the function (its code is looked up).
+_LIBRARY: dict[str, Callable[..., Any]] = {
+    "gelu": jax.nn.gelu,
+    "silu": jax.nn.silu,
+    "softmax": jax.nn.softmax,
+}
+
+
+@dataclasses.dataclass
+class _Context:
+    """What the analysis of one jaxpr found, and where it sits in the program."""
+
+    jaxpr: Any
+    residual: dict[int, int]  # eqn index -> position of the skip operand
+    branch_reads: dict[tuple[int, int], list[int]]  # (eqn, operand) -> residual adds
+    computed: set[Any]  # variables computed by arithmetic (not only reshaped inputs)
+    tail: set[int]  # eqns in the unconstrained tail
+    output_chain: set[int]  # tail eqns every path to the output goes through (a loss's mean)
+    child_mode: dict[int, str]  # eqn index -> mode of its sub-jaxprs
+    mode: str  # "search" | "tail" | "none"
+
+
+_SHAPE_ONLY = {
+    "transpose",
+    "reshape",
+    "broadcast_in_dim",
+    "convert_element_type",
+    "squeeze",
+    "expand_dims",
+    "copy",
+    "copy_p",
+    "slice",
+    "dynamic_slice",
+    "gather",
+    "rev",
+}
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    found = []
+    for param in eqn.params.values():
+        items = param if isinstance(param, tuple) else (param,)
+        for item in items:
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                found.append(inner)
+    return found
+
+
+_MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def _multiplies_matrices(eqn: Any) -> bool:
+    return eqn.primitive.name in _MATMULS or any(_contains_matmul(j) for j in _sub_jaxprs(eqn))
+
+
+@functools.lru_cache(maxsize=256)
+def _contains_matmul(jaxpr: Any) -> bool:
+    return any(_multiplies_matrices(eqn) for eqn in jaxpr.eqns)
+
+
+def _is_residual_candidate(eqn: Any) -> bool:
+    if eqn.primitive.name != "add" or len(eqn.invars) != 2:
+        return False
+    a, b = eqn.invars
+    if isinstance(a, _compat.Literal) or isinstance(b, _compat.Literal):
+        return False
+    aval = eqn.outvars[0].aval
+    return (
+        len(aval.shape) >= 1
+        and jnp.issubdtype(aval.dtype, jnp.floating)
+        and tuple(a.aval.shape) == tuple(b.aval.shape) == tuple(aval.shape)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _has_residual(jaxpr: Any) -> bool:
+    return bool(_analyse(jaxpr, "none").residual) or any(
+        _has_residual(inner) for eqn in jaxpr.eqns for inner in _sub_jaxprs(eqn)
+    )
+
+
+def _analyse(jaxpr: Any, mode: str) -> _Context:
+    n = len(jaxpr.eqns)
+    node: dict[Any, int] = {}  # var -> node id (invars: n + position)
+    for i, var in enumerate(jaxpr.invars):
+        node[var] = n + i
+    ancestors: dict[int, int] = {}  # node -> bitmask of ancestor nodes (itself excluded)
+
+    def anc_of(var: Any) -> int:
+        if isinstance(var, _compat.Literal) or var not in node:
+            return 0
+        k = node[var]
+        return ancestors.get(k, 0) | (1 << k)
+
+    computed_vars: set[Any] = set()
+    for j, eqn in enumerate(jaxpr.eqns):
+        mask = 0
+        for a in eqn.invars:
+            mask |= anc_of(a)
+        ancestors[j] = mask
+        for v in eqn.outvars:
+            if not _compat.is_drop_var(v):
+                node[v] = j
+        if eqn.primitive.name not in _SHAPE_ONLY or any(
+            not isinstance(a, _compat.Literal) and a in computed_vars for a in eqn.invars
+        ):
+            computed_vars.update(v for v in eqn.outvars if not _compat.is_drop_var(v))
+
+    residual: dict[int, int] = {}
+    branch_reads: dict[tuple[int, int], list[int]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        if not _is_residual_candidate(eqn):
+            continue
+        a, b = eqn.invars
+        if a not in node or b not in node:
+            continue
+        if anc_of(b) >> node[a] & 1:
+            skip_pos = 0
+        elif anc_of(a) >> node[b] & 1:
+            skip_pos = 1
+        else:
+            continue
+        skip, branch = eqn.invars[skip_pos], eqn.invars[1 - skip_pos]
+        branch_mask = anc_of(branch)
+        skip_bit = 1 << node[skip]
+        in_branch = [
+            j
+            for j in range(k)
+            if branch_mask >> j & 1 and (ancestors[j] & skip_bit or j == node[skip])
+        ]
+        if not any(_multiplies_matrices(jaxpr.eqns[j]) for j in in_branch if j != node[skip]):
+            continue  # x + f(x) without a matmul in f (inside a GELU, say): not a residual
+        residual[k] = skip_pos
+        for j in range(k):
+            if not (branch_mask >> j & 1):
+                continue
+            for p, atom in enumerate(jaxpr.eqns[j].invars):
+                if atom is skip:
+                    branch_reads.setdefault((j, p), []).append(k)
+
+    tail: set[int] = set()
+    child_mode: dict[int, str] = {}
+    if mode == "tail":
+        tail = set(range(n))
+        child_mode = {j: "tail" for j in range(n)}
+    elif mode == "search":
+        last = None
+        for j, eqn in enumerate(jaxpr.eqns):
+            if j in residual or any(_has_residual(inner) for inner in _sub_jaxprs(eqn)):
+                last = j
+        if last is not None:
+            for j in range(last + 1, n):
+                if ancestors[j] >> last & 1:
+                    tail.add(j)
+                    child_mode[j] = "tail"
+            if last not in residual:
+                child_mode[last] = "search"
+    output_chain = _output_chain(jaxpr) & tail if mode != "none" else set()
+    return _Context(
+        jaxpr, residual, branch_reads, computed_vars, tail, output_chain, child_mode, mode
+    )
+
+
+_CHAIN = {"mul", "div", "neg", "reduce_sum", "reshape", "squeeze", "convert_element_type", "copy"}
+
+
+def _output_chain(jaxpr: Any) -> set[int]:
+    """Equations on the single path into a scalar output: walking back from each output
+    through one-operand reductions, reshapes and multiplications by literal constants (the
+    `sum / N` of a mean loss). A constant there scales every gradient by the same factor."""
+    producer = {
+        v: j for j, e in enumerate(jaxpr.eqns) for v in e.outvars if not _compat.is_drop_var(v)
+    }
+    readers: dict[Any, int] = {}
+    for e in jaxpr.eqns:
+        for a in e.invars:
+            if not isinstance(a, _compat.Literal):
+                readers[a] = readers.get(a, 0) + 1
+    chain: set[int] = set()
+    for out in jaxpr.outvars:
+        if isinstance(out, _compat.Literal) or out.aval.shape != ():
+            continue
+        var = out
+        while var in producer and readers.get(var, 0) <= 1:
+            j = producer[var]
+            eqn = jaxpr.eqns[j]
+            operands = [a for a in eqn.invars if not isinstance(a, _compat.Literal)]
+            if eqn.primitive.name not in _CHAIN or len(operands) != 1:
+                break
+            chain.add(j)
+            var = operands[0]
+    return chain
+
+
+def _running_mean_tau(depth: int) -> float:
+    """tau of the `depth`-th residual add (from 1) so that the embedding and every branch
+    contribute equally to the residual stream: a^2 = 1/(depth+1)."""
+    return 1.0 / math.sqrt(depth)
+
+
+def _tau_weights(tau: float) -> tuple[float, float]:
+    norm = math.sqrt(1.0 + tau * tau)
+    return tau / norm, 1.0 / norm
+
+
+def _literal_scalar(atom: Any) -> float | None:
+    if not isinstance(atom, _compat.Literal):
+        return None
+    value = np.asarray(atom.val)
+    if value.shape != () or not np.issubdtype(value.dtype, np.floating):
+        return None
+    return float(value)
+
+
+class _UnitScaleRewriter(JaxprRewriter):
+    def __init__(
+        self,
+        entries: dict[str, Callable[..., Any] | None],
+        by_code: dict[Any, str],
+        by_name: dict[str, str],
+        tau: float | None,
+        constraint: Any,
+    ):
+        self.entries = entries  # key -> replacement (None: the library's unit-scaled version)
+        self.by_code = by_code  # code object -> key
+        self.by_name = by_name  # jit name -> key
+        self.tau = tau
+        self.constraint = constraint
+        self.depth = 0
+        self.replaced = 0
+        self.taus: dict[tuple[int, int], float] = {}
+
+    # --- analysis plumbing ---------------------------------------------------------------
+
+    def context_for(self, jaxpr: Any, parent: Any) -> _Context:
+        return _analyse(jaxpr, "search" if parent is None else parent)
+
+    def sub_context(self, context: _Context, index: int) -> str:
+        return context.child_mode.get(index, "none")
+
+    def groups(self, jaxpr: Any) -> list[Group]:
+        return find_calls(jaxpr, self.by_code)
+
+    def constraint_at(self, context: _Context, index: int) -> Any:
+        return None if index in context.tail else self.constraint
+
+    def tau_of(self, context: _Context, k: int, now: int) -> float:
+        key = (id(context.jaxpr), k)
+        if key not in self.taus:
+            if self.tau is not None:
+                self.taus[key] = float(self.tau)
+            else:
+                ahead = sum(1 for r in context.residual if now <= r < k)
+                self.taus[key] = _running_mean_tau(self.depth + ahead + 1)
+        return self.taus[key]
+
+    def split(self, context: _Context, index: int, position: int, value: Any) -> Any:
+        """`residual_split`: a read of a skip connection that starts a residual branch gives
+        the branch's gradient the weight `a` the forward pass gave the branch."""
+        for k in context.branch_reads.get((index, position), ()):
+            a, _ = _tau_weights(self.tau_of(context, k, index))
+            value = _scale.scale_bwd(value, a)
+        return value
+
+    # --- rewriting -----------------------------------------------------------------------
+
+    def replace(
+        self, key: str, eqns: list[Any], invals: list[Any], outvars: Any, constraint: Any
+    ) -> list[Any] | None:
+        replacement = self.entries[key]
+        if replacement is not None:
+            outs = replacement(*invals)
+        else:
+            outs = _library_call(key, eqns, invals, tuple(outvars), constraint)
+            if outs is None:
+                return None
+        self.replaced += 1
+        return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+    def rewrite_group(self, group: Group, invals: list[Any], context: Any) -> list[Any] | None:
+        eqns = context.jaxpr.eqns
+        for i, var in enumerate(group.inputs):
+            j, p = next(
+                (j, p)
+                for j in range(group.start, group.stop)
+                for p, atom in enumerate(eqns[j].invars)
+                if atom is var
+            )
+            invals[i] = self.split(context, j, p, invals[i])
+        constraint = self.constraint_at(context, group.start)
+        return self.replace(
+            group.key, eqns[group.start : group.stop], invals, group.outputs, constraint
+        )
+
+    def rewrite_eqn(
+        self, eqn: Any, index: int, invals: list[Any], context: _Context
+    ) -> list[Any] | None:
+        for p in range(len(invals)):
+            invals[p] = self.split(context, index, p, invals[p])
+        prim = eqn.primitive.name
+        constraint = self.constraint_at(context, index)
+        if eqn.primitive is _compat.jit_p:
+            key = self.by_name.get(eqn.params.get("name", ""))
+            if key is None:
+                return None
+            inner = eqn.params["jaxpr"].jaxpr
+            return self.replace(key, inner.eqns, invals, eqn.outvars, constraint)
+        if prim == "dot_general":
+            self.replaced += 1
+            _, params = _compat.get_bind_params(eqn)
+            params = dict(params)
+            dimension_numbers = params.pop("dimension_numbers")
+            rhs = eqn.invars[1]
+            rhs_computed = not isinstance(rhs, _compat.Literal) and rhs in context.computed
+            lhs, rhs_value = invals
+            out = _ops.dot_general(
+                lhs,
+                rhs_value,
+                dimension_numbers,
+                constraint=constraint,
+                constrain_rhs=rhs_computed,
+                **params,
+            )
+            return [out]
+        if prim == "conv_general_dilated":
+            self.replaced += 1
+            return [_unit_conv(eqn, invals, constraint)]
+        if prim in ("broadcast_in_dim", "add", "sub"):
+            # A bias (or any parameter) broadcast over rows: its gradient is a sum over the
+            # rows, scaled back to unit like a weight gradient.
+            size_out = math.prod(eqn.outvars[0].aval.shape)
+            for p, atom in enumerate(eqn.invars):
+                if _is_parameter(atom, context) and 0 < math.prod(atom.aval.shape) < size_out:
+                    factor = math.sqrt(math.prod(atom.aval.shape) / size_out)
+                    invals[p] = _scale.scale_bwd(invals[p], factor)
+        if index in context.residual:
+            skip_pos = context.residual[index]
+            tau = self.tau_of(context, index, index)
+            self.depth += 1
+            self.replaced += 1
+            skip, branch = invals[skip_pos], invals[1 - skip_pos]
+            _, b = _tau_weights(tau)
+            # With the branch reads' `a`, this is `residual_split`: the true gradient reaches
+            # the skip connection, the branch sees a unit one.
+            return [_ops.residual_add(branch, _scale.scale_bwd(skip, b), tau=tau)]
+        if index in context.output_chain and prim in ("mul", "div"):
+            return _forward_only_constant(eqn, invals)
+        return None
+
+
+def _is_parameter(atom: Any, context: _Context) -> bool:
+    """A floating input of the function (or a reshaping of one): a weight or a bias."""
+    if isinstance(atom, _compat.Literal) or atom in context.computed:
+        return False
+    return bool(jnp.issubdtype(atom.aval.dtype, jnp.floating)) and len(atom.aval.shape) >= 1
+
+
+def _forward_only_constant(eqn: Any, invals: list[Any]) -> list[Any] | None:
+    """A multiplication or division by a literal constant whose gradient is not scaled by
+    the constant (the 1/N of a mean loss after the final residual add)."""
+    prim = eqn.primitive.name
+    positions = (1, 0) if prim == "mul" else (1,)
+    for pos in positions:
+        constant = _literal_scalar(eqn.invars[pos])
+        if constant is None or constant == 0.0 or not math.isfinite(constant):
+            continue
+        other = 1 - pos
+        undo = 1.0 / constant if prim == "mul" else constant
+        operands = list(invals)
+        operands[other] = _scale.scale_bwd(operands[other], undo)
+        subfuns, bind_params = _compat.get_bind_params(eqn)
+        return [eqn.primitive.bind(*subfuns, *operands, **bind_params)]
+    return None
+
+
+def _library_call(
+    name: str, eqns: list[Any], invals: list[Any], outputs: tuple[Any, ...], constraint: Any
+) -> Any:
+    """A recognised library function's unit-scaled version, or None when the call does not
+    have the expected form (one array in, one array of the same shape out)."""
+    if len(invals) != 1 or len(outputs) != 1:
+        return None
+    (x,) = invals
+    if tuple(outputs[0].aval.shape) != tuple(jnp.shape(x)):
+        return None
+    names = {e.primitive.name for e in eqns}
+    if name == "gelu":
+        approximate = "tanh" in names or not ({"erf", "erfc"} & names)
+        return _ops.gelu(x, approximate=approximate, constraint=constraint)
+    if name == "silu":
+        return _ops.silu(x, constraint=constraint)
+    if name == "softmax":
+        axes = {
+            tuple(e.params["axes"])
+            for e in eqns
+            if e.primitive.name in ("reduce_max", "reduce_sum")
+        }
+        if len(axes) != 1 or len(next(iter(axes))) != 1:
+            return None
+        return _ops.softmax(x, axis=next(iter(axes))[0], constraint=constraint)
+    return None
+
+
+def _unit_conv(eqn: Any, invals: list[Any], constraint: Any) -> Any:
+    """`conv_general_dilated` times 1/sqrt(fan-in) forward, with unit-scaled gradients."""
+    lhs, rhs = invals
+    params = eqn.params
+    _, rhs_spec, out_spec = params["dimension_numbers"]
+    kernel_shape = eqn.invars[1].aval.shape
+    out_shape = eqn.outvars[0].aval.shape
+    spatial = math.prod(kernel_shape[d] for d in rhs_spec[2:])
+    groups = params.get("feature_group_count", 1)
+    fan_in = spatial * kernel_shape[rhs_spec[1]]
+    fan_out = spatial * kernel_shape[rhs_spec[0]] // max(groups, 1)
+    kernel_fan = math.prod(out_shape) // out_shape[out_spec[1]]
+    output_scale, (lhs_scale,) = _scale.apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
+    kernel_scale = kernel_fan**-0.5
+    subfuns, bind_params = _compat.get_bind_params(eqn)
+    out = eqn.primitive.bind(
+        *subfuns,
+        _scale.scale_bwd(lhs, lhs_scale / output_scale),
+        _scale.scale_bwd(rhs, kernel_scale / output_scale),
+        **bind_params,
+    )
+    return out * jnp.asarray(output_scale, out.dtype)
+
+
+def _resolve_replace(
+    replace: Mapping[Any, Any] | None,
+) -> tuple[dict[str, Callable[..., Any] | None], dict[Any, str], dict[str, str]]:
+    entries: dict[str, Callable[..., Any] | None] = {}
+    by_code: dict[Any, str] = {}
+    by_name: dict[str, str] = {}
+    for name, fn in _LIBRARY.items():
+        key = name
+        entries[key] = None
+        code = code_of(fn)
+        if code is not None:
+            by_code[code] = key
+        by_name[name] = key
+    for target, replacement in (replace or {}).items():
+        if not callable(target):
+            raise TypeError(
+                f"unit_scale: a `replace` key must be the function to replace, got "
+                f"{type(target).__name__} {target!r}."
+            )
+        if not callable(replacement):
+            raise TypeError(
+                f"unit_scale: the replacement of {getattr(target, '__name__', target)!r} must be "
+                f"callable, got {type(replacement).__name__}."
+            )
+        name = getattr(target, "__name__", None) or repr(target)
+        code = code_of(target)
+        key = f"replace:{name}:{id(target)}"
+        entries[key] = replacement
+        if code is not None:
+            by_code[code] = key
+        by_name[name] = key
+    return entries, by_code, by_name
+
+
+def unit_scale(
+    fn: Callable[..., Any],
+    replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
+    *,
+    tau: float | None = None,
+    constraint: _scale.Constraint = "gmean",
+) -> Callable[..., Any]:
+    """A unit-scaled version of a plain JAX function (a model's apply, a loss).
+
+    The function is traced to a jaxpr and evaluated again with: the `replace`ments;
+    every `dot_general` a unit-scaled :func:`dot_general` (convolutions likewise);
+    `jax.nn.gelu`, `jax.nn.silu` and `jax.nn.softmax` their unit-scaled versions; every
+    residual add (an `add` of a value and something computed from it) a
+    :func:`residual_add` whose branch gets the matching :func:`residual_split` gradient
+    weight; the ops after the final residual add unconstrained, with constant
+    multiplications there (a mean's `1/N`) on the forward pass only. Other primitives pass
+    through unchanged. Combine with :func:`unit_init` on the parameters.
+
+    Args:
+        fn: the function. Array arguments are traced; other arguments (numbers, configs) are
+            static.
+        replace: `{function: replacement}`. The equations traced inside each call of
+            `function` (recognised from the frames JAX records, or by the name of a `jit`)
+            are replaced by `replacement` called on the call's array inputs in the order the
+            function first uses them; it must return the same number of arrays, same shapes.
+        tau: the residual weight of every residual add (`a = tau / sqrt(1 + tau^2)` on the
+            branch, `b = 1 / sqrt(1 + tau^2)` on the skip). None (the default): the k-th
+            residual add uses `tau = 1/sqrt(k)`, so that the input and every branch add the
+            same variance to the residual stream (a residual add inside a `scan` body is
+            counted once).
+        constraint: the constraint of the ops before the final residual add.
+
+    Raises:
+        TypeError: `fn`, a `replace` key or a replacement is not callable.
+        ValueError: the function has nothing to unit-scale (no matmul, convolution,
+            recognised function or residual add).
+
+    Apply `jax.grad` outside: `jax.grad(unit_scale(f))` differentiates the unit-scaled
+    function; `unit_scale(jax.grad(f))` would treat the gradient program as a forward pass.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_scaled_arithmetics.unit_scaling as U
+        >>> x = jax.random.normal(jax.random.PRNGKey(0), (512, 256))
+        >>> w = jax.random.normal(jax.random.PRNGKey(1), (256, 256))
+        >>> y = U.unit_scale(lambda x, w: jax.nn.gelu(x @ w))(x, w)
+        >>> round(float(jnp.std(y)), 1)  # plain: about 9.2
+        1.0
+    """
+    if not callable(fn):
+        raise TypeError(f"unit_scale expects a callable, got {type(fn).__name__}.")
+    entries, by_code, by_name = _resolve_replace(replace)
+    if tau is not None and not (isinstance(tau, (int, float)) and tau > 0):
+        raise ValueError(f"unit_scale: tau must be a positive number or None, got {tau!r}.")
+    _scale.apply_constraint(constraint, 1.0, 1.0)  # validates the constraint's name
+    inner, rewrap = unwrap_outer(fn)
+    if inner is not fn:  # unit_scale(autoscale(f)) is autoscale(unit_scale(f)), likewise FP8
+        return rewrap(unit_scale(inner, replace, tau=tau, constraint=constraint))
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        closed, leaves, out_tree = trace_flat(fn, args, kwargs)
+        rewriter = _UnitScaleRewriter(entries, by_code, by_name, tau, constraint)
+        outs = rewriter.run_closed(closed, leaves)
+        if rewriter.replaced == 0:
+            raise ValueError(
+                f"unit_scale: {getattr(fn, '__name__', 'the function')} has nothing to "
+                "unit-scale: no matmul, convolution, recognised function (jax.nn.gelu, silu, "
+                "softmax or a `replace` key) or residual add."
+            )
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return wrapped
+
+
+def unit_init(params: Any, *, is_bias: Callable[[Any], bool] | None = None) -> Any:
+    """Parameters for a unit-scaled model: weights of unit variance, biases zero.
+
+    Every floating array of rank 2 or more is divided by its standard deviation (the same
+    random draw, unit variance; a constant array is left as is); rank-0/1 floating arrays
+    are biases and become zeros, except those that are all ones (the gains of layer norms),
+    or, when given, those for which `is_bias(array)` is false.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_scaled_arithmetics.unit_scaling as U
+        >>> params = {"w": 0.02 * jax.random.normal(jax.random.PRNGKey(0), (64, 64)),
+        ...           "b": jnp.full((64,), 0.1), "gain": jnp.ones((64,))}
+        >>> p = U.unit_init(params)
+        >>> round(float(jnp.std(p["w"])), 3), float(p["b"].max()), float(p["gain"].min())
+        (1.0, 0.0, 1.0)
+    """
+
+    def init(leaf: Any) -> Any:
+        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        leaf = jnp.asarray(leaf)
+        if leaf.ndim >= 2:
+            std = jnp.std(leaf.astype(jnp.float32))
+            safe = jnp.where(std > 0, std, 1.0)
+            return (leaf.astype(jnp.float32) / safe).astype(leaf.dtype)
+        bias = bool(is_bias(leaf)) if is_bias is not None else not bool(jnp.all(leaf == 1))
+        return jnp.zeros_like(leaf) if bias else leaf
+
+    return jax.tree_util.tree_map(init, params)
