@@ -1,0 +1,71 @@
+"""Unit scaling: ops whose outputs and gradients have unit variance for unit inputs.
+
+Each op has separate forward and backward scale factors (Python floats computed at trace
+time from shapes). Imported in the docs as `U`:
+
+Examples:
+    >>> import jax
+    >>> import jax_scaled_arithmetics.unit_scaling as U
+    >>> x = jax.random.normal(jax.random.key(0), (512, 256))
+    >>> w = jax.random.normal(jax.random.key(1), (256, 256))
+    >>> round(float(U.gelu(U.linear(x, w), constraint=None).std()), 1)
+    1.0
+"""
+
+from ._fp8 import simulate_fp8 as simulate_fp8
+from ._ops import add as add
+from ._ops import conv1d as conv1d
+from ._ops import conv2d as conv2d
+from ._ops import cross_entropy as cross_entropy
+from ._ops import dot_general as dot_general
+from ._ops import dropout as dropout
+from ._ops import embedding as embedding
+from ._ops import gelu as gelu
+from ._ops import layer_norm as layer_norm
+from ._ops import linear as linear
+from ._ops import linear_readout as linear_readout
+from ._ops import matmul as matmul
+from ._ops import mse_loss as mse_loss
+from ._ops import residual_add as residual_add
+from ._ops import residual_split as residual_split
+from ._ops import rms_norm as rms_norm
+from ._ops import scaled_dot_product_attention as scaled_dot_product_attention
+from ._ops import silu as silu
+from ._ops import silu_glu as silu_glu
+from ._ops import softmax as softmax
+from ._scale import Constraint as Constraint
+from ._scale import apply_constraint as apply_constraint
+from ._scale import scale_bwd as scale_bwd
+from ._scale import scale_fwd as scale_fwd
+from ._transform import unit_init as unit_init
+from ._transform import unit_scale as unit_scale
+
+__all__ = [
+    "Constraint",
+    "add",
+    "apply_constraint",
+    "conv1d",
+    "conv2d",
+    "cross_entropy",
+    "dot_general",
+    "dropout",
+    "embedding",
+    "gelu",
+    "layer_norm",
+    "linear",
+    "linear_readout",
+    "matmul",
+    "mse_loss",
+    "residual_add",
+    "residual_split",
+    "rms_norm",
+    "scale_bwd",
+    "scale_fwd",
+    "scaled_dot_product_attention",
+    "silu",
+    "silu_glu",
+    "softmax",
+    "simulate_fp8",
+    "unit_init",
+    "unit_scale",
+]
