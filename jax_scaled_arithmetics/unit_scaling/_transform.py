@@ -4,9 +4,10 @@ Stages, on the jaxpr of the function (and of every `jit`/`scan`/`while`/`cond`/
 `checkpoint` body in it):
 
 1. the user's replacements (`replace={function: replacement}`);
-2. `dot_general` and `conv_general_dilated` become unit-scaled matmuls/convolutions, and
+2. `dot_general` and `conv_general_dilated` become unit-scaled matmuls/convolutions,
    calls of recognised library functions (`jax.nn.gelu`, `jax.nn.silu`, `jax.nn.softmax`)
-   their unit-scaled versions;
+   their unit-scaled versions, and a parameter broadcast over rows (a bias added, a gain
+   multiplied) gets its gradient, a sum over the rows, scaled by 1/sqrt(rows);
 3. residual adds, found by dependency analysis (an `add` one of whose operands is computed
    from the other), become `residual_add`, and the branch leaving the skip connection gets
    the matching `residual_split` gradient scaling;
@@ -368,9 +369,9 @@ class _UnitScaleRewriter(JaxprRewriter):
         if prim == "conv_general_dilated":
             self.replaced += 1
             return [_unit_conv(eqn, invals, constraint)]
-        if prim in ("broadcast_in_dim", "add", "sub"):
-            # A bias (or any parameter) broadcast over rows: its gradient is a sum over the
-            # rows, scaled back to unit like a weight gradient.
+        if prim in ("broadcast_in_dim", "add", "sub", "mul"):
+            # A bias or a gain (any parameter) broadcast over rows: its gradient is a sum
+            # over the rows, scaled back to unit like a weight gradient.
             size_out = math.prod(eqn.outvars[0].aval.shape)
             for p, atom in enumerate(eqn.invars):
                 if _is_parameter(atom, context) and 0 < math.prod(atom.aval.shape) < size_out:
@@ -514,11 +515,12 @@ def unit_scale(
     The function is traced to a jaxpr and evaluated again with: the `replace`ments;
     every `dot_general` a unit-scaled :func:`dot_general` (convolutions likewise);
     `jax.nn.gelu`, `jax.nn.silu` and `jax.nn.softmax` their unit-scaled versions; every
-    residual add (an `add` of a value and something computed from it) a
+    residual add (an `add` of a value and something computed from it through a matmul) a
     :func:`residual_add` whose branch gets the matching :func:`residual_split` gradient
-    weight; the ops after the final residual add unconstrained, with constant
-    multiplications there (a mean's `1/N`) on the forward pass only. Other primitives pass
-    through unchanged. Combine with :func:`unit_init` on the parameters.
+    weight; a bias or gain broadcast over rows a gradient scaled by 1/sqrt(rows); the ops
+    after the final residual add unconstrained, with the constant multiplications on the
+    path to a scalar output (a mean's `1/N`) on the forward pass only. Other primitives
+    pass through unchanged. Combine with :func:`unit_init` on the parameters.
 
     Args:
         fn: the function. Array arguments are traced; other arguments (numbers, configs) are

@@ -337,3 +337,26 @@ def test_unit_init_unit_weights_zero_biases_ones_kept():
     kept = U.unit_init(params, is_bias=lambda v: False)
     np.testing.assert_array_equal(kept["b1"], params["b1"])
     assert U.unit_init({"n": 3, "i": jnp.arange(3)})["i"].dtype == jnp.arange(3).dtype
+
+
+def test_gains_and_biases_broadcast_over_rows_get_unit_gradients(inputs):
+    x, params = inputs
+    gain = jnp.ones((D,)) * 1.5
+    bias = jnp.zeros((D,))
+
+    def f(v, g, b, w):
+        return (v * g[None, :] + b[None, :]) @ w
+
+    def manual(v, g, b, w):
+        rows = 1.0 / math.sqrt(SEQ)
+        scaled = v * U.scale_bwd(g[None, :], rows) + U.scale_bwd(b[None, :], rows)
+        return U.dot_general(scaled, w, MATMUL)
+
+    args = (x, gain, bias, params["wq"])
+    out, vjp = jax.vjp(U.unit_scale(f), *args)
+    expected, manual_vjp = jax.vjp(manual, *args)
+    _close(out, expected)
+    cotangent = jax.random.normal(jax.random.PRNGKey(4), out.shape)
+    grads = vjp(cotangent)
+    _close(grads, manual_vjp(cotangent))
+    assert 0.5 < float(jnp.std(grads[1])) < 2.0 and 0.5 < float(jnp.std(grads[2])) < 2.0
