@@ -14,6 +14,7 @@ from . import mp as mp
 from . import ops as ops
 from . import quantization as quantization
 from . import tree as tree
+from . import unit_scaling as unit_scaling
 from .core.config import AutoScaleConfig as AutoScaleConfig
 from .core.config import Pow2RoundMode as Pow2RoundMode
 from .core.config import ScalePolicy as ScalePolicy
@@ -64,5 +65,6 @@ __all__ = [
     "scalify",
     "scaled_axes",
     "tree",
+    "unit_scaling",
     "vmap",
 ]

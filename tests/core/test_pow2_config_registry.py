@@ -135,6 +135,7 @@ def test_public_names_are_pinned():
             "scalify",
             "scaled_axes",
             "tree",
+            "unit_scaling",
             "vmap",
         ]
     )
