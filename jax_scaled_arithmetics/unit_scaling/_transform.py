@@ -192,12 +192,20 @@ def _analyse(jaxpr: Any, mode: str) -> _Context:
         for j, eqn in enumerate(jaxpr.eqns):
             if j in residual or any(_has_residual(inner) for inner in _sub_jaxprs(eqn)):
                 last = j
+        readout = False
+        if last is None:  # no residual add: the tail starts at the last matmul (the readout)
+            for j, eqn in enumerate(jaxpr.eqns):
+                if _multiplies_matrices(eqn):
+                    last = j
+            readout = last is not None and jaxpr.eqns[last].primitive.name in _MATMULS
         if last is not None:
+            if readout:
+                tail.add(last)
             for j in range(last + 1, n):
                 if ancestors[j] >> last & 1:
                     tail.add(j)
                     child_mode[j] = "tail"
-            if last not in residual:
+            if last not in residual and not readout:
                 child_mode[last] = "search"
     output_chain = _output_chain(jaxpr) & tail if mode != "none" else set()
     return _Context(

@@ -194,7 +194,8 @@ def test_replace_a_recognised_library_function(inputs):
 def test_jitted_library_function_recognised_by_name(inputs):
     x, params = inputs
     out = U.unit_scale(lambda v, w: jax.nn.silu(v @ w))(x, params["wq"])
-    _close(out, U.silu(U.dot_general(x, params["wq"], MATMUL)))
+    # The only matmul is the readout: it and the silu after it are unconstrained.
+    _close(out, U.silu(U.dot_general(x, params["wq"], MATMUL, constraint=None), constraint=None))
 
 
 def test_primitives_without_unit_scaled_version_pass_through(inputs):
@@ -360,3 +361,20 @@ def test_gains_and_biases_broadcast_over_rows_get_unit_gradients(inputs):
     grads = vjp(cotangent)
     _close(grads, manual_vjp(cotangent))
     assert 0.5 < float(jnp.std(grads[1])) < 2.0 and 0.5 < float(jnp.std(grads[2])) < 2.0
+
+
+def test_without_residual_adds_the_readout_is_the_unconstrained_tail(inputs):
+    x, params = inputs
+
+    def mlp(v, w1, w2):
+        return jnp.mean(jax.nn.gelu(v @ w1) @ w2)
+
+    def manual(v, w1, w2):
+        logits = U.dot_general(U.gelu(U.dot_general(v, w1, MATMUL)), w2, MATMUL, constraint=None)
+        return U.scale_bwd(jnp.sum(logits), float(logits.size)) / logits.size
+
+    args = (x, params["w1"], params["w2"])
+    value, grads = jax.value_and_grad(U.unit_scale(mlp), argnums=(0, 1, 2))(*args)
+    expected_value, expected = jax.value_and_grad(manual, argnums=(0, 1, 2))(*args)
+    _close(value, expected_value)
+    _close(grads, expected)
