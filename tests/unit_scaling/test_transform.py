@@ -378,3 +378,22 @@ def test_without_residual_adds_the_readout_is_the_unconstrained_tail(inputs):
     expected_value, expected = jax.value_and_grad(manual, argnums=(0, 1, 2))(*args)
     _close(value, expected_value)
     _close(grads, expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_low_precision_inputs_keep_their_dtype(inputs, dtype):
+    x, params = inputs
+    low = jax.tree_util.tree_map(lambda v: v.astype(dtype), (x, params))
+    out, vjp = jax.vjp(U.unit_scale(model), *low)
+    assert out.dtype == dtype
+    expected, expected_vjp = jax.vjp(U.unit_scale(model), x, params)
+    tol = 0.1 if dtype == jnp.bfloat16 else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=tol, atol=tol)
+    cotangent = jax.random.normal(jax.random.PRNGKey(5), out.shape)
+    grads = vjp(cotangent.astype(dtype))
+    assert all(g.dtype == dtype for g in jax.tree_util.tree_leaves(grads))
+    reference = expected_vjp(cotangent)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference)):
+        assert bool(jnp.all(jnp.isfinite(g)))
+        scale = float(jnp.std(r)) + 1e-6
+        assert float(jnp.std(g.astype(jnp.float32) - r)) < 0.1 * scale
