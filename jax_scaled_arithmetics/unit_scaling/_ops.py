@@ -10,6 +10,9 @@ and an output gradient `g ~ N(0, 1)` iid, independent of `x`, are assumed throug
 operands on the path (activations). The default `"gmean"` ties them to their geometric
 mean, as the `gmean` constraint of the PyTorch unit-scaling library does; the grad
 factor of a weight (`rhs`, `weight`, `kernel`, `bias`, `table`) is never tied.
+
+Under `jax.vmap` the factors see the per-example shapes: a weight shared across the mapped
+axis gets a gradient summed over that axis too, which its factor does not count.
 """
 
 from __future__ import annotations
@@ -543,7 +546,7 @@ def gelu(x: Array, approximate: bool = True, *, constraint: Constraint = "gmean"
     """Unit-scaled `jax.nn.gelu`.
 
     Factors: 1/std(gelu(X)) forward and 1/sqrt(E[gelu'(X)^2]) backward, X ~ N(0, 1)
-    (Gauss-Hermite quadrature): about 1.70 and 1.55 (tanh form).
+    (Gauss-Hermite quadrature): about 1.70 and 1.48 (either form).
 
     Args:
         x: the activation (tied by `constraint`).
@@ -566,6 +569,8 @@ def gelu(x: Array, approximate: bool = True, *, constraint: Constraint = "gmean"
 
 def silu(x: Array, *, constraint: Constraint = "gmean") -> Array:
     """Unit-scaled `jax.nn.silu` (swish): factors 1/std(silu(X)) and 1/sqrt(E[silu'(X)^2]).
+
+    About 1.79 and 1.62 (Gauss-Hermite quadrature). `constraint` as for `gelu`.
 
     Examples:
         >>> import jax
@@ -750,7 +755,7 @@ def layer_norm(
 
     The `weight` and `bias` gradients (sums over rows = `x.size / normalised size`) are
     scaled by 1/sqrt(rows). The `x` gradient is the true one: for unit x and g its std is
-    sqrt(1 - 2/n) ~ 1 (n the normalised size).
+    sqrt(1 - 2/n) ~ 1 (n the normalised size; measured 1.00 for n = 4096).
 
     Args:
         x: computed in at least float32, returned in its dtype.
@@ -780,7 +785,7 @@ def rms_norm(
     """RMS normalisation over `axis`; the output is already unit.
 
     The `weight` gradient is scaled by 1/sqrt(rows); the `x` gradient is the true one
-    (std sqrt(1 - 1/n) ~ 1 for unit x and g).
+    (std sqrt(1 - 1/n) ~ 1 for unit x and g; measured 1.00 for n = 4096).
 
     Examples:
         >>> import jax, jax.numpy as jnp

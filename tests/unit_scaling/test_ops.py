@@ -1,39 +1,47 @@
 """Unit-scaled ops: unit outputs and gradients for unit inputs, exact values, dtypes, jit, vmap.
 
 Measured std of the output and of each input's gradient (unit-normal inputs and output
-gradient, the shapes of UNIT_CASES; loss gradients for a cotangent of 1), and the
-tolerance each is checked to:
+gradient, the shapes of UNIT_CASES; loss gradients for a cotangent of 1), the expected
+value and the tolerance each is checked to. Unconstrained ops expect 1; constrained ones
+the deviation their tied factor implies (stated next to the case):
 
-| op                               | output | input gradients       | tol  |
-|----------------------------------|--------|-----------------------|------|
-| dot_general (batch dims), None   | 1.00   | 1.00, 1.00            | 0.02 |
-| dot_general 256->64, gmean       | 1.41   | 0.71, 1.00            | 0.02 |
-| matmul (broadcast weight)        | 1.00   | 1.00, 1.00            | 0.02 |
-| linear 256->256 (+bias)          | 1.00   | 1.00, 1.00, 1.00      | 0.02 |
-| linear 256->1024, gmean          | 0.71   | 1.41, 1.00            | 0.03 |
-| linear 256->1024, to_output      | 1.00   | 2.00, 1.00            | 0.04 |
-| linear_readout 64->1000          | 1.00   | 1.00, 1.00            | 0.02 |
-| conv1d SAME                      | 1.00   | 1.00, 1.00            | 0.03 |
-| conv2d stride 2, groups 2        | 1.00   | 1.00, 1.00            | 0.03 |
-| gelu, None / gmean               | 1.00 / 0.93 | 1.00 / 1.07      | 0.02 |
-| silu, None                       | 1.00   | 1.00                  | 0.02 |
-| silu_glu, None                   | 1.00   | 1.00, 1.00            | 0.02 |
-| softmax n=512 / n=8, None        | 1.00   | 1.00                  | 0.03 |
-| softmax n=512, gmean             | 0.89   | 1.12                  | 0.03 |
-| dropout 0.25                     | 1.00   | 1.00                  | 0.02 |
-| layer_norm n=512                 | 1.00   | 1.00 (x), 1.00, 1.00  | 0.02 |
-| rms_norm n=512                   | 1.00   | 1.00 (x), 1.00        | 0.02 |
-| embedding V=512, 8192 lookups    | 1.00   | 1.00                  | 0.03 |
-| add, None / gmean                | 1.00 / 1.19 | 1.00 / 0.84      | 0.02 |
-| residual_add tau=0.5             | 1.00   | 1.00, 1.00            | 0.02 |
-| residual_split tau=0.5           | 1.00   | 1.00                  | 0.02 |
-| attention 128x128x64, None       | 1.00   | 1.00, 1.00, 1.00      | 0.03 |
-| attention causal, None           | 1.00   | 1.00, 1.00, 1.00      | 0.04 |
-| attention 128x128x64, gmean      | 1.01   | 0.98, 0.99, 1.01      | 0.03 |
-| cross_entropy V=1000 mean / none | (loss) | 1.00                  | 0.02 |
-| mse_loss mean                    | (loss) | 1.00, 1.00            | 0.02 |
+| case                          | output (expected)   | gradients (expected)                 | tol |
+|-------------------------------|---------------------|--------------------------------------|-----|
+| dot_general batch dims, None  | 0.987 (1)           | 0.996, 0.998 (1, 1)                  | .02 |
+| dot_general K=256 N=64, gmean | 1.395 (1.414)       | 0.704, 0.998 (0.707, 1)              | .02 |
+| matmul, weight broadcast      | 0.993 (1)           | 1.000, 0.992 (1, 1)                  | .02 |
+| linear 256->256, gmean        | 0.997 (1)           | 0.997, 0.996 (1, 1)                  | .02 |
+| linear 32->8192 + bias, None  | 1.009 (1)           | 0.989, 1.008, 1.011 (1, 1, 1)        | .02 |
+| linear 256->1024, gmean       | 0.703 (0.707)       | 1.407, 0.994 (1.414, 1)              | .03 |
+| linear 256->1024, to_output   | 0.995 (1)           | 1.990, 0.994 (2, 1)                  | .04 |
+| linear_readout 64->1000       | 0.994 (1)           | 0.997, 0.996 (1, 1)                  | .02 |
+| conv1d SAME                   | 1.027 (1)           | 1.023, 0.994 (1, 1)                  | .03 |
+| conv2d stride 2, 2 groups     | 1.009 (1)           | 1.021, 1.011 (1, 1)                  | .03 |
+| gelu (tanh / erf), None       | 1.000 (1)           | 1.002 (1)                            | .02 |
+| gelu, gmean                   | 0.934 (0.933)       | 1.073 (1.072)                        | .02 |
+| silu, None                    | 1.000 (1)           | 1.002 (1)                            | .02 |
+| silu_glu, None                | 0.996 (1)           | 1.001, 0.998 (1, 1)                  | .02 |
+| softmax n=512, None           | 0.985 (1)           | 0.994 (1)                            | .03 |
+| softmax n=8, None             | 0.996 (1)           | 1.003 (1)                            | .03 |
+| softmax n=512, gmean          | 0.882 (0.895)       | 1.110 (1.117)                        | .03 |
+| dropout rate 0.25             | 0.998 (1)           | 0.998 (1)                            | .02 |
+| layer_norm n=4096 (x, w, b)   | 1.000 (1)           | 1.002, 1.009, 1.019 (1, 1, 1)        | .02 |
+| rms_norm n=4096 (x, w)        | 1.000 (1)           | 1.002, 1.010 (1, 1)                  | .02 |
+| embedding V=512, 8192 ids     | 0.999 (1)           | 1.008 (1)                            | .03 |
+| add, None                     | 0.998 (1)           | 1.000, 1.000 (1, 1)                  | .02 |
+| add, gmean                    | 1.187 (1.189)       | 0.841, 0.841 (.841, .841)            | .02 |
+| residual_add tau=0.5          | 0.998 (1)           | 1.000, 1.000 (1, 1)                  | .02 |
+| residual_split tau=0.5        | 0.998, 0.998 (1, 1) | 1.001 (1)                            | .02 |
+| attention 128x128 d=64, None  | 0.976 (1)           | 0.981, 0.983, 1.001 (1, 1, 1)        | .03 |
+| attention causal 96x128 dv=32 | 0.981 (1)           | 1.023, 1.033, 0.995 (1, 1, 1)        | .04 |
+| attention 128x128 d=64, gmean | 0.991 (1.015)       | 0.963, 0.972, 1.016 (.98, .99, 1.02) | .03 |
+| cross_entropy V=1000, mean    | (loss)              | 1.000 (1)                            | .02 |
+| cross_entropy V=8, none       | (losses)            | 1.008 (1)                            | .03 |
+| mse_loss, mean                | (loss)              | 0.998, 0.998 (1, 1)                  | .02 |
 
-The reference PyTorch library measures linear 1.00 / 1.41, gelu 1.04 / 1.19, softmax
+The deviations from the expected values are sampling noise (a single weight, kernel or
+key set per case); with 64 attention heads instead of 16 the attention stds are within
+1%. The reference PyTorch library measures linear 1.00 / 1.41, gelu 1.04 / 1.19, softmax
 0.66 / 0.82 and residual add 1.34.
 """
 
@@ -63,7 +71,7 @@ def normal(seed: int, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.A
 
 
 def std(x: jax.Array) -> float:
-    return float(jnp.std(jnp.asarray(x, jnp.float32)))
+    return float(np.std(np.asarray(x, np.float64)))
 
 
 def measure(fn: Callable[..., Any], args: tuple[Any, ...]):
@@ -80,17 +88,15 @@ def measure(fn: Callable[..., Any], args: tuple[Any, ...]):
     def run(args, cots):
         out, vjp = jax.vjp(fn, *args)
         grads = vjp(cots if isinstance(out, tuple) else cots[0])
-        out_stds = [
-            jnp.std(o.astype(jnp.float32)) for o in (out if isinstance(out, tuple) else (out,))
-        ]
         floats = [g for a, g in zip(args, grads) if jnp.issubdtype(a.dtype, jnp.floating)]
-        return out_stds, [jnp.std(g) for g in floats]
+        return (out if isinstance(out, tuple) else (out,)), floats
 
-    out_stds, grad_stds = run(args, cots)
-    out_stds = [float(o) for o in out_stds]
+    outs, grads = run(args, cots)
+    assert all(x.dtype == jnp.float32 for x in (*outs, *grads))  # the dtype is kept
+    out_stds = [std(o) for o in outs]
     if isinstance(out_shape, tuple):
-        return out_stds, [float(g) for g in grad_stds]
-    return (None if out_shape.ndim == 0 else out_stds[0]), [float(g) for g in grad_stds]
+        return out_stds, [std(g) for g in grads]
+    return (None if out_shape.ndim == 0 else out_stds[0]), [std(g) for g in grads]
 
 
 # ---------------------------------------------------------------------------------------
@@ -266,13 +272,6 @@ UNIT_CASES = {
         0.03,
     ),
     "mse_loss": Case(U.mse_loss, normals((512, 512), (512, 512)), None, (1.0, 1.0), 0.02),
-    "mse_loss_sum": Case(
-        lambda p, t: U.mse_loss(p, t, reduction="sum"),
-        normals((512, 512), (512, 512)),
-        None,
-        (1.0, 1.0),
-        0.02,
-    ),
 }
 
 
@@ -337,6 +336,9 @@ def test_softmax_moments_exact_for_two_and_asymptotic_for_many():
     p, dx, _ = _ops.softmax_moments(n)
     assert p * n * n == pytest.approx(math.e - 1, rel=0.01)
     assert dx * n * n == pytest.approx(math.e, rel=0.01)
+    # Longer rows take the limits directly.
+    p, dx, _ = _ops.softmax_moments(4 * n)
+    assert p * (4 * n) ** 2 == pytest.approx(math.e - 1, rel=1e-9)
 
 
 def test_monte_carlo_factors_are_cached_and_deterministic():
@@ -647,36 +649,58 @@ def _small_cases() -> dict[str, tuple[Callable[..., Any], tuple[tuple[int, ...],
 
 
 def test_every_op_keeps_float16_and_bfloat16():
-    """(float32 is checked by every case of the table.)"""
-    cases = _small_cases()
-    args = {
-        (name, jnp.dtype(dtype).name): tuple(normal(i, s, dtype) for i, s in enumerate(shapes))
-        for name, (_, shapes) in cases.items()
-        for dtype in (jnp.float16, jnp.bfloat16)
-    }
+    """Output and gradient dtypes, at trace time (float32: every case of the table)."""
+    for name, (fn, shapes) in _small_cases().items():
+        for dtype in (jnp.float16, jnp.bfloat16):
+            args = tuple(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
 
-    @jax.jit  # one program for every op and dtype: one compilation
-    def run(args):
-        result = {}
-        for key, a in args.items():
-            out, vjp = jax.vjp(cases[key[0]][0], *a)
-            result[key] = (out, vjp(jnp.ones_like(out)))
+            def run(*args, fn=fn):
+                out, vjp = jax.vjp(fn, *args)
+                return out, vjp(jnp.ones_like(out))
+
+            out, grads = jax.eval_shape(run, *args)
+            assert out.dtype == dtype and all(g.dtype == dtype for g in grads), (name, dtype)
+
+
+def test_low_precision_values_follow_float32():
+    """float16 / bfloat16 results match float32 ones to the format's precision; the large
+    backward factors (cross_entropy's N sqrt(V) = 2^15 sqrt(8)) neither overflow nor flush."""
+    cases = _small_cases()
+    names = ("dot_general", "softmax", "scaled_dot_product_attention")
+    labels = jnp.zeros(1 << 15, jnp.int32)
+    ce = lambda z: U.cross_entropy(z, labels)
+
+    @jax.jit
+    def run(dtype_args):
+        result = []
+        for args in dtype_args:
+            for name, a in zip(names, args[:-1]):
+                out, vjp = jax.vjp(cases[name][0], *a)
+                result.append((out, vjp(normal(99, out.shape, out.dtype))))
+            out, vjp = jax.vjp(ce, args[-1])
+            result.append((out, vjp(jnp.ones_like(out))))
         return result
 
-    for (name, dtype), (out, grads) in run(args).items():
-        assert str(out.dtype) == dtype and all(str(g.dtype) == dtype for g in grads), name
-        assert all(bool(jnp.isfinite(g).all()) for g in (out, *grads)), (name, dtype)
+    dtypes = (jnp.float32, jnp.float16, jnp.bfloat16)
+    dtype_args = [
+        [tuple(normal(i, s, d) for i, s in enumerate(cases[n][1])) for n in names]
+        + [normal(0, (1 << 15, 8), d)]
+        for d in dtypes
+    ]
+    result = run(dtype_args)
+    count = len(names) + 1
+    for d, rtol in ((1, 1e-2), (2, 6e-2)):
+        for i, (ref, low) in enumerate(zip(result[:count], result[d * count : (d + 1) * count])):
+            for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(low)):
+                a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                scale = np.abs(a64).max()
+                assert 0.1 < scale < 1e4 and np.all(np.isfinite(b64)), (i, dtypes[d])
+                np.testing.assert_allclose(b64, a64, atol=rtol * scale, err_msg=str(dtypes[d]))
 
 
 def test_jit_matches_eager_and_does_not_recompile():
     cases = _small_cases()
-    for name in (
-        "dot_general",
-        "conv1d",
-        "softmax",
-        "scaled_dot_product_attention",
-        "cross_entropy",
-    ):
+    for name in ("dot_general", "softmax"):
         fn, shapes = cases[name]
         args = tuple(normal(i, s) for i, s in enumerate(shapes))
         weights = normal(50, jax.eval_shape(fn, *args).shape)
