@@ -39,6 +39,8 @@ Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slo
     gpt8-scan: gpt8-adam with the blocks stacked and run as a lax.scan over layers.
     gpt-scaled-opt: char GPT, 1 block; scaled: `jsa.optax.scale_optimizer(optax.adam)` and
         `jsa.optax.apply_updates`; plain: the float32 optax.adam step.
+    gpt-unit-fp8: char GPT, 1 block, adam; the "scaled" variant is `U.simulate_fp8(U.unit_scale(
+        loss))` on float32 `U.unit_init` parameters (no autoscale).
     nnx: Flax NNX Linear-LayerNorm-Linear (784-512-10), batch 64, SGD step on `nnx.split`'s state.
     gpt2-small: 12 blocks, d 768, 12 heads, T 256, batch 4, vocab 50257, optax.adam step.
     gpt2-small-scan: the same with its blocks as a lax.scan over layers.
@@ -77,6 +79,7 @@ from flax import nnx
 from jax.experimental import serialize_executable
 
 import jax_scaled_arithmetics as jsa
+import jax_scaled_arithmetics.unit_scaling as U
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("plain", "scaled")
@@ -112,11 +115,12 @@ class Case:
     plain_args: tuple[Any, ...]
     scaled_args: tuple[Any, ...]
     scaled_step: Callable[..., Any] | None = None
+    transform: Callable[..., Any] = jsa.autoscale
 
     def step(self, variant: str) -> Callable[..., Any]:
         if variant == "plain":
             return self.plain_step
-        return jsa.autoscale(self.scaled_step or self.plain_step)
+        return self.transform(self.scaled_step or self.plain_step)
 
     def args(self, variant: str) -> tuple[Any, ...]:
         return self.plain_args if variant == "plain" else self.scaled_args
@@ -287,6 +291,30 @@ def case_gpt_scaled_opt(dtype: Any) -> Case:
     )
 
 
+def case_gpt_unit_fp8(dtype: Any) -> Case:
+    """Char GPT, 1 block, adam; "scaled": `U.simulate_fp8(U.unit_scale(loss))` on float32
+    `U.unit_init` parameters (no autoscale): the cost of the unit-scaling transform and of the
+    FP8 casts."""
+    config = _gpt_config(1)
+    plain = _gpt_adam_case(config, 16, dtype)
+    opt = optax.adam(1e-3)
+    loss = U.simulate_fp8(U.unit_scale(gpt.loss_fn))
+
+    def step(params, opt_state, tokens, targets):
+        value, grads = jax.value_and_grad(loss)(params, tokens, targets, config)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    params = U.unit_init(plain.plain_args[0])
+    return Case(
+        plain.plain_step,
+        plain.plain_args,
+        (params, opt.init(params), *plain.plain_args[2:]),
+        scaled_step=step,
+        transform=lambda f: f,
+    )
+
+
 class NnxMLP(nnx.Module):
     """Linear 784-512, LayerNorm, relu, Linear 512-10."""
 
@@ -338,6 +366,7 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "gpt8-adam": (case_gpt8_adam, "float32"),
     "gpt8-scan": (case_gpt8_scan, "float32"),
     "gpt-scaled-opt": (case_gpt_scaled_opt, "float16"),
+    "gpt-unit-fp8": (case_gpt_unit_fp8, "float32"),
     "nnx": (case_nnx, "float32"),
     "gpt2-small": (case_gpt2_small, "float16"),
     "gpt2-small-scan": (case_gpt2_small_scan, "float16"),
