@@ -9,6 +9,7 @@ representation, not a change of value.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -288,10 +289,28 @@ apply_to_data_p.def_abstract_eval(_apply_to_data_abstract_eval)
 _compat.register_lowering(apply_to_data_p, _apply_to_data_impl)
 
 
+@dataclasses.dataclass(frozen=True)
+class _MappedOverBatch:
+    """`fn` mapped over the leading axis of its operands (`None` in `in_axes`: not mapped)."""
+
+    fn: Any
+    in_axes: tuple[int | None, ...]
+
+    def __call__(self, *args: Array) -> Array:
+        return jax.vmap(self.fn, in_axes=self.in_axes)(*args)
+
+
 def _apply_to_data_batch(args: Any, dims: Any, *, fn: Any) -> Any:
-    for dim in dims[1:]:
-        _check_unbatched(dim, "extra operand (e.g. a PRNG key)", "apply_to_data")
-    return apply_to_data_p.bind(*args, fn=fn), dims[0]
+    if all(dim is None for dim in dims[1:]):  # `fn` is elementwise in the data
+        return apply_to_data_p.bind(*args, fn=fn), dims[0]
+    # A batched extra operand (one PRNG key per batch element): map `fn` itself over the
+    # batch, with the data's batch axis first (broadcast when only the extras are batched).
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    x = args[0]
+    x = jnp.broadcast_to(x, (size, *x.shape)) if dims[0] is None else jnp.moveaxis(x, dims[0], 0)
+    extra = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args[1:], dims[1:])]
+    in_axes = (0, *(None if d is None else 0 for d in dims[1:]))
+    return apply_to_data_p.bind(x, *extra, fn=_MappedOverBatch(fn, in_axes)), 0
 
 
 def _apply_to_data_jvp(primals: Any, tangents: Any, *, fn: Any) -> Any:
@@ -320,6 +339,8 @@ def apply_to_data(fn: Any, x: Array, *extra: Array) -> Any:
     On a plain array (outside `autoscale`) `fn` applies to the array itself. `fn` must be
     hashable and compare equal across calls for jit caching (e.g. a frozen dataclass or a
     module-level function); its derivative is taken as the identity (straight-through).
+    Under `vmap`, batched extra operands (one PRNG key per example) map `fn` itself over
+    the batch.
 
     Examples:
         >>> import jax.numpy as jnp

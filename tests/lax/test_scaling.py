@@ -98,3 +98,30 @@ def test_bad_scaling_arguments():
         ValueError, match="set_scaling: the scale must be the same for the whole batch"
     ):
         jax.vmap(jsa.lax.set_scaling)(jnp.ones((2, 3)), jnp.ones(2))
+
+
+def _stochastic_bf16(data, key):
+    return jsa.quantization.float_quantize(data, "bfloat16", "stochastic", key=key)
+
+
+@pytest.mark.parametrize("data_batched", [True, False])
+def test_apply_to_data_maps_over_batched_keys(data_batched):
+    """One PRNG key per batch element (vmap over seeds): `fn` is mapped over the batch."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jnp.full((3, 64) if data_batched else (64,), 1.0 + 2.0**-10, jnp.float32)
+
+    def one(data, key):
+        return jsa.lax.apply_to_data(_stochastic_bf16, data, key)
+
+    out = jax.vmap(one, in_axes=(0 if data_batched else None, 0))(x, keys)
+    assert out.shape == (3, 64)
+    for i in range(3):  # each row rounded with its own key
+        expected = _stochastic_bf16(x[i] if data_batched else x, keys[i])
+        np.testing.assert_array_equal(out[i], expected)
+    assert not np.array_equal(out[0], out[1])
+    # Inside autoscale, on the data of a ScaledArray (scale kept).
+    scaled = jsa.scaled_array(jnp.full((3, 64), 1.0 + 2.0**-10), 2.0**-40)
+    inner = jax.vmap(lambda d, k: jsa.lax.apply_to_data(_stochastic_bf16, d, k))
+    got = jsa.autoscale(inner)(scaled, keys)
+    assert float(got.scale) == 2.0**-40
+    np.testing.assert_array_equal(got.data, out)  # the same values, the same keys
