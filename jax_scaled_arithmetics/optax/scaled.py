@@ -1,4 +1,4 @@
-"""Optax hooks for low-precision training state: scaled optimizer states and parameters.
+"""Scaled optimizer states: optax states stored as low-precision ScaledArrays.
 
 An optimizer state is stored as ScaledArrays with low-precision data (float16
 by default) and a float32 power-of-two scale per tensor. Each update runs the
@@ -7,8 +7,8 @@ wrapped optax transformation in scaled arithmetic (data upcast to
 (:func:`jax_scaled_arithmetics.ops.dynamic_rescale_max`) and casts the data back
 to the storage dtype, so the stored data always sits at the top of its range.
 
-Where it runs: `update` and :func:`apply_updates` wrap themselves with
-:func:`jax_scaled_arithmetics.autoscale`. Inside an autoscaled step (the usual
+Where it runs: `update` and :func:`~jax_scaled_arithmetics.optax.apply_updates` wrap
+themselves with :func:`jax_scaled_arithmetics.autoscale`. Inside an autoscaled step (the usual
 case: forward, backward and optimizer in one `@jax.jit @jsa.autoscale`
 function) that wrapper is the identity; called directly on ScaledArrays outside
 `autoscale`, it interprets the update in scaled arithmetic itself.
@@ -42,13 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .core.datatype import ScaledArray, as_scaled_array, is_floating, is_scaled_leaf
-from .core.interpreter import autoscale
-from .lax.scaling import get_data_scale, rebalance, set_scaling, stop_scaling
-from .ops.rescaling import dynamic_rescale_l2, dynamic_rescale_max
+from ..core.datatype import ScaledArray, as_scaled_array, is_floating, is_scaled_leaf
+from ..core.interpreter import autoscale
+from ..lax.scaling import get_data_scale, rebalance, set_scaling, stop_scaling
+from ..ops.rescaling import dynamic_rescale_l2, dynamic_rescale_max
 
 __all__ = [
-    "apply_updates",
     "default_data_exponent",
     "scale_optimizer",
     "scaled_state",
@@ -243,7 +242,7 @@ def scale_optimizer(
 
     The incoming gradients go through `grad_rescale` (root-mean-square in
     [1, 2) by default, value unchanged), then through :func:`scaled_state`.
-    Pair it with :func:`apply_updates`.
+    Pair it with :func:`~jax_scaled_arithmetics.optax.apply_updates`.
 
     Examples:
         >>> import jax.numpy as jnp, optax
@@ -267,36 +266,6 @@ def scale_optimizer(
         return autoscale(_update)(updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(inner.init, update_fn)
-
-
-def apply_updates(params: Any, updates: Any, rescale: Rescale | None = dynamic_rescale_max) -> Any:
-    """Like `optax.apply_updates`, then dynamically rescale the new parameters.
-
-    Each floating parameter becomes `(p + u).astype(p.dtype)` (the dtype of a
-    ScaledArray is its data's); then `rescale` moves a power of two into the
-    scale of every scaled parameter. `None` updates leave their parameter as it
-    is. Wraps itself in :func:`~jax_scaled_arithmetics.autoscale`.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> import jax_scaled_arithmetics as jsa
-        >>> p = jsa.scaled_array(jnp.array([1.0, 2.0], jnp.float16), 1.0)
-        >>> u = jsa.scaled_array(jnp.array([1.0, 1.0], jnp.float16), 2.0**-4)
-        >>> new = jsa.optax.apply_updates(p, u)
-        >>> new.dtype, new.scale, new.to_array().tolist()
-        (dtype('float16'), Array(2., dtype=float32), [1.0625, 2.0625])
-    """
-
-    def _apply(params: Any, updates: Any) -> Any:
-        def add(p: Any, u: Any) -> Any:
-            if u is None or p is None or not is_floating(p):
-                return p
-            return (p + u).astype(p.dtype)
-
-        new = jax.tree_util.tree_map(add, params, updates, is_leaf=lambda x: x is None)
-        return new if rescale is None else rescale(new)
-
-    return autoscale(_apply)(params, updates)
 
 
 def state_nbytes(tree: Any) -> int:

@@ -1,8 +1,6 @@
-"""Tests for `jsa.optax`: scaled optimizer states against plain float32 optax."""
+"""`jsa.optax.scaled`: scaled optimizer states against plain float32 optax."""
 
 from __future__ import annotations
-
-import doctest
 
 import jax
 import jax.numpy as jnp
@@ -91,23 +89,6 @@ def _grads(params, scale_exponent):
     # Values `plain`, data `grads` (float16), scale 2**scale_exponent.
     scaled = jsa.as_scaled_array(plain, scale=2.0**scale_exponent, dtype=jnp.float16)
     return plain, scaled
-
-
-def test_doctests():
-    result = doctest.testmod(jsa_optax, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0
-    assert result.failed == 0
-
-
-def test_all_is_explicit():
-    assert set(jsa_optax.__all__) == {
-        "apply_updates",
-        "default_data_exponent",
-        "scale_optimizer",
-        "scaled_state",
-        "state_nbytes",
-    }
-    assert jsa.optax is jsa_optax
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

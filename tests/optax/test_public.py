@@ -1,0 +1,57 @@
+"""The public face of `jsa.optax`: its names, its lazy import, and the doctests of its modules."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import jax_scaled_arithmetics as jsa
+
+MODULES = ["__init__", "scaled", "quantized", "compensated", "recipes"]
+
+
+def test_public_names():
+    import jax_scaled_arithmetics.optax as jsa_optax
+
+    assert set(jsa_optax.__all__) == {
+        "KahanState",
+        "QuantizeSpec",
+        "QuantizeState",
+        "Recipe",
+        "apply_updates",
+        "bf16_kahan",
+        "bf16_stochastic",
+        "default_data_exponent",
+        "ibm8_like",
+        "kahan_summation",
+        "quantize",
+        "scale_optimizer",
+        "scaled_state",
+        "state_nbytes",
+    }
+    assert all(hasattr(jsa_optax, name) for name in jsa_optax.__all__)
+    assert jsa.optax is jsa_optax
+
+
+def test_lazy_import():
+    """`import jax_scaled_arithmetics` does not import optax; `jsa.optax` does, on first use."""
+    code = (
+        "import sys, jax_scaled_arithmetics as jsa; "
+        "assert 'optax' not in sys.modules and 'jax_scaled_arithmetics.optax' not in sys.modules; "
+        "jsa.optax.quantize; assert 'jax_scaled_arithmetics.optax.recipes' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name):
+    module = importlib.import_module(
+        "jax_scaled_arithmetics.optax" + ("" if name == "__init__" else f".{name}")
+    )
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0
+    assert result.failed == 0
