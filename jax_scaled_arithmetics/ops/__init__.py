@@ -1,10 +1,13 @@
-"""User-facing operations on scaled arrays: dynamic rescaling, low-precision casts, quantisers."""
+"""User-facing operations on scaled arrays: dynamic rescaling, low-precision casts, quantisers,
+posit activation shortcuts."""
 
 from .casts import cast_on_backward as cast_on_backward
 from .casts import cast_on_forward as cast_on_forward
 from .casts import quantizer as quantizer
 from .casts import reduce_precision_on_backward as reduce_precision_on_backward
 from .casts import reduce_precision_on_forward as reduce_precision_on_forward
+from .posit_activations import posit_sigmoid as posit_sigmoid
+from .posit_activations import posit_tanh as posit_tanh
 from .rescaling import dynamic_rescale_l1 as dynamic_rescale_l1
 from .rescaling import dynamic_rescale_l1_grad as dynamic_rescale_l1_grad
 from .rescaling import dynamic_rescale_l2 as dynamic_rescale_l2
@@ -15,6 +18,8 @@ from .rescaling import dynamic_rescale_max_grad as dynamic_rescale_max_grad
 __all__ = [
     "cast_on_backward",
     "cast_on_forward",
+    "posit_sigmoid",
+    "posit_tanh",
     "quantizer",
     "reduce_precision_on_backward",
     "reduce_precision_on_forward",

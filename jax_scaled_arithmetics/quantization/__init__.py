@@ -1,4 +1,5 @@
-"""Number formats: simulated float, fixed point and block scaled (MX) quantisation.
+"""Number formats: simulated float, fixed point, posit, lookup-table and block scaled (MX)
+quantisation.
 
 Pure JAX / numpy; independent of the rest of the library.
 """
@@ -12,15 +13,28 @@ from .block import from_e8m0 as from_e8m0
 from .fixed_point import fixed_point_quantize as fixed_point_quantize
 from .float_quantize import float_quantize as float_quantize
 from .formats import FORMATS as FORMATS
+from .formats import POSIT_FORMATS as POSIT_FORMATS
 from .formats import FloatFormat as FloatFormat
 from .formats import NanEncoding as NanEncoding
+from .formats import PositFormat as PositFormat
 from .formats import get_format as get_format
+from .posit import posit_from_bits as posit_from_bits
+from .posit import posit_quantize as posit_quantize
+from .posit import posit_to_bits as posit_to_bits
+from .posit import posit_values as posit_values
+from .table import NF4 as NF4
+from .table import table_decode as table_decode
+from .table import table_encode as table_encode
+from .table import table_quantize as table_quantize
 
 __all__ = [
     "FORMATS",
+    "NF4",
+    "POSIT_FORMATS",
     "FloatFormat",
     "MXArray",
     "NanEncoding",
+    "PositFormat",
     "Rounding",
     "as_e8m0",
     "block_dequantize",
@@ -29,4 +43,11 @@ __all__ = [
     "float_quantize",
     "from_e8m0",
     "get_format",
+    "posit_from_bits",
+    "posit_quantize",
+    "posit_to_bits",
+    "posit_values",
+    "table_decode",
+    "table_encode",
+    "table_quantize",
 ]

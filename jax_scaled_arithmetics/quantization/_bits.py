@@ -65,12 +65,12 @@ def float_bits(value: float) -> int:
     return int(np.array(value, np.float32).view(np.uint32))
 
 
-def _shl(v: jax.Array, s: jax.Array) -> jax.Array:
+def shl(v: jax.Array, s: jax.Array) -> jax.Array:
     """uint32 left shift with amounts clipped to [0, 31] (callers mask the rest)."""
     return lax.shift_left(v, jnp.clip(s, 0, 31).astype(jnp.uint32))
 
 
-def _shr(v: jax.Array, s: jax.Array) -> jax.Array:
+def shr(v: jax.Array, s: jax.Array) -> jax.Array:
     """uint32 logical right shift; amounts >= 32 give 0, negative amounts give v."""
     out = lax.shift_right_logical(v, jnp.clip(s, 0, 31).astype(jnp.uint32))
     return jnp.where(s >= 32, u32(0), out)
@@ -103,22 +103,22 @@ def round_significand(
     qexp = e + s
     if rounding == "nearest":
         sc = jnp.minimum(s, 25)  # m < 2**24 <= half a quantum when s >= 25: rounds to 0
-        q = _shr(m, sc)
-        rem = m - _shl(q, sc)
-        half = _shr(_shl(u32(1), sc), jnp.ones_like(sc))
+        q = shr(m, sc)
+        rem = m - shl(q, sc)
+        half = shr(shl(u32(1), sc), jnp.ones_like(sc))
         up = (rem > half) | ((rem == half) & ((q & u32(1)) == 1) & (sc > 0))
         q = q + up.astype(jnp.uint32)
     elif rounding == "toward_zero":
-        q = _shr(m, s)
+        q = shr(m, s)
     elif rounding == "stochastic":
         assert rbits is not None
         # Add a uniform integer in [0, 2**sc) and truncate: rounds up with probability
         # (dropped bits) / 2**s. Beyond 31 dropped bits the dropped part is first truncated
         # to 31 bits, a bias below 2**-31 of a quantum.
         sc = jnp.minimum(s, 31)
-        m2 = _shr(m, s - sc)
-        r = jnp.where(sc > 0, _shr(rbits, 32 - sc), u32(0))
-        q = _shr(m2 + r, sc)
+        m2 = shr(m, s - sc)
+        r = jnp.where(sc > 0, shr(rbits, 32 - sc), u32(0))
+        q = shr(m2 + r, sc)
     else:  # pragma: no cover - validated by callers
         raise ValueError(rounding)
     return q, qexp
@@ -128,10 +128,10 @@ def compose(q: jax.Array, qexp: jax.Array) -> jax.Array:
     """``q * 2**qexp`` -> float32 bits; the value must be representable or overflow (-> inf)."""
     msb = 31 - lax.clz(q).astype(jnp.int32)
     biased = qexp + msb + 127
-    frac = jnp.where(msb <= 23, _shl(q, 23 - msb), _shr(q, msb - 23)) & u32(0x7FFFFF)
-    normal = _shl(jnp.clip(biased, 0, 255).astype(jnp.uint32), jnp.full_like(biased, 23)) | frac
+    frac = jnp.where(msb <= 23, shl(q, 23 - msb), shr(q, msb - 23)) & u32(0x7FFFFF)
+    normal = shl(jnp.clip(biased, 0, 255).astype(jnp.uint32), jnp.full_like(biased, 23)) | frac
     normal = jnp.where(biased >= 255, u32(INF_BITS), normal)
-    subnormal = _shl(q, qexp + 149)
+    subnormal = shl(q, qexp + 149)
     out = jnp.where(biased >= 1, normal, subnormal)
     return jnp.where(q == 0, u32(0), out)
 

@@ -183,9 +183,12 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _check_element_format(fmt: FloatFormat) -> None:
+def _check_element_format(fmt: Any) -> FloatFormat:
+    if not isinstance(fmt, FloatFormat):
+        raise ValueError(f"block element format must be a float format, got {fmt.name!r}")
     if fmt.unsigned or not fmt.has_zero:
         raise ValueError(f"block element format must be signed and have a zero, got {fmt.name!r}")
+    return fmt
 
 
 def block_quantize(
@@ -242,8 +245,7 @@ def block_quantize(
         >>> block_dequantize(mx)  # 100 / 0.25 = 400 rounds to 384 in float8_e4m3fn
         Array([ 1., -2.,  3., 96.], dtype=float32)
     """
-    fmt = get_format(format)
-    _check_element_format(fmt)
+    fmt = _check_element_format(get_format(format))
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     mode = _bits.check_rounding(rounding, key)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from . import _bits
 from ._bits import Rounding
-from .formats import FloatFormat, get_format
+from .formats import FloatFormat, PositFormat, get_format
+from .posit import posit_quantize
 
 
 def quantize_abs_bits(
@@ -95,12 +96,16 @@ def _float_quantize_jvp(
 
 def float_quantize(
     x: Any,
-    format: str | FloatFormat | Any,
+    format: str | FloatFormat | PositFormat | Any,
     rounding: Rounding = "nearest",
     saturate: bool = False,
     key: jax.Array | None = None,
 ) -> jax.Array:
     """Rounds `x` to the values of a float format, keeping the dtype of `x`.
+
+    Posit formats (``"posit{nbits}_es{es}"`` or a :class:`PositFormat`) are accepted too
+    and forwarded to :func:`posit_quantize` (`saturate` is then ignored: posits never
+    overflow).
 
     The rounding is done exactly with integer operations on the float32 bits of `x`
     (float16 / bfloat16 / float8 inputs are converted to float32 exactly and the result is
@@ -135,7 +140,8 @@ def float_quantize(
 
     Args:
         x: Input array.
-        format: A preset name, dtype or :class:`FloatFormat` (see :func:`get_format`).
+        format: A preset name, dtype, :class:`FloatFormat` or posit format (see
+            :func:`get_format`).
         rounding: ``"nearest"`` (round to nearest, ties to even), ``"toward_zero"``
             (truncation) or ``"stochastic"`` (rounds up in magnitude with probability
             ``(|x| - lower) / (upper - lower)`` between the two neighbours: unbiased).
@@ -158,8 +164,12 @@ def float_quantize(
         Array(448., dtype=float32)
         >>> float_quantize(x, "float8_e4m3fn", rounding="toward_zero")[:3]
         Array([0.28125, 1.     , 1.125  ], dtype=float32)
+        >>> float_quantize(x, "posit8_es0").tolist()  # posits saturate at maxpos and minpos
+        [0.296875, 1.0625, 1.1875, 64.0, -0.015625]
     """
     fmt = get_format(format)
+    if isinstance(fmt, PositFormat):
+        return posit_quantize(x, fmt.nbits, fmt.es, rounding, key)
     mode = _bits.check_rounding(rounding, key)
     x = jnp.asarray(x)
     dtype = _bits.compute_dtype(x, "float_quantize")

@@ -1,9 +1,10 @@
-"""Description of floating point number formats and the built-in presets."""
+"""Description of floating point and posit number formats and the built-in presets."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -307,18 +308,149 @@ _BY_DTYPE: Mapping[np.dtype, FloatFormat] = {
 }
 
 
-def get_format(name_or_dtype: str | FloatFormat | Any) -> FloatFormat:
-    """Look up a float format.
+POSIT_MAX_NBITS: Mapping[int, int] = types.MappingProxyType({0: 26, 1: 27, 2: 28, 3: 17})
+"""Widest posit simulated exactly in float32, per ``es`` (read-only).
+
+A ``posit<nbits, es>`` has up to ``nbits - 3 - es`` fraction bits (next to 1) and values
+from ``2**-(2**es * (nbits - 2))`` to ``2**(2**es * (nbits - 2))``: it fits float32 (24
+significant bits, normal exponents down to ``2**-126``) for ``nbits <= 26 + es`` and
+``2**es * (nbits - 2) <= 126``, that is up to posit26_es0, posit27_es1, posit28_es2 and
+posit17_es3.
+"""
+
+_POSIT_NAME = re.compile(r"posit(\d+)_es(\d+)")
+
+
+def _posit_range_message(nbits: Any, es: Any) -> str:
+    widths = ", ".join(f"[2, {n}] for es={e}" for e, n in POSIT_MAX_NBITS.items())
+    return (
+        f"posit{nbits}_es{es} is not supported: es must be an integer in [0, 3] and nbits an "
+        f"integer in {widths} (the posits float32 simulates exactly)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PositFormat:
+    """A posit format ``posit<nbits, es>`` (posit standard 2022, any ``es``), simulated in float32.
+
+    An ``nbits``-bit two's complement pattern: sign, regime (a run of identical bits of
+    variable length), up to ``es`` exponent bits and the remaining fraction bits. The
+    values are 0, NaR ("not a real", the pattern ``1000...0``) and ``±useed**k * 2**e *
+    1.f`` with ``useed = 2**(2**es)``; precision is highest near 1 and tapers towards
+    ``maxpos = useed**(nbits - 2)`` and ``minpos = 1 / maxpos``.
+
+    Looked up by name with :func:`get_format` (``"posit{nbits}_es{es}"``); quantised
+    with :func:`~jax_scaled_arithmetics.quantization.posit_quantize`.
+
+    Attributes:
+        nbits: Width in bits, 2 to ``POSIT_MAX_NBITS[es]``.
+        es: Exponent field width, 0 to 3.
+
+    Examples:
+        >>> fmt = get_format("posit8_es0")
+        >>> fmt.max, fmt.min, fmt.fraction_bits, fmt.epsilon
+        (64.0, 0.015625, 5, 0.03125)
+        >>> PositFormat(16, 1).name, PositFormat(16, 1).code_dtype
+        ('posit16_es1', dtype('uint16'))
+    """
+
+    nbits: int
+    es: int
+
+    def __post_init__(self) -> None:
+        nbits, es = self.nbits, self.es
+        ok = all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in (nbits, es))
+        if not ok or int(es) not in POSIT_MAX_NBITS or not 2 <= nbits <= POSIT_MAX_NBITS[int(es)]:
+            raise ValueError(_posit_range_message(nbits, es))
+        object.__setattr__(self, "nbits", int(nbits))
+        object.__setattr__(self, "es", int(es))
+
+    @property
+    def name(self) -> str:
+        """``"posit{nbits}_es{es}"``."""
+        return f"posit{self.nbits}_es{self.es}"
+
+    @property
+    def bits(self) -> int:
+        """Total width in bits (``nbits``)."""
+        return self.nbits
+
+    @property
+    def useed(self) -> int:
+        """``2**(2**es)``: the factor between consecutive regimes."""
+        return 2 ** (2**self.es)
+
+    @property
+    def max_exponent(self) -> int:
+        """``log2(maxpos) = 2**es * (nbits - 2)``."""
+        return 2**self.es * (self.nbits - 2)
+
+    @property
+    def max(self) -> float:
+        """Largest value, ``maxpos``."""
+        return float(2.0**self.max_exponent)
+
+    @property
+    def min(self) -> float:
+        """Smallest positive value, ``minpos = 1 / maxpos``."""
+        return float(2.0**-self.max_exponent)
+
+    @property
+    def fraction_bits(self) -> int:
+        """Fraction bits of the values in ``[1, useed)``, the most precise range."""
+        return max(self.nbits - 3 - self.es, 0)
+
+    @property
+    def epsilon(self) -> float | None:
+        """Distance from 1 to the next larger value (``None`` when 1 is ``maxpos``)."""
+        if self.nbits == 2:
+            return None
+        cut = self.es - (self.nbits - 3)  # exponent bits cut off next to 1
+        if cut <= 0:
+            return float(2.0**-self.fraction_bits)
+        return float(2.0 ** (2**cut) - 1.0)
+
+    @property
+    def code_dtype(self) -> np.dtype:
+        """Unsigned integer dtype of the bit patterns: uint8, uint16 or uint32."""
+        if self.nbits <= 8:
+            return np.dtype(np.uint8)
+        return np.dtype(np.uint16) if self.nbits <= 16 else np.dtype(np.uint32)
+
+
+POSIT_FORMATS: Mapping[str, PositFormat] = types.MappingProxyType(
+    {
+        f.name: f
+        for f in (
+            PositFormat(8, 0),
+            PositFormat(8, 1),
+            PositFormat(8, 2),
+            PositFormat(16, 1),
+            PositFormat(16, 2),
+        )
+    }
+)
+"""Posit presets listed in the docs (read-only); any valid ``"posit{n}_es{e}"`` name works."""
+
+Format = FloatFormat | PositFormat
+"""What :func:`get_format` returns."""
+
+
+def get_format(name_or_dtype: str | Format | Any) -> Format:
+    """Look up a float or posit format.
 
     Args:
-        name_or_dtype: A preset name (see :data:`FORMATS`), a dtype (numpy, ml_dtypes or
-            ``jnp`` scalar type) of a preset, or a :class:`FloatFormat` (returned as is).
+        name_or_dtype: A preset name (see :data:`FORMATS`), a posit name
+            ``"posit{nbits}_es{es}"`` (see :class:`PositFormat`), a dtype (numpy, ml_dtypes
+            or ``jnp`` scalar type) of a preset, or a :class:`FloatFormat` or
+            :class:`PositFormat` (returned as is).
 
     Returns:
         The format.
 
     Raises:
-        ValueError: for an unknown name or dtype (the message lists the known formats).
+        ValueError: for an unknown name or dtype (the message lists the known formats), or
+            a posit name out of the supported range (the message gives the range).
         TypeError: for an argument that is neither a string, a dtype nor a format.
 
     Examples:
@@ -327,13 +459,18 @@ def get_format(name_or_dtype: str | FloatFormat | Any) -> FloatFormat:
         57344.0
         >>> get_format(jnp.bfloat16).name
         'bfloat16'
+        >>> get_format("posit16_es1")
+        PositFormat(nbits=16, es=1)
     """
-    if isinstance(name_or_dtype, FloatFormat):
+    if isinstance(name_or_dtype, FloatFormat | PositFormat):
         return name_or_dtype
-    known = ", ".join(FORMATS)
+    known = ", ".join(FORMATS) + ", posit{nbits}_es{es}"
     if isinstance(name_or_dtype, str):
         if name_or_dtype in FORMATS:
             return FORMATS[name_or_dtype]
+        match = _POSIT_NAME.fullmatch(name_or_dtype)
+        if match:
+            return PositFormat(int(match.group(1)), int(match.group(2)))
         raise ValueError(f"Unknown float format {name_or_dtype!r}; known formats: {known}")
     if name_or_dtype is None:
         raise TypeError("get_format expects a format name, a dtype or a FloatFormat, got None")
