@@ -16,8 +16,19 @@ Modes:
     plain-bf16   the same with bfloat16.
     mixed-fp16   `jsa.mp` mixed precision: float32 parameters and Adam state,
                  float16 compute, dynamic loss scaling.
+    fp8-plain    float32 parameters and Adam; the loss wrapped in `U.simulate_fp8`
+                 (`jax_scaled_arithmetics.unit_scaling`): matmul operands rounded to
+                 E4M3 forward, matmul-output gradients to E5M2 backward, no scaling.
+    scaled-fp8   scaled-fp16 plus those FP8 casts after dynamic rescaling
+                 (`U.simulate_fp8(loss, rescale=True)` inside the autoscaled step).
 
-Test accuracy is measured with the parameters' values in float32.
+Test accuracy is measured with the parameters' values in float32, at the end and every
+`--eval-every` steps (the accuracy curve). With `--out-dir`, a JSON log per mode is
+written there (`mlp_<mode>.json`: config, training losses, accuracy curve, final
+accuracy, wall time); `experiments/gpt/plot.py` draws the curves.
+
+The step functions, modes, evaluation and training loop take the model as arguments
+(`train_model`), and `experiments/mnist/train_cnn.py` reuses them for a CNN.
 
 Run: python experiments/mnist/train_mlp.py --mode scaled-fp16 --steps 1000
      python experiments/mnist/train_mlp.py --data-dir ../shared/data/mnist  # offline copy
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -48,7 +60,16 @@ if str(REPO_ROOT) not in sys.path:  # run as a script, only this folder is on th
 
 from experiments import data as datasets  # noqa: E402
 
-MODES = ("fp32", "scaled-fp16", "scaled-bf16", "plain-fp16", "plain-bf16", "mixed-fp16")
+MODES = (
+    "fp32",
+    "scaled-fp16",
+    "scaled-bf16",
+    "plain-fp16",
+    "plain-bf16",
+    "mixed-fp16",
+    "fp8-plain",
+    "scaled-fp8",
+)
 N_TRAIN = 8000
 ADAM_B2 = 0.999
 ADAM_EPS = 1e-8
@@ -109,6 +130,8 @@ class TrainResult:
     losses: np.ndarray  # training loss at every step (float32)
     seconds: float
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    """(step, test accuracy) every `eval_every` steps, from step 0 (empty if not asked)."""
 
     @property
     def first_nan_step(self) -> int | None:
@@ -123,34 +146,42 @@ def _as_float(x: Any) -> float:
     return float(jnp.asarray(x, jnp.float32))
 
 
-def _plain_step(opt: optax.GradientTransformation) -> Callable[..., Any]:
+def _plain_step(
+    opt: optax.GradientTransformation, loss_fn: Callable[..., Any] = cross_entropy
+) -> Callable[..., Any]:
     @jax.jit
     def step(params, state, x, y):
-        loss, grads = jax.value_and_grad(cross_entropy)(params, x, y)
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
     return step
 
 
-def _scaled_step(opt: optax.GradientTransformation) -> Callable[..., Any]:
+def _scaled_step(
+    opt: optax.GradientTransformation, loss_fn: Callable[..., Any] = cross_entropy
+) -> Callable[..., Any]:
     @jax.jit
     @jsa.autoscale
     def step(params, state, x, y):
-        loss, grads = jax.value_and_grad(cross_entropy)(params, x, y)
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         updates, state = opt.update(grads, state, params)
         return jsa_optax.apply_updates(params, updates), state, loss
 
     return step
 
 
-def _mixed_step(opt: optax.GradientTransformation, policy: jsa.mp.Policy) -> Callable[..., Any]:
+def _mixed_step(
+    opt: optax.GradientTransformation,
+    policy: jsa.mp.Policy,
+    loss_fn: Callable[..., Any] = cross_entropy,
+) -> Callable[..., Any]:
     @jax.jit
     def step(params, state, x, y):
         opt_state, loss_scale = state
 
         def scaled_loss(p):
-            loss = cross_entropy(policy.cast_to_compute(p), x, y)
+            loss = loss_fn(policy.cast_to_compute(p), x, y)
             return loss_scale.scale(loss.astype(jnp.float32)), loss
 
         grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
@@ -166,26 +197,41 @@ def _mixed_step(opt: optax.GradientTransformation, policy: jsa.mp.Policy) -> Cal
     return step
 
 
-def _setup(mode: str, params32: Any, lr: float) -> tuple[Any, Any, Callable[..., Any], Any]:
-    """Parameters, optimizer state, step function and input dtype for `mode`."""
+def _simulate_fp8(loss_fn: Callable[..., Any], rescale: bool) -> Callable[..., Any]:
+    import jax_scaled_arithmetics.unit_scaling as U
+
+    return U.simulate_fp8(loss_fn, rescale=rescale)
+
+
+def _setup(
+    mode: str, params32: Any, lr: float, loss_fn: Callable[..., Any] = cross_entropy
+) -> tuple[Any, Any, Callable[..., Any], Any]:
+    """Parameters, optimizer state, step function and input dtype for `mode`.
+
+    `loss_fn(params, x, onehot)` is the model's loss (the MLP's by default)."""
     adam = optax.adam(lr, b2=ADAM_B2, eps=ADAM_EPS)
     if mode == "fp32":
-        return params32, adam.init(params32), _plain_step(adam), jnp.float32
+        return params32, adam.init(params32), _plain_step(adam, loss_fn), jnp.float32
+    if mode == "fp8-plain":
+        step = _plain_step(adam, _simulate_fp8(loss_fn, rescale=False))
+        return params32, adam.init(params32), step, jnp.float32
     if mode in ("plain-fp16", "plain-bf16"):
         dtype = jnp.float16 if mode == "plain-fp16" else jnp.bfloat16
         params = jsa.tree.astype(params32, dtype)
-        return params, adam.init(params), _plain_step(adam), dtype
-    if mode in ("scaled-fp16", "scaled-bf16"):
-        dtype = jnp.float16 if mode == "scaled-fp16" else jnp.bfloat16
+        return params, adam.init(params), _plain_step(adam, loss_fn), dtype
+    if mode in ("scaled-fp16", "scaled-bf16", "scaled-fp8"):
+        dtype = jnp.bfloat16 if mode == "scaled-bf16" else jnp.float16
+        if mode == "scaled-fp8":
+            loss_fn = _simulate_fp8(loss_fn, rescale=True)
         opt = jsa_optax.scale_optimizer(adam, state_dtype=dtype)
         params = jsa.ops.dynamic_rescale_max(jsa.as_scaled_array(params32, dtype=jnp.float32))
         params = jsa.tree.astype(params, dtype)
-        return params, opt.init(params), _scaled_step(opt), dtype
+        return params, opt.init(params), _scaled_step(opt, loss_fn), dtype
     if mode == "mixed-fp16":
         policy = jsa.mp.get_policy("p=f32,c=f16,o=f32")
         loss_scale = jsa.mp.DynamicLossScale(jnp.float32(2.0**15))
         state = (adam.init(params32), loss_scale)
-        return params32, state, _mixed_step(adam, policy), jnp.float16
+        return params32, state, _mixed_step(adam, policy, loss_fn), jnp.float16
     raise ValueError(f"Unknown mode {mode!r}; choose from {', '.join(MODES)}.")
 
 
@@ -196,10 +242,19 @@ def _inputs(x: np.ndarray, y: np.ndarray, mode: str, dtype: Any) -> tuple[Any, A
     return jnp.asarray(x, dtype), jnp.asarray(onehot, dtype)
 
 
-def evaluate(params: Any, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
-    """Accuracy and mean cross-entropy, computed in float32 on the parameters' values."""
+_JITTED: dict[Any, Callable[..., Any]] = {}
+
+
+def evaluate(
+    params: Any, images: np.ndarray, labels: np.ndarray, apply: Callable[..., Any] = mlp
+) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy, computed in float32 on the parameters' values.
+
+    `apply(params, x)` gives the logits (the MLP's by default)."""
     params32 = jsa.asarray(params, jnp.float32)
-    logits = jax.jit(mlp)(params32, jnp.asarray(images))
+    if apply not in _JITTED:
+        _JITTED[apply] = jax.jit(apply)
+    logits = _JITTED[apply](params32, jnp.asarray(images))
     onehot = jax.nn.one_hot(labels, 10)
     loss = -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * onehot, axis=-1))
     accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == jnp.asarray(labels))
@@ -242,6 +297,70 @@ def fp16_adam_diagnostics(
     }
 
 
+Init = Callable[[jax.Array, int], Any]
+"""`init(key, n_features)`: a model's float32 parameters."""
+Apply = Callable[[Any, Any], Any]
+"""`apply(params, x)`: a model's logits for inputs of shape (batch, n_features)."""
+
+
+def train_model(
+    mode: str,
+    init: Init,
+    apply: Apply,
+    steps: int = 300,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    seed: int = 0,
+    data: tuple[np.ndarray, np.ndarray] | None = None,
+    n_train: int = N_TRAIN,
+    eval_every: int = 0,
+) -> TrainResult:
+    """Train the model `(init, apply)` for `steps` Adam steps in `mode`.
+
+    The loss is the mean softmax cross-entropy of `apply`'s logits. Arguments as in
+    :func:`train`; `eval_every > 0` records the test accuracy every `eval_every` steps
+    (and at step 0) in `TrainResult.curve`. Evaluation draws no random numbers and its
+    time is not counted in `TrainResult.seconds`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"Unknown mode {mode!r}; choose from {', '.join(MODES)}.")
+    images, labels = load_mnist() if data is None else data
+    train_x, train_y = images[:n_train], labels[:n_train]
+    test_x, test_y = images[n_train:], labels[n_train:]
+
+    def loss_fn(params: Any, x: Any, onehot: Any) -> Any:
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(apply(params, x)) * onehot, axis=-1))
+
+    loss = cross_entropy if apply is mlp else loss_fn
+    params32 = init(jax.random.PRNGKey(seed), images.shape[1])
+    params, state, step, dtype = _setup(mode, params32, lr, loss)
+    rng = np.random.default_rng(seed)
+    order = np.empty(0, dtype=np.int64)
+    losses = np.empty(steps, dtype=np.float32)
+    curve: list[tuple[int, float]] = []
+    eval_seconds = 0.0
+    if eval_every > 0:
+        curve.append((0, evaluate(params, test_x, test_y, apply)[0]))
+    start = time.perf_counter()
+    for i in range(steps):
+        if order.size < batch_size:
+            order = np.concatenate([order, rng.permutation(n_train)])
+        batch, order = order[:batch_size], order[batch_size:]
+        x, y = _inputs(train_x[batch], train_y[batch], mode, dtype)
+        params, state, loss_value = step(params, state, x, y)
+        losses[i] = _as_float(loss_value)
+        if eval_every > 0 and ((i + 1) % eval_every == 0 or i + 1 == steps):
+            t = time.perf_counter()
+            curve.append((i + 1, evaluate(params, test_x, test_y, apply)[0]))
+            eval_seconds += time.perf_counter() - t
+    seconds = time.perf_counter() - start - eval_seconds
+    accuracy, test_loss = evaluate(params, test_x, test_y, apply)
+    extra: dict[str, Any] = {}
+    if mode == "mixed-fp16":
+        extra["final_loss_scale"] = float(state[1].loss_scale)
+    return TrainResult(mode, accuracy, test_loss, losses, seconds, extra, curve)
+
+
 def train(
     mode: str = "fp32",
     steps: int = 300,
@@ -251,6 +370,7 @@ def train(
     hidden: Sequence[int] = (256, 256),
     data: tuple[np.ndarray, np.ndarray] | None = None,
     n_train: int = N_TRAIN,
+    eval_every: int = 0,
 ) -> TrainResult:
     """Train the MLP for `steps` Adam steps in `mode`; return test accuracy and loss history.
 
@@ -264,44 +384,29 @@ def train(
         data: `(images, labels)` as returned by :func:`load_mnist` (genuine MNIST's test
             split, located as :func:`load_mnist` does, if None).
         n_train: the first `n_train` examples train, the rest evaluate.
+        eval_every: record the test accuracy every `eval_every` steps (0: only at the end).
     """
-    if mode not in MODES:
-        raise ValueError(f"Unknown mode {mode!r}; choose from {', '.join(MODES)}.")
-    images, labels = load_mnist() if data is None else data
-    train_x, train_y = images[:n_train], labels[:n_train]
-    test_x, test_y = images[n_train:], labels[n_train:]
 
-    params32 = init_mlp(jax.random.PRNGKey(seed), [images.shape[1], *hidden, 10])
-    params, state, step, dtype = _setup(mode, params32, lr)
-    rng = np.random.default_rng(seed)
-    order = np.empty(0, dtype=np.int64)
-    losses = np.empty(steps, dtype=np.float32)
-    start = time.perf_counter()
-    for i in range(steps):
-        if order.size < batch_size:
-            order = np.concatenate([order, rng.permutation(n_train)])
-        batch, order = order[:batch_size], order[batch_size:]
-        x, y = _inputs(train_x[batch], train_y[batch], mode, dtype)
-        params, state, loss = step(params, state, x, y)
-        losses[i] = _as_float(loss)
-    seconds = time.perf_counter() - start
-    accuracy, test_loss = evaluate(params, test_x, test_y)
-    extra: dict[str, Any] = {}
-    if mode == "mixed-fp16":
-        extra["final_loss_scale"] = float(state[1].loss_scale)
-    return TrainResult(mode, accuracy, test_loss, losses, seconds, extra)
+    def init(key: jax.Array, n_features: int) -> Any:
+        return init_mlp(key, [n_features, *hidden, 10])
+
+    return train_model(
+        mode, init, mlp, steps, batch_size, lr, seed, data, n_train, eval_every=eval_every
+    )
 
 
-def main(argv: Sequence[str] | None = None) -> list[TrainResult]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+# --- command line (shared with train_cnn.py) ---------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser, steps: int = 1000) -> None:
+    """The options every MNIST script takes (modes, steps, batch, lr, seed, data, logs)."""
     parser.add_argument(
         "--mode", choices=(*MODES, "all"), nargs="+", default=["all"], help="one or more modes"
     )
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, nargs="+", default=[256, 256])
     parser.add_argument(
         "--data-dir",
         type=Path,
@@ -309,21 +414,96 @@ def main(argv: Sequence[str] | None = None) -> list[TrainResult]:
         help=f"folder with the MNIST IDX .gz files (default: ${datasets.DATA_DIR_ENV}, then the "
         "cache, then a download)",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=50,
+        help="test accuracy every N steps, for the curve in the JSON log (0: only at the end)",
+    )
+    parser.add_argument(
+        "--out-dir", type=Path, default=None, help="write a JSON log per mode to this folder"
+    )
 
-    data = load_mnist(args.data_dir)
-    modes = MODES if "all" in args.mode else tuple(args.mode)
-    results = []
+
+def selected_modes(args: argparse.Namespace) -> tuple[str, ...]:
+    return MODES if "all" in args.mode else tuple(args.mode)
+
+
+def write_log(
+    result: TrainResult, out_dir: str | os.PathLike[str], model: str, config: dict[str, Any]
+) -> Path:
+    """Write `result` as `out_dir/<model>_<mode>.json`: the model's name and config, the
+    mode, final test accuracy and loss, training losses, accuracy curve and wall time."""
+    log = {
+        "experiment": f"mnist-{model}",
+        "model": model,
+        "mode": result.mode,
+        "config": config,
+        "steps": len(result.losses),
+        "accuracy": result.accuracy,
+        "test_loss": result.test_loss,
+        "first_nan_step": result.first_nan_step,
+        "train_loss": [float(v) if np.isfinite(v) else None for v in result.losses],
+        "curve_steps": [s for s, _ in result.curve],
+        "curve_accuracy": [a for _, a in result.curve],
+        "wall_s": result.seconds,
+        "extra": result.extra,
+        "platform": jax.default_backend(),
+        "jax_version": jax.__version__,
+    }
+    path = Path(out_dir) / f"{model}_{result.mode}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(log, indent=1) + "\n")
+    return path
+
+
+def print_header() -> None:
     print(
         f"{'mode':<12} {'test acc':>9} {'test loss':>10} {'last loss':>10} {'NaN at':>7} {'s':>6}"
     )
+
+
+def print_result(r: TrainResult) -> None:
+    nan_at = "-" if r.first_nan_step is None else str(r.first_nan_step)
+    print(
+        f"{r.mode:<12} {100 * r.accuracy:>8.2f}% {r.test_loss:>10.4f} {r.losses[-1]:>10.4f} "
+        f"{nan_at:>7} {r.seconds:>6.1f}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> list[TrainResult]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[256, 256])
+    args = parser.parse_args(argv)
+
+    data = load_mnist(args.data_dir)
+    modes = selected_modes(args)
+    config = {
+        "hidden": args.hidden,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "n_train": N_TRAIN,
+        "eval_every": args.eval_every,
+    }
+    results = []
+    print_header()
     for mode in modes:
-        r = train(mode, args.steps, args.batch_size, args.lr, args.seed, args.hidden, data)
-        nan_at = "-" if r.first_nan_step is None else str(r.first_nan_step)
-        print(
-            f"{mode:<12} {100 * r.accuracy:>8.2f}% {r.test_loss:>10.4f} {r.losses[-1]:>10.4f} "
-            f"{nan_at:>7} {r.seconds:>6.1f}"
+        r = train(
+            mode,
+            args.steps,
+            args.batch_size,
+            args.lr,
+            args.seed,
+            args.hidden,
+            data,
+            eval_every=args.eval_every if args.out_dir is not None else 0,
         )
+        print_result(r)
+        if args.out_dir is not None:
+            write_log(r, args.out_dir, "mlp", config)
         results.append(r)
     if "plain-fp16" in modes:
         params32 = init_mlp(jax.random.PRNGKey(args.seed), [data[0].shape[1], *args.hidden, 10])

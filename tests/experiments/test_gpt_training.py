@@ -1,0 +1,148 @@
+"""GPT training smoke test: every mode of `experiments/gpt/train.py` runs a few steps.
+
+On the committed fixture `tests/data/tinyshakespeare-first-4096.txt` (the first 4,096 bytes
+of the genuine corpus), with a tiny model (1 layer, width 32, context 16, batch 4): finite
+losses in every mode, the JSON log written, and the same initialisation and batches in every
+mode. Nothing outside the repository is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import data
+from tests.helpers import load_script
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = REPO_ROOT / "tests" / "data" / "tinyshakespeare-first-4096.txt"
+FIXTURE_SHA256 = "bb0fdae1503c07558f53e2e294236b118ffaccdb6d3c44a6c02fde136c525225"
+
+train_gpt = load_script("gpt_train", "experiments/gpt/train.py")
+
+CONFIG = train_gpt.TrainConfig(
+    n_layer=1,
+    n_head=2,
+    n_embd=32,
+    block_size=16,
+    batch_size=4,
+    steps=3,
+    eval_every=2,
+    eval_batches=2,
+)
+# Compilation takes most of the test's time: the final loss with the mode's own numerics (one
+# more compilation) is checked for fp8-plain only, and left to the experiment in other modes.
+OWN_NUMERICS = ("fp32", "fp8-plain")  # fp32's own numerics are the float32 evaluation's
+
+
+@pytest.fixture(autouse=True)
+def _implicit_broadcasting():
+    """The model broadcasts biases implicitly, as model code does (the suite raises on it)."""
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    raw = FIXTURE.read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == FIXTURE_SHA256
+    return raw.decode("ascii")
+
+
+@pytest.fixture(scope="module")
+def runs(text, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("gpt_logs")
+    with jax.numpy_rank_promotion("allow"):
+        logs = {}
+        for mode in train_gpt.MODES:
+            config = dataclasses.replace(CONFIG, own_numerics=mode in OWN_NUMERICS)
+            logs[mode] = train_gpt.train(mode, text, config, out_dir=out_dir, progress=False)
+    return logs, out_dir
+
+
+def test_fixture_is_the_start_of_the_corpus(text):
+    assert text.startswith("First Citizen:\nBefore we proceed any further, hear me speak.")
+    corpus = train_gpt.CharData.from_text(text)
+    assert len(corpus.train) == round(0.9 * len(text)) and len(corpus.val) == len(text) - len(
+        corpus.train
+    )
+    assert corpus.vocab == "".join(sorted(set(text)))
+
+
+def test_every_mode_trains_with_finite_losses(runs):
+    logs, _ = runs
+    assert set(logs) == set(train_gpt.MODES)
+    for mode, log in logs.items():
+        assert len(log["train_loss"]) == CONFIG.steps
+        assert all(math.isfinite(v) for v in log["train_loss"]), (mode, log["train_loss"])
+        assert log["val_steps"] == [0, 2, 3]
+        assert all(math.isfinite(v) for v in log["val_loss"]), (mode, log["val_loss"])
+        if mode in OWN_NUMERICS:
+            assert math.isfinite(log["final_val_loss_own_numerics"]), mode
+        else:
+            assert log["final_val_loss_own_numerics"] is None
+
+
+def test_json_logs_are_written(runs):
+    logs, out_dir = runs
+    assert sorted(p.name for p in out_dir.glob("*.json")) == sorted(
+        f"{mode}.json" for mode in train_gpt.MODES
+    )
+    for mode, log in logs.items():
+        written = json.loads((out_dir / f"{mode}.json").read_text())
+        assert written["mode"] == mode and written["experiment"] == "gpt"
+        assert written["config"]["n_embd"] == CONFIG.n_embd and written["steps"] == CONFIG.steps
+        assert written["lr"] == train_gpt.DEFAULT_MODE_LR.get(mode, CONFIG.lr)
+        assert written["final_val_loss"] == log["val_loss"][-1]
+        for key in ("train_loss", "val_loss", "tokens_per_s", "wall_s", "init_digest"):
+            assert key in written, key
+
+
+def test_same_initialisation_and_batches_in_every_mode(runs):
+    logs, _ = runs
+    assert len({log["init_digest"] for log in logs.values()}) == 1
+    assert len({log["batches_digest"] for log in logs.values()}) == 1
+    # The same float32 model on the same first batch: the first losses agree to the
+    # precision of each mode (unit-scaled-fp8 is another model: its own loss function).
+    first = {mode: log["train_loss"][0] for mode, log in logs.items()}
+    for mode in ("bf16", "fp8-plain", "scaled-fp16", "scaled-fp8"):
+        assert abs(first[mode] - first["fp32"]) < 0.05, (mode, first)
+    initial_val = {mode: log["val_loss"][0] for mode, log in logs.items()}
+    for mode in ("bf16", "fp8-plain"):
+        assert initial_val[mode] == initial_val["fp32"]
+    for mode in ("scaled-fp16", "scaled-fp8"):  # float16 values of the same parameters
+        assert abs(initial_val[mode] - initial_val["fp32"]) < 1e-3
+
+
+def test_batches_are_fixed_by_the_seed(text):
+    corpus = train_gpt.CharData.from_text(text)
+    a = train_gpt.train_offsets(len(corpus.train), CONFIG)
+    b = train_gpt.train_offsets(len(corpus.train), CONFIG)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == (CONFIG.steps, CONFIG.batch_size)
+    assert a.max() + CONFIG.block_size < len(corpus.train)
+    val = train_gpt.eval_offsets(len(corpus.val), CONFIG)
+    assert val.shape == (CONFIG.eval_batches, CONFIG.batch_size)
+    assert val.max() + CONFIG.block_size < len(corpus.val)
+
+
+def test_unknown_mode_fails(text):
+    with pytest.raises(ValueError, match="Unknown mode 'fp4'; choose from fp32, bf16"):
+        train_gpt.train("fp4", text, CONFIG, progress=False)
+
+
+def test_main_reads_data_dir_and_checks_it(tmp_path, monkeypatch):
+    """`--data-dir` with a text that is not the genuine corpus: a checksum error, no training
+    and no download."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "input.txt").write_bytes(FIXTURE.read_bytes())
+    expected = data.TINYSHAKESPEARE.sha256
+    with pytest.raises(data.ChecksumError, match=f"not the genuine .*expected SHA-256 {expected}"):
+        train_gpt.main(["--data-dir", str(tmp_path), "--mode", "fp32", "--steps", "1"])
