@@ -10,8 +10,9 @@ precision of the buffer.
 The scheme, per floating parameter `p` (float32 arithmetic, `c` the buffer):
 
 1. `y = u + c`: the inner optimizer's update `u` plus what earlier steps lost;
-2. `t = round(p + y)`: the new parameter, rounded to nearest in `p`'s dtype, as
-   `optax.apply_updates` and :func:`~jax_scaled_arithmetics.optax.apply_updates` round it;
+2. `t = round(p + y)`: the new parameter, rounded to nearest in `p`'s dtype (with
+   `lax.reduce_precision`, which XLA keeps under `jit`; float16's subnormals flush to
+   zero, the buffer keeps what that loses); on a ScaledArray, the data is rounded;
 3. the update returned is `t - p` (float32; the difference of two values of `p`'s dtype,
    exact in float32), so applying it gives exactly `t`;
 4. `c = y - (t - p)`: the part of `y` the parameter could not take, stored in the
@@ -28,6 +29,7 @@ a few elementwise operations per step.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -36,7 +38,9 @@ import optax
 
 from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
+from ..lax.scaling import apply_to_data
 from ..ops.rescaling import dynamic_rescale_max
+from ..quantization import float_quantize
 
 __all__ = ["KahanState", "kahan_summation"]
 
@@ -58,6 +62,25 @@ def _is_leaf(x: Any) -> bool:
     return x is None or is_scaled_leaf(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class _RoundTo:
+    """Round float32 data to the values of `dtype`, to nearest, keeping float32.
+
+    Not `x.astype(dtype).astype(float32)`: XLA may drop that pair of conversions under
+    `jit` (excess precision), and the rounding with it. `lax.reduce_precision` is kept
+    (it flushes the subnormals of `dtype` to zero, a value of `dtype` too).
+    """
+
+    dtype: Any
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = jnp.dtype(self.dtype)
+        if dtype in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            info = jnp.finfo(dtype)
+            return jax.lax.reduce_precision(x, int(info.nexp), int(info.nmant))
+        return float_quantize(x, dtype)  # other formats: exact integer rounding
+
+
 def _compensate(updates: Any, compensation: Any, params: Any) -> tuple[Any, Any]:
     """Steps 1-4 of the module docstring on every floating parameter."""
     f32 = jnp.float32
@@ -67,7 +90,7 @@ def _compensate(updates: Any, compensation: Any, params: Any) -> tuple[Any, Any]
             return u, c
         y = u.astype(f32) + c.astype(f32)
         p32 = p.astype(f32)
-        applied = (p32 + y).astype(p.dtype).astype(f32) - p32
+        applied = apply_to_data(_RoundTo(jnp.dtype(p.dtype)), p32 + y) - p32
         lost = dynamic_rescale_max(y - applied)  # scaled: the data sits in [1, 2)
         return applied, lost.astype(c.dtype)
 

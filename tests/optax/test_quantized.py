@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import pytest
 
 import jax_scaled_arithmetics as jsa
 from tests.helpers import represented
+from tests.optax.transforms import record
 
 q = jsa.quantization
 
@@ -33,18 +33,6 @@ def _float_leaves(tree):
         for x in jax.tree_util.tree_leaves(tree, is_leaf=jsa.is_scaled_leaf)
         if jnp.issubdtype(x.dtype, jnp.floating)
     ]
-
-
-class RecordState(NamedTuple):
-    trace: Any
-
-
-def record() -> optax.GradientTransformation:
-    """Identity whose state is the last updates it saw (field `trace`)."""
-    return optax.GradientTransformation(
-        lambda params: RecordState(jax.tree_util.tree_map(jnp.zeros_like, params)),
-        lambda updates, state, params=None: (updates, RecordState(updates)),
-    )
 
 
 def _mx(x, key):
