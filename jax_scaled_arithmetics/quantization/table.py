@@ -172,15 +172,34 @@ def _scaled(bits: jax.Array, exp: jax.Array) -> jax.Array:
     return _bits.from_bits(_bits.scale_abs_bits(a, exp) | (bits & _bits.u32(_bits.SIGN_MASK)))
 
 
+def _count_below(keys: jax.Array, xk: jax.Array, inclusive: bool) -> jax.Array:
+    """How many sorted `keys` are < `xk` (<= when `inclusive`): a branchless binary search.
+
+    ``ceil(log2(n + 1))`` steps, each one gather from the (padded) keys and a compare;
+    no loop and no comparison with all entries.
+    """
+    n = keys.shape[0]
+    levels = max(n.bit_length(), 1)  # 2**levels - 1 >= n
+    top = np.iinfo(np.int32).max  # above every key, NaN's included
+    padded = jnp.concatenate([keys, jnp.full((2**levels - 1 - n,), top, jnp.int32)])
+    count = jnp.zeros(xk.shape, jnp.int32)
+    for level in reversed(range(levels)):
+        step = 1 << level
+        probe = padded[count + (step - 1)]
+        up = xk >= probe if inclusive else xk > probe
+        count = jnp.where(up, count + step, count)
+    return count
+
+
 def _indices(
     x: jax.Array, table: jax.Array, keys: jax.Array, thresholds: jax.Array, key: Any, mode: str
 ) -> jax.Array:
     """int32 index of the entry `x` (float32) goes to (NaN: any index)."""
     xk = _order_keys(x)
     if mode != "stochastic":
-        return jnp.searchsorted(thresholds, xk, side="left").astype(jnp.int32)
+        return _count_below(thresholds, xk, inclusive=False)
     n = table.shape[0]
-    lower = jnp.clip(jnp.searchsorted(keys, xk, side="right").astype(jnp.int32) - 1, 0, n - 2)
+    lower = jnp.clip(_count_below(keys, xk, inclusive=True) - 1, 0, n - 2)
     lo, hi = table[lower], table[lower + 1]
     # (x - lo) / (hi - lo) on values scaled exactly so that max(|lo|, |hi|) is in [1, 2):
     # no overflow, and no subnormal that the CPU would flush.
@@ -254,10 +273,12 @@ def table_quantize(
       Only with ``rounding="nearest"``.
 
     Thresholds are computed exactly once per call (from the float32 entries, with no
-    rounding error: ties are exact) and `x` is placed with a sorted (binary) search, so
-    the cost grows with the logarithm of the table size. Values beyond the ends (±inf
-    included) give the end entries; NaN stays NaN. float16 / bfloat16 inputs are compared
-    in float32 and the entry is cast to their dtype; integer inputs give float32.
+    rounding error: ties are exact) and `x` is placed with a branchless binary search
+    over them (``log2`` of the table size steps, comparing integer keys ordered as the
+    floats, so subnormals are exact even where the CPU flushes them in float compares).
+    Values beyond the ends (±inf included) give the end entries; NaN stays NaN. float16 /
+    bfloat16 inputs are compared in float32 and the entry is cast to their dtype; integer
+    inputs give float32.
 
     Gradient: straight-through (identity), as :func:`float_quantize`.
 
