@@ -129,6 +129,37 @@ def _as_spec(spec: Any, what: str) -> Spec | None:
         raise TypeError(message) from None
 
 
+def _lowbias32(x: jax.Array) -> jax.Array:
+    """An integer hash of uint32 values with good avalanche (C. Wellons' "lowbias32")."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+@dataclasses.dataclass(frozen=True)
+class _StochasticBfloat16:
+    """Stochastic rounding of float32 data to the values of bfloat16, kept in float32.
+
+    bfloat16 is the top half of a float32: adding 16 uniform random bits to the low half
+    and clearing it rounds up with probability (low half) / 2**16, the exact stochastic
+    rounding (carries propagate into the exponent; past the largest bfloat16, to inf;
+    NaN is kept). The bits come from a counter-based hash of each element's index and
+    the key (`_lowbias32`), computed in the same fused loop as the update: drawing them
+    with `jax.random.bits` (threefry) costs several times the whole update on CPU.
+    """
+
+    def __call__(self, x: jax.Array, key_data: jax.Array) -> jax.Array:
+        u32 = jnp.uint32
+        bits = jax.lax.bitcast_convert_type(x, u32)
+        index = jax.lax.iota(u32, x.size).reshape(x.shape)
+        seed = key_data.astype(u32)
+        noise = _lowbias32((index ^ seed[-1]) * np.uint32(0x9E3779B9) + seed[0]) >> np.uint32(16)
+        rounded = jax.lax.bitcast_convert_type((bits + noise) & np.uint32(0xFFFF0000), x.dtype)
+        return jnp.where(jnp.isnan(x), x, rounded)
+
+
 # --- keys --------------------------------------------------------------------------------
 
 
@@ -352,7 +383,11 @@ def apply_updates(
     dtype, or to the simulated `format` (then stored in the parameter's dtype, which
     must hold it), with `rounding`: `"stochastic"` rounds up with probability the
     fraction of the gap to the next value, so updates far below the parameter's
-    precision still move it on average, and needs `key` (split per leaf).
+    precision still move it on average, and needs `key` (split per leaf). To bfloat16,
+    the random bits come from a hash of the key and each element's index, computed in
+    the update's own loop (threefry's bits would cost several times the update on CPU);
+    to other formats, from `jax.random` through
+    :func:`~jax_scaled_arithmetics.quantization.float_quantize`.
 
     Then `rescale` moves a power of two into the scale of every scaled parameter. `None`
     updates leave their parameter as it is, and so do integer parameters. Wraps itself in
@@ -416,7 +451,9 @@ def apply_updates(
                 continue
             target = fmt if fmt is not None else get_format(p.dtype)
             new = p.astype(jnp.float32) + u.astype(jnp.float32)
-            if target != get_format(jnp.float32):  # a float32 sum is already rounded
+            if keys is not None and target == get_format(jnp.bfloat16):
+                new = apply_to_data(_StochasticBfloat16(), new, keys[i])
+            elif target != get_format(jnp.float32):  # a float32 sum is already rounded
                 extra = (keys[i],) if keys is not None else ()
                 new = apply_to_data(_FormatSpec(target, mode), new, *extra)
             out.append(new.astype(p.dtype))

@@ -386,6 +386,30 @@ def test_small_updates_nearest_stalls_stochastic_is_unbiased():
     assert len(np.unique(stochastic)) > 1
 
 
+def test_stochastic_bfloat16_bits():
+    """The hashed random bits of bfloat16 rounding: unbiased per fraction, independent of
+    the neighbouring element and of the previous step, and the same for the same key."""
+    n = 1 << 16
+    frac = (jnp.arange(n) % 16 + 0.5) / 16  # of the bfloat16 ulp at 1 (2**-7), exact
+    p, u = jnp.ones(n, jnp.bfloat16), frac * 2.0**-7
+
+    def up(key):
+        new = jsa.optax.apply_updates(p, u, rounding="stochastic", key=key)
+        assert set(np.unique(np.asarray(new, np.float64)).tolist()) <= {1.0, 1.0 + 2.0**-7}
+        return np.asarray(new > 1, np.float64)
+
+    up0, up1 = up(jax.random.key(0)), up(jax.random.key(1))
+    np.testing.assert_array_equal(up(jax.random.key(0)), up0)
+    f = np.asarray(frac, np.float64)
+    for k in range(16):  # 4,096 samples per fraction
+        rows = slice(k, None, 16)
+        bound = 4 * np.sqrt(f[k] * (1 - f[k]) / up0[rows].size)
+        assert abs(up0[rows].mean() - f[k]) < bound, (f[k], up0[rows].mean())
+    e0, e1 = up0 - f, up1 - f
+    for a, b in ((e0, e1), (e0[:-1], e0[1:]), (e0[:-16], e0[16:])):
+        assert abs(np.corrcoef(a, b)[0, 1]) < 4 / np.sqrt(a.size)
+
+
 def test_nearest_default_is_optax():
     """Without rounding or format arguments: optax's `(p + u).astype(p.dtype)`, bit for bit."""
     params = {"w": jax.random.normal(jax.random.PRNGKey(3), (64,)).astype(jnp.bfloat16)}
