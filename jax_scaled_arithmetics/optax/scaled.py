@@ -271,11 +271,23 @@ def scale_optimizer(
 def state_nbytes(tree: Any) -> int:
     """Bytes held by the arrays of a pytree (a ScaledArray counts its data and its scale).
 
+    Leaves may be arrays or `jax.ShapeDtypeStruct`s (`jax.eval_shape` of an `init`), so
+    the state of a large model is counted without allocating it.
+
     Examples:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp, optax
         >>> import jax_scaled_arithmetics as jsa
         >>> scaled = jsa.as_scaled_array(jnp.ones(4), dtype=jnp.float16)  # 8 + 4 bytes
         >>> jsa.optax.state_nbytes({"w": jnp.ones(4), "s": scaled})
         28
+        >>> shapes = jax.ShapeDtypeStruct((1000, 1000), jnp.float32)
+        >>> jsa.optax.state_nbytes(jax.eval_shape(optax.adam(1e-3).init, shapes))  # + count
+        8000004
     """
-    return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
+
+    def nbytes(x: Any) -> int:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        return int(np.asarray(x).nbytes)
+
+    return int(sum(nbytes(x) for x in jax.tree_util.tree_leaves(tree)))

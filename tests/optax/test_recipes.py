@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import flax.serialization as fs
 import jax
@@ -195,3 +196,11 @@ def test_checkpoints_round_trip(name, tmp_path):
     abstract = jax.eval_shape(lambda: tree)
     _assert_bit_identical(jsa.checkpoint.restore(tmp_path / "ckpt", abstract), tree)
     _assert_bit_identical(fs.from_bytes(tree, fs.to_bytes(tree)), tree)
+
+
+def test_docs_tables_are_current():
+    """docs/training.md shows each recipe's `table()` as it is."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    for name in RECIPES:
+        table = getattr(jsa.optax, name)(optax.adam(1e-3)).table()
+        assert f"`{name}`:\n\n{table}\n" in doc, f"regenerate the {name} table in the docs"
