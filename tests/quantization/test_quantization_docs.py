@@ -35,3 +35,17 @@ def test_doc_lists_every_preset():
     for name in FORMATS:
         assert f"| `{name}` |" in text
     assert "| `float8_e4m3fn` | 8 | 4 | 3 | 7 | 448 | 2^-6 | 2^-9 | no | yes |" in text
+
+
+def test_doc_has_posits_nf4_comparison_and_mnist():
+    gen = load_generator()
+    from jax_scaled_arithmetics.quantization import NF4, POSIT_FORMATS
+
+    text = gen.content()
+    for name in POSIT_FORMATS:
+        assert f"| `{name}` |" in text
+    assert "| `posit8_es0` | 8 | 0 | 2 | 64 | 2^-6 | 5 | 2^-5 | 255 |" in text
+    assert "26 (es=0), 27 (es=1), 28 (es=2), 17 (es=3)" in text
+    assert "| 8+ | 0.0795803 |" in text and len(NF4) == 16
+    assert "| 1e-3, scaled |" in text and "## Posits or float8?" in text
+    assert "| `nf4` | scaled |" in text and "| `fp32` | - |" in text
