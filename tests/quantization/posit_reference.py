@@ -112,6 +112,21 @@ def _with_neighbours(v: np.ndarray) -> np.ndarray:
     )
 
 
+def _pseudo_random_float32(n: int, seed: int) -> np.ndarray:
+    """Positive float32 values with random bit patterns (every exponent, random fractions).
+
+    A 64-bit linear congruential generator (Knuth's MMIX constants) in Python integers,
+    so the values do not depend on numpy's random generators across versions.
+    """
+    state, out = seed, []
+    while len(out) < n:
+        state = (6364136223846793005 * state + 1442695040888963407) % 2**64
+        bits = (state >> 32) & 0x7FFFFFFF
+        if bits < 0x7F800000:  # finite
+            out.append(bits)
+    return np.array(out, np.uint32).view(np.float32)
+
+
 def golden_inputs(nbits: int, es: int) -> np.ndarray:
     """float32 inputs covering every binade, every tie and its neighbours, specials.
 
@@ -120,7 +135,7 @@ def golden_inputs(nbits: int, es: int) -> np.ndarray:
     * every posit value and every tie between neighbouring posits (the values of the odd
       codes of ``posit<nbits + 1, es>``: the bit-string midpoints), each with its two
       float32 neighbours;
-    * ±0, ±inf, NaN, the extreme float32 values, and 200 log-uniform random values;
+    * ±0, ±inf, NaN, the extreme float32 values, and 200 pseudo-random bit patterns;
     * all of it with both signs; sorted (NaN last).
 
     The posit values come from :func:`decode_numpy` (checked against :func:`decode`); the
@@ -134,9 +149,7 @@ def golden_inputs(nbits: int, es: int) -> np.ndarray:
     parts.append(_with_neighbours(decode_numpy(codes, nbits, es)))
     odd = np.arange(1, 2**nbits, 2, dtype=np.uint32)
     parts.append(_with_neighbours(decode_numpy(odd, nbits + 1, es)))
-    rng = np.random.default_rng(nbits * 10 + es)
-    randoms = np.exp2(rng.uniform(-150, 127, 200)) * rng.uniform(1, 2, 200)
-    parts.append(randoms.astype(np.float32))
+    parts.append(_pseudo_random_float32(200, seed=nbits * 10 + es))
     tiny = np.float32(2.0**-149)
     specials = [0.0, np.inf, np.finfo(np.float32).max, np.finfo(np.float32).tiny, tiny, 3 * tiny]
     parts.append(np.array(specials, np.float32))
