@@ -13,12 +13,15 @@ small's shapes by default, 124M parameters, in bfloat16), three jitted weight up
   random bits from `jax.random.bits` (`jsa.quantization.float_quantize(p + u, "bfloat16",
   "stochastic", key=...)` per tensor), which `apply_updates` does not use for bfloat16.
 
-The updates are float32 (what an optimizer computing in float32 hands over). The three
-functions run in turn, `--repeats` rounds after a warm-up call each, and the medians
-are reported, with each median's ratio to `nearest`'s. On a shared machine, compare the
-ratios, measured in the same run, rather than the absolute times.
+The updates are float32 (what an optimizer computing in float32 hands over). After a
+warm-up call each, the first three run in turn for `--repeats` rounds, each round in
+another order (a call that follows a heavy one pays for the memory it freed), then the
+threefry variant alone, `--threefry-repeats` times; the medians are reported, with each
+median's ratio to `nearest`'s. On a shared machine, compare the ratios, measured in the
+same run, rather than the absolute times.
 
 Run: python benchmarks/weight_rounding.py [--config gpt2-small|small] [--repeats 15]
+[--threefry-repeats 5]
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="gpt2-small")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threefry-repeats", type=int, default=5)
     args = parser.parse_args()
 
     params, updates = make_tree(args.config)
@@ -104,25 +108,27 @@ def main() -> None:
         ]
         return jax.tree_util.tree_unflatten(treedef, new), state
 
-    cases = {
-        "nearest": nearest,
-        "stochastic": stochastic,
-        "kahan": compensated,
-        "stochastic, threefry bits": stochastic_threefry,
-    }
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():  # compile and warm up
+    cases = {"nearest": nearest, "stochastic": stochastic, "kahan": compensated}
+    times: dict[str, list[float]] = {name: [] for name in [*cases, "stochastic, threefry bits"]}
+
+    def run(name: str, fn, i: int) -> None:
+        key = jax.random.key(i + 1)
+        start = time.perf_counter()
+        jax.block_until_ready(fn(params, updates, key, kahan_state))
+        times[name].append(time.perf_counter() - start)
+
+    for fn in [*cases.values(), stochastic_threefry]:  # compile and warm up
         jax.block_until_ready(fn(params, updates, jax.random.key(0), kahan_state))
-    for i in range(args.repeats):
-        for name, fn in cases.items():
-            key = jax.random.key(i + 1)
-            start = time.perf_counter()
-            jax.block_until_ready(fn(params, updates, key, kahan_state))
-            times[name].append(time.perf_counter() - start)
+    names = list(cases)
+    for i in range(args.repeats):  # each round in another order: no case always follows another
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            run(name, cases[name], i)
+    for i in range(args.threefry_repeats):  # slow: timed on its own, after the others
+        run("stochastic, threefry bits", stochastic_threefry, i)
 
     print(
         f"{args.config}: {n:,} bfloat16 parameters, {len(jax.tree_util.tree_leaves(params))} "
-        f"tensors, float32 updates; {args.repeats} rounds"
+        f"tensors, float32 updates; {args.repeats} rounds ({args.threefry_repeats} for threefry)"
     )
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, "
@@ -131,8 +137,8 @@ def main() -> None:
     base = float(np.median(times["nearest"]))
     print("| update | median (ms) | min (ms) | vs nearest (medians) |")
     print("| --- | ---: | ---: | ---: |")
-    for name in cases:
-        median = float(np.median(times[name]))
+    for name, name_times in times.items():
+        median = float(np.median(name_times))
         print(
             f"| {name} | {1e3 * median:.1f} | {1e3 * min(times[name]):.1f} | {median / base:.2f}x |"
         )
