@@ -94,6 +94,8 @@ class _CallableSpec:
 
 
 Spec = _FormatSpec | _CallableSpec
+SpecOf = Callable[[Any], Spec | None]
+"""The spec of a leaf, from its path in the tree."""
 
 
 def _is_format_like(spec: Any) -> bool:
@@ -191,7 +193,7 @@ def _is_float_leaf(x: Any) -> bool:
     return hasattr(x, "dtype") and is_floating(x)
 
 
-def _quantize_tree(tree: Any, spec_of: Callable[[Any], Spec | None], key: jax.Array) -> Any:
+def _quantize_tree(tree: Any, spec_of: SpecOf, key: jax.Array) -> Any:
     """Quantize every floating leaf of `tree` with `spec_of(path)`, one key per leaf."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaled_leaf)
     keys = _split(key, len(leaves))
@@ -239,7 +241,11 @@ def _check_fields(specs: Mapping[str, Spec | None], inner_state: Any) -> None:
         )
 
 
-def _state_spec_of(specs: Mapping[str, Spec | None]) -> Callable[[Any], Spec | None]:
+def _same_for_all(spec: Spec | None) -> SpecOf | None:
+    return None if spec is None else (lambda path: spec)
+
+
+def _state_spec_of(specs: Mapping[str, Spec | None]) -> SpecOf:
     def spec_of(path: Any) -> Spec | None:
         for k in reversed(path):  # the innermost named field decides
             if isinstance(k, jax.tree_util.GetAttrKey) and k.name in specs:
@@ -319,9 +325,10 @@ def quantize(
 its fields are ['count', 'mu', 'nu']
     """
     inner = optax.with_extra_args_support(opt)
-    grad_spec = _as_spec(grad, "grad")
-    update_spec = _as_spec(update, "update")
-    state_specs: Mapping[str, Spec | None] | None
+    grad_spec_of = _same_for_all(_as_spec(grad, "grad"))
+    update_spec_of = _same_for_all(_as_spec(update, "update"))
+    state_specs: Mapping[str, Spec | None] | None = None
+    state_spec_of: SpecOf | None
     if isinstance(state, Mapping):
         for name in state:
             if not isinstance(name, str):
@@ -329,11 +336,7 @@ its fields are ['count', 'mu', 'nu']
         state_specs = {name: _as_spec(s, f"state[{name!r}]") for name, s in state.items()}
         state_spec_of = _state_spec_of(state_specs)
     else:
-        state_specs = None
-        single = _as_spec(state, "state")
-        state_spec_of = lambda path: single  # noqa: E731
-        if single is None:
-            state_spec_of = None  # type: ignore[assignment]
+        state_spec_of = _same_for_all(_as_spec(state, "state"))
     if not isinstance(key, int | np.integer) or isinstance(key, bool):
         as_key_data(key)  # validate eagerly when it is not a plain seed
 
@@ -351,13 +354,13 @@ its fields are ['count', 'mu', 'nu']
         next_key, grad_key, state_key, update_key = jax.random.split(
             jax.random.wrap_key_data(state.key), 4
         )
-        if grad_spec is not None:
-            updates = _quantize_tree(updates, lambda path: grad_spec, grad_key)
+        if grad_spec_of is not None:
+            updates = _quantize_tree(updates, grad_spec_of, grad_key)
         updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         if state_spec_of is not None:
             inner_state = _quantize_tree(inner_state, state_spec_of, state_key)
-        if update_spec is not None:
-            updates = _quantize_tree(updates, lambda path: update_spec, update_key)
+        if update_spec_of is not None:
+            updates = _quantize_tree(updates, update_spec_of, update_key)
         return updates, QuantizeState(inner_state, jax.random.key_data(next_key))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
