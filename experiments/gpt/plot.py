@@ -76,15 +76,22 @@ def _figure(ncols: int = 1) -> tuple[Any, Any]:
     return fig, axes[0]
 
 
+def _text(x: float | None, missing: str = "nan") -> str:
+    return missing if x is None else f"{x:.3f}"
+
+
 def _finite(values: Sequence[Any]) -> list[float]:
     return [math.nan if v is None else float(v) for v in values]
 
 
 def plot_gpt(logs: list[dict[str, Any]], path: str | Path) -> Any:
-    """Validation loss against step, one line per mode; saved to `path`."""
-    fig, (ax,) = _figure()
+    """Validation loss against step, one line per mode (left), and its difference from
+    fp32's at the same step (right, when an fp32 log is there); saved to `path`."""
+    base = next((log for log in logs if log["mode"] == "fp32"), None)
+    fig, axes = _figure(2 if base is not None else 1)
+    ax = axes[0]
     for log in _order(logs, GPT_MODES):
-        label = f"{log['mode']} (lr {log['lr']:g}): {log['final_val_loss']:.3f}"
+        label = f"{log['mode']} (lr {log['lr']:g}): {_text(log['final_val_loss'])}"
         ax.plot(log["val_steps"], _finite(log["val_loss"]), label=label, **_style(log["mode"]))
     if logs:
         c = logs[0]["config"]
@@ -93,13 +100,32 @@ def plot_gpt(logs: list[dict[str, Any]], path: str | Path) -> Any:
             f"context {c['block_size']}, batch {c['batch_size']}",
             fontsize=10,
         )
-        finals = [log["final_val_loss"] for log in logs if math.isfinite(log["final_val_loss"])]
+        finals = [log["final_val_loss"] for log in logs if log["final_val_loss"] is not None]
         if finals:  # zoom on the end of training, where the modes differ
             ax.set_ylim(min(finals) - 0.1, min(finals) + 1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats / character)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    if base is not None:
+        ax = axes[1]
+        reference = dict(zip(base["val_steps"], _finite(base["val_loss"])))
+        for log in _order(logs, GPT_MODES):
+            steps = [s for s in log["val_steps"] if s in reference and s > 0]
+            values = dict(zip(log["val_steps"], _finite(log["val_loss"])))
+            ax.plot(
+                steps,
+                [values[s] - reference[s] for s in steps],
+                label=log["mode"],
+                **_style(log["mode"]),
+            )
+        ax.axhspan(-0.05, 0.05, color="tab:green", alpha=0.12, label="within 0.05 nats")
+        ax.set_ylim(-0.15, 0.4)
+        ax.set_title("validation loss minus fp32's, same step and batches", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("difference (nats / character)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return fig
@@ -138,12 +164,11 @@ def gpt_table(logs: list[dict[str, Any]]) -> str:
     ]
     for log in _order(logs, GPT_MODES):
         loss = log["final_val_loss"]
-        delta = "" if base is None else f"{loss - base:+.3f}"
+        delta = "" if base is None or loss is None else f"{loss - base:+.3f}"
         own = log.get("final_val_loss_own_numerics")
         lines.append(
-            f"| `{log['mode']}` | {log['lr']:g} | {log['steps']} | {loss:.3f} | {delta} | "
-            f"{'-' if own is None else f'{own:.3f}'} | {log['tokens_per_s']:,.0f} | "
-            f"{log['wall_s']:.0f} |"
+            f"| `{log['mode']}` | {log['lr']:g} | {log['steps']} | {_text(loss)} | {delta} | "
+            f"{_text(own, '-')} | {log['tokens_per_s']:,.0f} | {log['wall_s']:.0f} |"
         )
     return "\n".join(lines)
 

@@ -16,7 +16,8 @@ the nonzero elements flush to zero in E5M2) and prints, per mode and pass, how m
 lose elements and the fraction of the elements that flush to zero; the fraction of the
 matmul-output gradients that flush to zero at the E5M2 casts (measured with the casts left
 out, `backward_format="float32"`, so that no earlier flush hides values); and the fraction
-of the parameter gradients' entries that would flush to zero in E5M2.
+of the parameter gradients' entries that would flush to zero in E5M2; and, per block, how
+much of the query, key and value weights' gradients is left, against float32's.
 
 Run: python experiments/gpt/ranges.py --data-dir ../shared/data
 """
@@ -123,7 +124,30 @@ def gradient_flush(grads: Any, fmt: str = "float8_e5m2") -> float:
     return float(np.mean(nonzero <= tiny)) if nonzero.size else math.nan
 
 
-def report(mode: str, table: Any, grads: Any, unrounded: Any) -> str:
+def float32_gradients(params32: Any, x: Any, y: Any, model: gpt.GPTConfig) -> Any:
+    """The plain float32 parameter gradients (the reference of :func:`attention_gradients`)."""
+    with jax.numpy_rank_promotion("allow"):
+        return jax.jit(jax.grad(gpt.loss_fn), static_argnums=3)(params32, x, y, model)
+
+
+def attention_gradients(grads: Any, reference: Any) -> list[str]:
+    """Per block, for the query, key and value columns of the `qkv` weight's gradient: the
+    fraction of exactly zero entries and the norm relative to the float32 gradient's."""
+    lines = []
+    for i, (block, ref) in enumerate(zip(grads["blocks"], reference["blocks"])):
+        g = np.asarray(jsa.asarray(block["qkv"], jnp.float32), np.float64)
+        r = np.asarray(ref["qkv"], np.float64)
+        width = g.shape[1] // 3
+        cells = []
+        for j, name in enumerate(("query", "key", "value")):
+            part, ref_part = g[:, j * width : (j + 1) * width], r[:, j * width : (j + 1) * width]
+            ratio = np.linalg.norm(part) / np.linalg.norm(ref_part)
+            cells.append(f"{name} {np.mean(part == 0):.0%} zero, norm x{ratio:.2f}")
+        lines.append(f"  block {i} qkv weight gradient vs float32: " + "; ".join(cells))
+    return lines
+
+
+def report(mode: str, table: Any, grads: Any, unrounded: Any, reference: Any = None) -> str:
     """Per pass: tensors losing more than 1% and the fraction of elements that flush, in
     each format; the E5M2 flush of the matmul-output gradients (from `unrounded`, the
     table with float32 backward casts) and of the parameter gradients."""
@@ -149,6 +173,8 @@ def report(mode: str, table: Any, grads: Any, unrounded: Any) -> str:
         f"  parameter gradients: {gradient_flush(grads):.1%} of nonzero entries flush to zero "
         "in float8_e5m2"
     )
+    if reference is not None:
+        lines += attention_gradients(grads, reference)
     return "\n".join(lines)
 
 
@@ -163,10 +189,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = datasets.tinyshakespeare(args.data_dir)
     params32, x, y, model = first_batch(text, train.TrainConfig())
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    reference = float32_gradients(params32, x, y, model)
     for mode in MODES:
         table, grads = analyse(mode, params32, x, y, model)
         unrounded, _ = analyse(mode, params32, x, y, model, backward_format="float32")
-        print(report(mode, table, grads, unrounded))
+        print(report(mode, table, grads, unrounded, reference))
         if args.rows:
             print(table.to_text(args.rows, by="flush", format=args.format))
         path = args.out_dir / f"gpt_ranges_{mode.replace('-', '_')}.png"

@@ -362,7 +362,7 @@ def train(
         train_losses[i] = _float32(loss)
         if i == 0:
             first_step_s = time.perf_counter() - start  # includes the compilation
-        if (i + 1) % config.eval_every == 0 or i + 1 == config.steps:
+        if i + 1 == config.steps or (config.eval_every > 0 and (i + 1) % config.eval_every == 0):
             t = time.perf_counter()
             evaluate(i + 1)
             eval_s += time.perf_counter() - t
@@ -391,11 +391,11 @@ def train(
         "init_digest": digest(params32),
         "batches_digest": digest(offsets),
         "steps": config.steps,
-        "train_loss": [float(v) for v in train_losses],
+        "train_loss": [_json_float(v) for v in train_losses],
         "val_steps": val_steps,
-        "val_loss": val_losses,
-        "final_val_loss": val_losses[-1],
-        "final_val_loss_own_numerics": final_own,
+        "val_loss": [_json_float(v) for v in val_losses],
+        "final_val_loss": _json_float(val_losses[-1]),
+        "final_val_loss_own_numerics": None if final_own is None else _json_float(final_own),
         "tokens_per_s": steady_tokens / steady_s if steady_s > 0 else None,
         "first_step_s": first_step_s,
         "eval_s": eval_s,
@@ -408,6 +408,11 @@ def train(
         path.mkdir(parents=True, exist_ok=True)
         (path / f"{mode}.json").write_text(json.dumps(log, indent=1) + "\n")
     return log
+
+
+def _json_float(x: float) -> float | None:
+    """`x`, or None when it is not finite (JSON has no NaN)."""
+    return float(x) if np.isfinite(x) else None
 
 
 def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
@@ -486,12 +491,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         logs.append(
             train(mode, text, config, mode_lr.get(mode), args.out_dir, not args.no_progress)
         )
+
+    def number(x: float | None) -> str:
+        return "nan" if x is None else f"{x:.4f}"
+
     print(f"\n{'mode':<16} {'lr':>8} {'val loss':>9} {'own num.':>9} {'tok/s':>8} {'wall s':>7}")
     for log in logs:
-        own = log["final_val_loss_own_numerics"]
         print(
-            f"{log['mode']:<16} {log['lr']:>8.2g} {log['final_val_loss']:>9.4f} "
-            f"{'-' if own is None else f'{own:.4f}':>9} {log['tokens_per_s']:>8,.0f} "
+            f"{log['mode']:<16} {log['lr']:>8.2g} {number(log['final_val_loss']):>9} "
+            f"{number(log['final_val_loss_own_numerics']):>9} {log['tokens_per_s']:>8,.0f} "
             f"{log['wall_s']:>7.1f}"
         )
     print(f"logs in {args.out_dir}")

@@ -441,7 +441,7 @@ def write_log(
         "config": config,
         "steps": len(result.losses),
         "accuracy": result.accuracy,
-        "test_loss": result.test_loss,
+        "test_loss": result.test_loss if np.isfinite(result.test_loss) else None,
         "first_nan_step": result.first_nan_step,
         "train_loss": [float(v) if np.isfinite(v) else None for v in result.losses],
         "curve_steps": [s for s, _ in result.curve],
