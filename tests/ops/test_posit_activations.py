@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -77,8 +76,6 @@ def test_specials_dtypes_and_gradients():
     np.testing.assert_array_equal(s, [np.nan, 1 - 2**-6, 0.0, 0.5, 0.5])
     t = np.asarray(jsa.ops.posit_tanh(x))
     np.testing.assert_array_equal(t, [np.nan, 1 - 2**-5, -(1 - 2**-5), 0.0, 0.0])
-    v = np.linspace(-4, 4, 5).astype(ml_dtypes.bfloat16)
-    assert jsa.ops.posit_tanh(v).dtype == ml_dtypes.bfloat16
     v = x.astype(np.float16)
     np.testing.assert_array_equal(np.asarray(jsa.ops.posit_sigmoid(v)), s.astype(np.float16))
     v = jnp.linspace(-3, 3, 7)
@@ -88,10 +85,6 @@ def test_specials_dtypes_and_gradients():
     )
     g = jax.jit(jax.grad(lambda a: jnp.sum(jsa.ops.posit_tanh(a, 16))))(v)
     np.testing.assert_allclose(np.asarray(g), 1 - np.tanh(np.asarray(v)) ** 2, rtol=1e-4)
-    np.testing.assert_array_equal(
-        np.asarray(jax.vmap(jsa.ops.posit_tanh)(v.reshape(7, 1))),
-        np.asarray(jsa.ops.posit_tanh(v)).reshape(7, 1),
-    )
 
 
 def test_errors():

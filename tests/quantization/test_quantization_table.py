@@ -168,7 +168,7 @@ def test_hints():
     assert_same_bits(np.asarray(table_quantize(x, t, hints=hints)), expected.astype(np.float32))
 
 
-@pytest.mark.parametrize("name", ["uniform4", "log32", "posit8_es0", "subnormal8"])
+@pytest.mark.parametrize("name", ["posit8_es0", "subnormal8"])
 def test_stochastic_unbiased_and_between_neighbours(name):
     table = TABLES[name].astype(np.float32)
     t = table.astype(np.float64)
@@ -209,8 +209,6 @@ def test_encode_decode_round_trip():
     np.testing.assert_array_equal(np.asarray(codes), [511, 767, 65535, 1022])
     np.testing.assert_array_equal(np.asarray(table_decode(codes, big))[:2], [0.0, 1.0])
     assert np.isnan(np.asarray(table_decode(codes, big))[2])
-    codes = table_encode(x, NF4, rounding="stochastic", key=KEY)
-    assert ((np.asarray(codes) < 16) | np.isnan(x)).all()
 
 
 def test_decode_codes_outside_the_table_are_nan():
