@@ -53,6 +53,7 @@ GRID_SPECS = {
         lambda x: q.fixed_point_quantize(x, 16, 12),
     ),
     "mx": (_mx, lambda x: _mx(x, None)),
+    "posit": (("posit16_es1", "stochastic"), lambda x: q.float_quantize(x, "posit16_es1")),
 }
 
 
