@@ -175,7 +175,7 @@ def gpt_table(logs: list[dict[str, Any]]) -> str:
 
 def mnist_table(logs: list[dict[str, Any]]) -> str:
     """Markdown: model, mode, steps, final test accuracy (and its difference from the same
-    model's fp32), first NaN step, training time."""
+    model's fp32), the first step (counted from 1) whose loss is NaN, training time."""
     base = {log["model"]: log["accuracy"] for log in logs if log["mode"] == "fp32"}
     lines = [
         "| model | mode | steps | test accuracy | vs fp32 (points) | loss NaN from step | s |",
@@ -186,7 +186,8 @@ def mnist_table(logs: list[dict[str, Any]]) -> str:
         for log in _order([g for g in logs if g["model"] == model], MNIST_MODES):
             acc = 100 * log["accuracy"]
             delta = f"{acc - 100 * base[model]:+.2f}" if model in base else ""
-            nan = "-" if log["first_nan_step"] is None else str(log["first_nan_step"])
+            # 1-based: the step whose loss is the first NaN
+            nan = "-" if log["first_nan_step"] is None else str(log["first_nan_step"] + 1)
             lines.append(
                 f"| {model} | `{log['mode']}` | {log['steps']} | {acc:.2f}% | {delta} | {nan} | "
                 f"{log['wall_s']:.0f} |"
