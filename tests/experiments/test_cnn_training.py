@@ -23,9 +23,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = REPO_ROOT / "tests" / "data" / "mnist-t10k-first-2000"
 N_TRAIN = 1500
 STEPS = 3
-# The new paths of the CNN: float32, the FP8 simulation, and the autoscaled step with and
-# without FP8 casts (plain, mixed and BF16 modes share the MLP's code, tested with the MLP).
-MODES = ("fp32", "fp8-plain", "scaled-fp16", "scaled-fp8")
+# The new paths of the CNN: float32, the FP8 simulation, and the autoscaled step with FP8 casts
+# (scaled-fp16 is the same step without them; plain, mixed and BF16 modes share the MLP's code,
+# tested with the MLP). An autoscaled step compiles for most of the test's time.
+MODES = ("fp32", "fp8-plain", "scaled-fp8")
 
 train_cnn = load_script("mnist_train_cnn", "experiments/mnist/train_cnn.py")
 
