@@ -13,27 +13,9 @@ from ..core import _compat
 from ..ops.casts import reduce_precision_on_backward, reduce_precision_on_forward
 from ..ops.rescaling import dynamic_rescale_max, dynamic_rescale_max_grad
 from ..quantization import get_format
-from ._rewrite import REWRAP, JaxprRewriter, trace_flat
+from ._rewrite import MATMULS, REWRAP, JaxprRewriter, contains_matmul, trace_flat
 
 __all__ = ["simulate_fp8"]
-
-_MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
-
-
-def _contains_matmul(jaxpr: Any) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _MATMUL_PRIMITIVES:
-            return True
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns") and _contains_matmul(inner):
-                return True
-            if isinstance(param, tuple) and any(
-                hasattr(getattr(p, "jaxpr", p), "eqns") and _contains_matmul(getattr(p, "jaxpr", p))
-                for p in param
-            ):
-                return True
-    return False
 
 
 def _is_float(x: Any) -> bool:
@@ -66,12 +48,12 @@ class _Fp8Rewriter(JaxprRewriter):
         self, eqn: Any, index: int, invals: list[Any], context: Any
     ) -> list[Any] | None:
         prim = eqn.primitive
-        is_matmul = prim.name in _MATMUL_PRIMITIVES
+        is_matmul = prim.name in MATMULS
         if not is_matmul and prim in (_compat.custom_jvp_call_p, _compat.custom_vjp_call_p):
             # A function with its own derivative rule that multiplies matrices (an attention
             # kernel, a unit-scaled matmul): its operands and gradients are cast at its
             # boundary, and its rule is kept.
-            is_matmul = _contains_matmul(eqn.params["call_jaxpr"].jaxpr)
+            is_matmul = contains_matmul(eqn.params["call_jaxpr"].jaxpr)
         if not is_matmul:
             return None
         subfuns, bind_params = _compat.get_bind_params(eqn)

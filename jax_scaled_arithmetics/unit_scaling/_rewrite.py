@@ -12,6 +12,7 @@ Python function (found from the frames JAX records for each equation).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +56,31 @@ def code_of(fn: Any) -> Any:
         return inspect.unwrap(fn).__code__
     except AttributeError:
         return None
+
+
+MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """The jaxprs an equation's parameters hold (bodies of jit, scan, cond, custom rules...)."""
+    found = []
+    for param in eqn.params.values():
+        items = param if isinstance(param, tuple) else (param,)
+        for item in items:
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                found.append(inner)
+    return found
+
+
+def multiplies_matrices(eqn: Any) -> bool:
+    """A `dot_general`/`conv_general_dilated`, or an equation whose sub-jaxprs contain one."""
+    return eqn.primitive.name in MATMULS or any(contains_matmul(j) for j in sub_jaxprs(eqn))
+
+
+@functools.lru_cache(maxsize=256)
+def contains_matmul(jaxpr: Any) -> bool:
+    return any(multiplies_matrices(eqn) for eqn in jaxpr.eqns)
 
 
 REWRAP = "__jsa_rewrap__"

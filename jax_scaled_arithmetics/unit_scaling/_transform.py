@@ -37,7 +37,12 @@ import numpy as np
 
 from ..core import _compat
 from . import _ops, _scale
+from ._rewrite import (
+    MATMULS as _MATMULS,
+)
 from ._rewrite import Group, JaxprRewriter, code_of, find_calls, trace_flat, unwrap_outer
+from ._rewrite import multiplies_matrices as _multiplies_matrices
+from ._rewrite import sub_jaxprs as _sub_jaxprs
 
 __all__ = ["unit_scale", "unit_init"]
 
@@ -71,35 +76,11 @@ _SHAPE_ONLY = {
     "squeeze",
     "expand_dims",
     "copy",
-    "copy_p",
     "slice",
     "dynamic_slice",
     "gather",
     "rev",
 }
-
-
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    found = []
-    for param in eqn.params.values():
-        items = param if isinstance(param, tuple) else (param,)
-        for item in items:
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                found.append(inner)
-    return found
-
-
-_MATMULS = ("dot_general", "conv_general_dilated")
-
-
-def _multiplies_matrices(eqn: Any) -> bool:
-    return eqn.primitive.name in _MATMULS or any(_contains_matmul(j) for j in _sub_jaxprs(eqn))
-
-
-@functools.lru_cache(maxsize=256)
-def _contains_matmul(jaxpr: Any) -> bool:
-    return any(_multiplies_matrices(eqn) for eqn in jaxpr.eqns)
 
 
 def _is_residual_candidate(eqn: Any) -> bool:
