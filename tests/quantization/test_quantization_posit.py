@@ -250,15 +250,14 @@ def between_every_pair(nbits, es, fraction=0.3):
 
 @pytest.mark.parametrize("nbits, es", [(8, 0), (8, 2)])
 def test_stochastic_is_unbiased_between_every_pair(nbits, es):
-    """Mean over 2000 keys for inputs between every pair of neighbouring posit8 values.
-
-    "Within 3 standard errors", made robust to the number of pairs: every pair's mean is
-    within 4.5 standard errors of its input (a family-wise false alarm rate of 0.2% over
-    254 pairs), at most 2% of the pairs are beyond 3 (0.27% expected), and the mean of
-    the standardised errors is within 3 standard errors of 0.
+    """Mean over 10,000 keys for inputs between every pair of neighbouring posit8 values:
+    every pair's mean is within 3 standard errors of its input (the issue's criterion,
+    checked on one fixed key sequence, so the test is deterministic), and the mean of the
+    standardised errors over all pairs is within 3 standard errors of 0.
+    `test_stochastic_probabilities_exact` checks the rounding probabilities themselves.
     """
     x, lo, hi = between_every_pair(nbits, es)
-    draws = 2000
+    draws = 10_000
     keys = jax.random.split(KEY, draws)
     r = jax.vmap(lambda k: posit_quantize(x, nbits, es, rounding="stochastic", key=k))(keys)
     r = np.asarray(r).astype(np.float64)
@@ -266,8 +265,7 @@ def test_stochastic_is_unbiased_between_every_pair(nbits, es):
     p = (x.astype(np.float64) - lo) / (hi - lo)
     se = (hi - lo) * np.sqrt(p * (1 - p) / draws)
     z = (r.mean(axis=0) - x) / se
-    assert np.abs(z).max() < 4.5, np.abs(z).max()
-    assert (np.abs(z) > 3).mean() <= 0.02
+    assert np.abs(z).max() < 3, np.abs(z).max()
     assert abs(z.mean()) * np.sqrt(z.size) < 3
 
 
