@@ -1,11 +1,14 @@
 """User-facing operations on scaled arrays: dynamic rescaling, low-precision casts, quantisers,
-posit activation shortcuts."""
+posit activation shortcuts, FP8 / MX matmul recipes."""
 
 from .casts import cast_on_backward as cast_on_backward
 from .casts import cast_on_forward as cast_on_forward
 from .casts import quantizer as quantizer
 from .casts import reduce_precision_on_backward as reduce_precision_on_backward
 from .casts import reduce_precision_on_forward as reduce_precision_on_forward
+from .fp8_matmul import mx_matmul as mx_matmul
+from .fp8_matmul import rowwise_fp8_matmul as rowwise_fp8_matmul
+from .fp8_matmul import tensorwise_fp8_matmul as tensorwise_fp8_matmul
 from .posit_activations import posit_sigmoid as posit_sigmoid
 from .posit_activations import posit_tanh as posit_tanh
 from .rescaling import dynamic_rescale_l1 as dynamic_rescale_l1
@@ -18,11 +21,14 @@ from .rescaling import dynamic_rescale_max_grad as dynamic_rescale_max_grad
 __all__ = [
     "cast_on_backward",
     "cast_on_forward",
+    "mx_matmul",
     "posit_sigmoid",
     "posit_tanh",
     "quantizer",
     "reduce_precision_on_backward",
     "reduce_precision_on_forward",
+    "rowwise_fp8_matmul",
+    "tensorwise_fp8_matmul",
     "dynamic_rescale_l1",
     "dynamic_rescale_l1_grad",
     "dynamic_rescale_l2",

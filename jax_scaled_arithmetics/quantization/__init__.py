@@ -5,11 +5,13 @@ Pure JAX / numpy; independent of the rest of the library.
 """
 
 from ._bits import Rounding as Rounding
+from .block import MX_FORMATS as MX_FORMATS
 from .block import MXArray as MXArray
 from .block import as_e8m0 as as_e8m0
 from .block import block_dequantize as block_dequantize
 from .block import block_quantize as block_quantize
 from .block import from_e8m0 as from_e8m0
+from .block import mx_element_format as mx_element_format
 from .fixed_point import fixed_point_quantize as fixed_point_quantize
 from .float_quantize import float_quantize as float_quantize
 from .formats import FORMATS as FORMATS
@@ -29,6 +31,7 @@ from .table import table_quantize as table_quantize
 
 __all__ = [
     "FORMATS",
+    "MX_FORMATS",
     "NF4",
     "POSIT_FORMATS",
     "FloatFormat",
@@ -43,6 +46,7 @@ __all__ = [
     "float_quantize",
     "from_e8m0",
     "get_format",
+    "mx_element_format",
     "posit_from_bits",
     "posit_quantize",
     "posit_to_bits",

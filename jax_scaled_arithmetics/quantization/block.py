@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
@@ -18,6 +20,54 @@ from .formats import FloatFormat, get_format
 
 E8M0_NAN = 0xFF
 E8M0_BIAS = 127
+
+MX_FORMATS: Mapping[str, str] = types.MappingProxyType(
+    {
+        "mxfp8_e4m3": "float8_e4m3fn",
+        "mxfp8_e5m2": "float8_e5m2",
+        "mxfp6_e2m3": "float6_e2m3fn",
+        "mxfp6_e3m2": "float6_e3m2fn",
+        "mxfp4_e2m1": "float4_e2m1fn",
+    }
+)
+"""The concrete formats of OCP MX v1.0, by name: their element format (read-only).
+
+Every one has E8M0 scales shared by blocks of 32 elements. The names are accepted
+wherever an MX element format is (:func:`block_quantize`, :func:`mx_element_format`).
+"""
+
+
+def mx_element_format(format: str | FloatFormat | Any) -> FloatFormat:
+    """The element format of an MX format name, or an element format itself.
+
+    Args:
+        format: An OCP MX name from :data:`MX_FORMATS` (``"mxfp8_e4m3"``, ...), or an
+            element format: a preset name, dtype or :class:`FloatFormat` (signed, with a
+            zero).
+
+    Returns:
+        The element :class:`FloatFormat`.
+
+    Raises:
+        ValueError: for an unknown name (the message lists the MX names and the float
+            formats) or a format that cannot hold block elements.
+
+    Examples:
+        >>> mx_element_format("mxfp4_e2m1").name
+        'float4_e2m1fn'
+        >>> mx_element_format("float8_e5m2").max
+        57344.0
+    """
+    if isinstance(format, str) and format in MX_FORMATS:
+        return _check_element_format(get_format(MX_FORMATS[format]))
+    try:
+        fmt = get_format(format)
+    except ValueError as e:
+        raise ValueError(
+            f"Unknown MX format {format!r}: expected one of {', '.join(MX_FORMATS)} "
+            f"or an element format ({e})"
+        ) from None
+    return _check_element_format(fmt)
 
 
 def _e8m0_from_codes(codes: jax.Array) -> jax.Array:
@@ -221,7 +271,8 @@ def block_quantize(
         x: Array with at least one dimension (float up to 32 bits, or integer).
         format: Element format: a signed preset name, dtype or :class:`FloatFormat`
             (typically float8_e4m3fn, float8_e5m2, float6_e2m3fn, float6_e3m2fn,
-            float4_e2m1fn).
+            float4_e2m1fn), or an OCP MX name from :data:`MX_FORMATS` (``"mxfp8_e4m3"``,
+            ``"mxfp4_e2m1"``, ...), which stands for its element format.
         block_size: Elements per block (32 in the MX specification).
         axis: Axis along which blocks are formed.
         rounding: Element rounding: ``"nearest"``, ``"toward_zero"`` or ``"stochastic"``.
@@ -245,7 +296,7 @@ def block_quantize(
         >>> block_dequantize(mx)  # 100 / 0.25 = 400 rounds to 384 in float8_e4m3fn
         Array([ 1., -2.,  3., 96.], dtype=float32)
     """
-    fmt = _check_element_format(get_format(format))
+    fmt = mx_element_format(format)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     mode = _bits.check_rounding(rounding, key)
