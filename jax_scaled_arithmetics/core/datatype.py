@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
+from . import _compat, blocks
 
 Array = Any
 DTypeLike = Any
@@ -58,9 +58,12 @@ class ScaledArray:
     """An array whose value is `data * scale`.
 
     `data` holds the values in a (usually low-precision) floating dtype, `scale`
-    is a float32 scalar, by default a power of two. Shape and dtype are the
-    data's. The class is a pytree with two leaves, so it travels through `jit`,
-    `vmap`, `scan` carries and optimizer states unchanged.
+    is a float32 scalar, by default a power of two, or a block scale: an array of
+    the data's rank whose every dimension divides the data's, one scale per block
+    (per row `(M, 1)`, per channel `(1, N)`, MX `(M, K // 32)`, stacked layers
+    `(L, 1, 1)`). Shape and dtype are the data's. The class is a pytree with two
+    leaves, so it travels through `jit`, `vmap`, `scan` carries and optimizer states
+    unchanged.
 
     Build one with :func:`scaled_array` or :func:`as_scaled_array`, which
     validate their inputs; the constructor itself does not, because JAX rebuilds
@@ -122,8 +125,8 @@ class ScaledArray:
         compute_dtype = jnp.float64 if wide else jnp.float32
         data = jnp.asarray(self.data)
         scale = jnp.asarray(self.scale)
-        if scale.ndim:  # a scale broadcastable to the data
-            scale = jnp.broadcast_to(scale, data.shape)
+        if scale.ndim:  # a block scale: each entry repeated over its block
+            scale = blocks.expand_scale(scale, data.shape)
         value = data.astype(compute_dtype) * scale.astype(compute_dtype)
         return value.astype(out_dtype)
 
@@ -245,26 +248,21 @@ def _is_concrete(x: Any) -> bool:
 
 
 def _check_scale(data: Array, scale: Array) -> None:
-    scale_shape = np.shape(scale)
     if not is_floating(scale):
         scale_dtype = getattr(scale, "dtype", type(scale))
         raise TypeError(f"ScaledArray scale must have a floating dtype, got {scale_dtype}.")
-    try:
-        np.broadcast_shapes(scale_shape, np.shape(data))
-    except ValueError:
-        raise ValueError(
-            f"ScaledArray scale of shape {scale_shape} does not broadcast to data of shape "
-            f"{np.shape(data)}."
-        ) from None
-    if np.broadcast_shapes(scale_shape, np.shape(data)) != tuple(np.shape(data)):
-        raise ValueError(
-            f"ScaledArray scale of shape {scale_shape} broadcasts to a larger shape than the "
-            f"data's {np.shape(data)}."
-        )
+    blocks.block_layout(np.shape(data), np.shape(scale))
     if _is_concrete(scale):
         scale_np = np.asarray(scale, dtype=np.float64)
         if np.any(scale_np < 0) or np.any(np.isnan(scale_np)):
             raise ValueError(f"ScaledArray scale must be non-negative, got {scale!r}.")
+
+
+def _at_data_rank(data: Array, scale: Array) -> Array:
+    """A block scale reshaped to the data's rank (a lower-rank one gets leading 1s)."""
+    if np.ndim(scale) == 0 or np.ndim(scale) == np.ndim(data):
+        return scale
+    return scale.reshape(blocks.block_layout(np.shape(data), np.shape(scale)))
 
 
 def scaled_array(
@@ -274,19 +272,23 @@ def scaled_array(
 
     Args:
         data: floating-point array (or nested list / scalar) holding the data.
-        scale: non-negative floating scalar, or an array broadcastable to `data`.
+        scale: non-negative floating scalar (one scale for the tensor), or a block scale:
+            an array whose dimensions divide the data's (`scale.shape[i]` blocks along
+            axis `i`; a lower-rank scale gets leading 1s, so `(N,)` is per column).
         dtype: optional dtype to cast the data to.
         npapi: `numpy` or `jax.numpy` (default) to build the arrays with.
 
     Raises:
         TypeError: the data or the scale is not floating point.
-        ValueError: the scale does not broadcast to the data, or is negative.
+        ValueError: a scale dimension does not divide the data's, or a scale is negative.
 
     Examples:
         >>> import jax_scaled_arithmetics as jsa
         >>> x = jsa.scaled_array([1.0, 2.0], 0.5, dtype="float16")
         >>> x.to_array()
         Array([0.5, 1. ], dtype=float16)
+        >>> jsa.scaled_array([[1.0, 1.0, 1.0, 1.0]], [[2.0, 8.0]]).to_array()  # 2 blocks
+        Array([[2., 2., 8., 8.]], dtype=float32)
     """
     npapi = jnp if npapi is None else npapi
     if isinstance(scale, float):
@@ -296,10 +298,10 @@ def scaled_array(
     if not is_floating(data):
         raise TypeError(f"ScaledArray data must have a floating dtype, got {data.dtype}.")
     _check_scale(data, scale)
-    return ScaledArray(data, scale)
+    return ScaledArray(data, _at_data_rank(data, scale))
 
 
-def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None) -> Any:
+def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: Any) -> Any:
     if isinstance(x, ScaledArray):
         return x if dtype is None else x.astype(dtype)
     if x is None:
@@ -310,6 +312,9 @@ def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None) -> Any:
     if not is_floating(arr):
         return x
     out_dtype = arr.dtype if dtype is None else jnp.dtype(dtype)
+    if scale_shape is not None:
+        layout = _block_layout_for(arr.shape, scale_shape)
+        scale = blocks.block_pow2_scale(arr, layout)
     if scale is None:
         return scaled_array(arr.astype(out_dtype), np.float32(1.0))
     scale_arr = jnp.asarray(scale, dtype=jnp.float32) if isinstance(scale, float) else scale
@@ -317,15 +322,34 @@ def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None) -> Any:
     if not is_floating(scale_arr):
         raise TypeError(f"as_scaled_array scale must be floating point, got {scale_arr.dtype}.")
     _check_scale(arr, scale_arr)
+    scale_arr = _at_data_rank(arr, scale_arr)
     wide = jnp.dtype(jnp.float64) in (jnp.dtype(arr.dtype), jnp.dtype(scale_arr.dtype))
     compute = jnp.float64 if wide else jnp.float32
     # data = value / scale, with 0 / 0 defined as 0 (a zero scale represents zeros).
-    safe_scale = jnp.where(scale_arr == 0, 1, scale_arr).astype(compute)
-    data = jnp.where(scale_arr == 0, 0, arr.astype(compute) / safe_scale)
+    full_scale = blocks.expand_scale(scale_arr, arr.shape)
+    safe_scale = jnp.where(full_scale == 0, 1, full_scale).astype(compute)
+    data = jnp.where(full_scale == 0, 0, arr.astype(compute) / safe_scale)
     return ScaledArray(data.astype(out_dtype), scale_arr)
 
 
-def as_scaled_array(tree: Any, scale: Any = None, dtype: DTypeLike | None = None) -> Any:
+def _block_layout_for(shape: tuple[int, ...], scale_shape: Any) -> tuple[int, ...]:
+    """`scale_shape` for an array of `shape`: a tuple (validated), or a callable of the shape
+    (one layout for leaves of several shapes, e.g. `lambda s: s[:-1] + (1,)` per row)."""
+    if callable(scale_shape):
+        scale_shape = scale_shape(tuple(shape))
+    if isinstance(scale_shape, int) or not all(
+        isinstance(d, (int, np.integer)) for d in scale_shape
+    ):
+        raise TypeError(
+            f"as_scaled_array scale_shape must be a tuple of ints (or a callable returning "
+            f"one), got {scale_shape!r}."
+        )
+    return blocks.block_layout(shape, tuple(int(d) for d in scale_shape))
+
+
+def as_scaled_array(
+    tree: Any, scale: Any = None, dtype: DTypeLike | None = None, scale_shape: Any = None
+) -> Any:
     """Convert the floating-point leaves of a pytree to ScaledArrays.
 
     Floating arrays become `ScaledArray(value / scale, scale)` (scale 1 by
@@ -334,8 +358,16 @@ def as_scaled_array(tree: Any, scale: Any = None, dtype: DTypeLike | None = None
 
     Args:
         tree: a pytree of arrays.
-        scale: optional scale (a float scalar) used for every floating leaf.
+        scale: optional scale (a float scalar, or a block scale) used for every floating
+            leaf.
         dtype: optional dtype for the data of the new ScaledArrays.
+        scale_shape: optional block layout (a tuple whose dimensions divide the data's,
+            or a callable from a leaf's shape to one): each block gets the power of two at
+            or below its largest finite magnitude, so its data's largest magnitude is in
+            [1, 2). `(M, 1)` is per row, `(1, N)` per column, `(M, K // 32)` MX blocks.
+
+    Raises:
+        ValueError: a scale or `scale_shape` dimension does not divide the data's.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -343,9 +375,14 @@ def as_scaled_array(tree: Any, scale: Any = None, dtype: DTypeLike | None = None
         >>> x = jsa.as_scaled_array(jnp.array([2.0, 4.0]), scale=2.0)
         >>> x.data, x.scale
         (Array([1., 2.], dtype=float32), Array(2., dtype=float32))
+        >>> rows = jsa.as_scaled_array(jnp.array([[3.0, 1.0], [0.25, 0.5]]), scale_shape=(2, 1))
+        >>> rows.scale.tolist(), rows.data.tolist()
+        ([[2.0], [0.5]], [[1.5, 0.5], [0.5, 1.0]])
     """
+    if scale is not None and scale_shape is not None:
+        raise ValueError("as_scaled_array takes `scale` or `scale_shape`, not both.")
     return jax.tree_util.tree_map(
-        lambda x: _as_scaled_leaf(x, scale, dtype), tree, is_leaf=is_scaled_leaf
+        lambda x: _as_scaled_leaf(x, scale, dtype, scale_shape), tree, is_leaf=is_scaled_leaf
     )
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, registry
+from . import _compat, blocks, registry
 from .config import get_autoscale_config
 from .datatype import ScaledArray, is_floating
 from .promotion import promote_to_scaled
@@ -186,10 +186,21 @@ def _check_outputs(eqn: _compat.JaxprEqn, outs: Sequence[Any]) -> None:
                 f"but the primitive returns {expected.str_short()}."
             )
         if isinstance(out, ScaledArray) and np.shape(out.scale) != ():
-            raise TypeError(
-                f"Scaled rule of '{eqn.primitive.name}' returned a non-scalar scale of "
-                f"shape {np.shape(out.scale)}."
-            )
+            scale_shape = tuple(np.shape(out.scale))
+            if len(scale_shape) != len(shape) or any(
+                s < 1 or n % s for s, n in zip(scale_shape, shape)
+            ):
+                raise TypeError(
+                    f"Scaled rule of '{eqn.primitive.name}' returned a scale of shape "
+                    f"{scale_shape}, which is not a block scale of its output {list(shape)}."
+                )
+
+
+def _per_tensor(value: Any) -> Any:
+    """A block-scaled operand in per-tensor form, for rules that do not keep blocks."""
+    if isinstance(value, ScaledArray) and np.ndim(value.scale):
+        return ScaledArray(*blocks.to_per_tensor(value.data, value.scale))
+    return value
 
 
 def interpret_jaxpr(
@@ -234,8 +245,15 @@ def interpret_jaxpr(
             info = registry.get_scaled_rule(eqn.primitive)
             if info.promote and any_scaled:
                 invals = [promote_to_scaled(v, k) for v, k in zip(invals, in_known)]
+            rule = info.rule
+            if any(isinstance(v, ScaledArray) and np.ndim(v.scale) for v in invals):
+                block_rule = registry.get_block_rule(eqn.primitive)
+                if block_rule is not None:
+                    rule = block_rule
+                else:
+                    invals = [_per_tensor(v) for v in invals]
             with registry.with_operand_constants(in_known), _compat.eqn_context(eqn):
-                outs = info.rule(*invals, **eqn.params)
+                outs = rule(*invals, **eqn.params)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             outs = list(outs)
@@ -297,10 +315,15 @@ def _validate_scaled_input(x: ScaledArray, path: str) -> None:
             f"{getattr(x.data, 'dtype', type(x.data))}."
         )
     if np.shape(x.scale) != ():
-        raise ValueError(
-            f"autoscale input {path}: ScaledArray scale must be a scalar, got shape "
-            f"{np.shape(x.scale)}. Non-scalar scales are not supported by the scaled rules."
-        )
+        scale_shape, data_shape = tuple(np.shape(x.scale)), tuple(np.shape(x.data))
+        if len(scale_shape) != len(data_shape) or any(
+            s < 1 or n % s for s, n in zip(scale_shape, data_shape)
+        ):
+            raise ValueError(
+                f"autoscale input {path}: ScaledArray scale of shape {scale_shape} is not a "
+                f"block scale of data of shape {data_shape}: a scale is a scalar, or an array "
+                f"of the data's rank whose every dimension divides the data's."
+            )
     if not is_floating(x.scale):
         raise TypeError(
             f"autoscale input {path}: ScaledArray scale must be floating point, got "

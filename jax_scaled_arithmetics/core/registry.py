@@ -18,6 +18,8 @@ __all__ = [
     "get_scaled_rule",
     "has_scaled_rule",
     "coverage",
+    "register_block_rule",
+    "get_block_rule",
     "RuleInfo",
     "interpret_closed_jaxpr",
     "set_jaxpr_interpreter",
@@ -127,6 +129,32 @@ def get_scaled_rule(primitive: Primitive) -> RuleInfo:
             f"`rule(*operands, **params)`, or convert its inputs with `jsa.lax.stop_scaling`."
         )
     return info
+
+
+# Rules that keep block scales (scales finer than one per tensor). A primitive without one
+# gets its block-scaled operands in per-tensor form (`core.blocks.to_per_tensor`) and
+# its ordinary rule.
+_BLOCK_RULES: dict[Primitive, ScaledRule] = {}
+
+
+def register_block_rule(primitive: Primitive, rule: ScaledRule | None = None) -> Any:
+    """Register the rule a primitive uses when an operand has a block scale; usable as a
+    decorator. Same calling convention as :func:`register_scaled_op` (operands are
+    ScaledArrays with scalar or block scales, or plain values); it may return block-scaled
+    outputs (a scale whose dimensions divide the output's)."""
+
+    def register(fn: ScaledRule) -> ScaledRule:
+        if primitive in _BLOCK_RULES:
+            raise ValueError(f"A block rule is already registered for '{primitive.name}'.")
+        _BLOCK_RULES[primitive] = fn
+        return fn
+
+    return register(rule) if rule is not None else register
+
+
+def get_block_rule(primitive: Primitive) -> ScaledRule | None:
+    """The block-scale rule of `primitive`, or None (its operands then go per tensor)."""
+    return _BLOCK_RULES.get(primitive)
 
 
 def has_scaled_rule(primitive: Primitive) -> bool:

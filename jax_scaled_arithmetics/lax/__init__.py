@@ -5,6 +5,7 @@ operations `set_scaling`, `stop_scaling`, `get_data_scale`, `rebalance`, and
 `apply_to_data` (an elementwise function of the stored data).
 """
 
+from . import blocks as blocks
 from . import collectives as collectives
 from . import complex_values as complex_values
 from . import control_flow as control_flow

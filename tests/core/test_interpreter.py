@@ -333,8 +333,8 @@ def test_known_constants_get_sensible_scales():
 
 
 def test_scaled_input_validation():
-    bad_scale = jsa.ScaledArray(jnp.ones(3), jnp.ones(3))
-    with pytest.raises(ValueError, match="scale must be a scalar"):
+    bad_scale = jsa.ScaledArray(jnp.ones(4), jnp.ones(3))
+    with pytest.raises(ValueError, match=r"scale of shape \(3,\) is not a block scale of data"):
         jsa.autoscale(lambda a: a)(bad_scale)
     bad_data = jsa.ScaledArray(jnp.ones(3, jnp.int32), jnp.float32(1))
     with pytest.raises(TypeError, match="data must be floating point"):

@@ -1,0 +1,189 @@
+"""Block scales: one scale per block of a ScaledArray's data.
+
+A scale is either a scalar (one per tensor) or an array of the data's rank whose every
+dimension divides the data's: `scale.shape[i]` blocks along axis `i`, each of
+`data.shape[i] // scale.shape[i]` elements. Per-channel `(1, N)`, per-row `(M, 1)`, MX
+`(M, K // 32)`, tiles `(M // 128, K // 128)`, stacked layers `(L, 1, 1)`.
+
+These helpers work on plain arrays (inside or outside `autoscale`): expanding a block
+scale over its blocks, bringing two layouts to a common one, the largest magnitude of
+each block as a power of two, and the per-tensor form of a block-scaled array.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Array = Any
+
+__all__ = [
+    "block_layout",
+    "is_block_scale",
+    "expand_scale",
+    "common_layout",
+    "refine_scale",
+    "block_max",
+    "block_pow2_scale",
+    "to_per_tensor",
+]
+
+_F32 = np.dtype(np.float32)
+# Block scales chosen by rules stay in this range (as per-tensor ones do).
+SCALE_MIN = 2.0**-124
+SCALE_MAX = 2.0**126
+
+
+def wide_dtype(dtype: Any) -> np.dtype:
+    """float64 for float64 data, else float32 (what block arithmetic is computed in)."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else _F32
+
+
+def block_layout(data_shape: Sequence[int], scale_shape: Sequence[int]) -> tuple[int, ...]:
+    """The scale's shape at the data's rank (a lower-rank scale gets leading 1s).
+
+    Raises:
+        ValueError: a scale dimension does not divide the data's, naming both shapes.
+
+    Examples:
+        >>> block_layout((4, 64), (4, 2))
+        (4, 2)
+        >>> block_layout((4, 64), (64,))
+        (1, 64)
+    """
+    data_shape, scale_shape = tuple(data_shape), tuple(scale_shape)
+    if len(scale_shape) > len(data_shape):
+        raise ValueError(
+            f"ScaledArray scale of shape {scale_shape} does not broadcast to data of shape "
+            f"{data_shape}: a block scale has at most the data's rank."
+        )
+    full = (1,) * (len(data_shape) - len(scale_shape)) + scale_shape
+    for n, s in zip(data_shape, full):
+        if s < 1 or n % s:
+            raise ValueError(
+                f"ScaledArray scale of shape {scale_shape} does not broadcast to data of "
+                f"shape {data_shape}: each scale dimension must divide the data's (the "
+                f"number of blocks along that axis)."
+            )
+    return full
+
+
+def is_block_scale(scale: Any) -> bool:
+    """Whether `scale` is a block scale (any array of rank >= 1) rather than a scalar."""
+    return np.ndim(scale) > 0
+
+
+def expand_scale(scale: Array, shape: Sequence[int]) -> Array:
+    """`scale` repeated over its blocks: an array broadcastable to `shape`.
+
+    Axes with one block, or one element per block, need no repeat (plain broadcasting).
+
+    Examples:
+        >>> expand_scale(jnp.array([[1.0, 2.0]]), (2, 4)).tolist()
+        [[1.0, 1.0, 2.0, 2.0]]
+    """
+    shape = tuple(shape)
+    scale = jnp.asarray(scale)
+    if scale.ndim == 0:
+        return scale
+    layout = block_layout(shape, scale.shape)
+    scale = scale.reshape(layout)
+    if all(s in (1, n) for s, n in zip(layout, shape)):
+        return scale
+    # (s0, s1, ...) -> (s0, b0, s1, b1, ...) -> (s0 * b0, s1 * b1, ...)
+    interleaved = []
+    dims = []
+    for i, (s, n) in enumerate(zip(layout, shape)):
+        b = n // s if s not in (1, n) else 1
+        interleaved += [s, b]
+        dims.append(2 * i)
+    out = lax.broadcast_in_dim(scale, tuple(interleaved), tuple(dims))
+    return out.reshape(tuple(s * b for s, b in zip(interleaved[::2], interleaved[1::2])))
+
+
+def common_layout(shape: Sequence[int], *layouts: Sequence[int]) -> tuple[int, ...]:
+    """The coarsest layout that refines every one of `layouts` (block scales of arrays of
+    `shape`): along each axis, blocks of the greatest common divisor of their sizes.
+
+    Examples:
+        >>> common_layout((8, 64), (8, 1), (1, 2))
+        (8, 2)
+    """
+    out = []
+    for axis, n in enumerate(shape):
+        block = n
+        for layout in layouts:
+            block = math.gcd(block, n // layout[axis]) if n else 1
+        out.append(n // block if n else 1)
+    return tuple(out)
+
+
+def refine_scale(scale: Array, shape: Sequence[int], layout: Sequence[int]) -> Array:
+    """`scale` (a block scale of an array of `shape`, or a scalar) on the finer `layout`."""
+    scale = jnp.asarray(scale, _F32) if not hasattr(scale, "dtype") else scale
+    if np.ndim(scale) == 0:
+        return jnp.broadcast_to(scale, tuple(layout))
+    own = block_layout(shape, np.shape(scale))
+    scale = scale.reshape(own)
+    if own == tuple(layout):
+        return scale
+    # Each of our blocks holds whole blocks of the finer layout.
+    return expand_scale(scale, layout) * jnp.ones(tuple(layout), scale.dtype)
+
+
+def _blocked(x: Array, layout: Sequence[int]) -> tuple[Array, tuple[int, ...]]:
+    """`x` reshaped to (s0, b0, s1, b1, ...) and the block axes (1, 3, ...)."""
+    dims = []
+    for s, n in zip(layout, x.shape):
+        dims += [s, n // s if s else 0]
+    return x.reshape(tuple(dims)), tuple(range(1, 2 * x.ndim, 2))
+
+
+def block_max(x: Array, layout: Sequence[int]) -> Array:
+    """The largest finite `|x|` of each block of `layout` (0 where there is none), float32."""
+    magnitude = jnp.abs(x.astype(wide_dtype(x.dtype)))
+    magnitude = jnp.where(jnp.isfinite(magnitude), magnitude, 0)
+    if x.size == 0:
+        return jnp.zeros(tuple(layout), magnitude.dtype)
+    blocked, axes = _blocked(magnitude, layout)
+    return lax.reduce_max(blocked, axes)
+
+
+def block_pow2_scale(x: Array, layout: Sequence[int], factor: Array = 1.0) -> Array:
+    """Per block of `layout`: the power of two at or below the largest finite `|x| * factor`,
+    within `[SCALE_MIN, SCALE_MAX]` (1 for a block of zeros), float32. `factor` is a scalar
+    or an array of the layout's shape."""
+    amax = block_max(x, layout).astype(_F32) * jnp.asarray(factor, _F32)
+    bits = lax.bitcast_convert_type(amax, np.int32) & np.int32(0x7F800000)
+    bits = jnp.clip(bits, np.int32((127 - 124) << 23), np.int32((127 + 126) << 23))
+    scale = lax.bitcast_convert_type(bits, _F32)
+    return lax.stop_gradient(jnp.where(amax > 0, scale, np.float32(1.0)))
+
+
+def ratio(scale: Array, to: Array) -> Array:
+    """`scale / to`, 0 where `to` is 0 (a zero scale represents zeros)."""
+    scale = jnp.asarray(scale, _F32)
+    to = jnp.asarray(to, _F32)
+    nonzero = to != 0
+    return jnp.where(nonzero, scale / jnp.where(nonzero, to, 1), 0)
+
+
+def to_per_tensor(data: Array, scale: Array) -> tuple[Array, Array]:
+    """The same values with one scale: `(data', S)`, `S` the largest block scale.
+
+    Each block's data is multiplied by its scale's ratio to `S` (at most 1: nothing
+    overflows; blocks far below the largest lose the precision that `data`'s dtype has
+    below its smallest normal number).
+    """
+    scale = jnp.asarray(scale)
+    if scale.ndim == 0:
+        return data, scale
+    largest = lax.stop_gradient(jnp.max(scale)).astype(_F32)
+    cdtype = wide_dtype(data.dtype)
+    factors = expand_scale(ratio(scale, largest), data.shape).astype(cdtype)
+    return (data.astype(cdtype) * factors).astype(data.dtype), largest

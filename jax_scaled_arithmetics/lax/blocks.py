@@ -1,0 +1,377 @@
+"""Rules that keep block scales (one scale per row, channel, MX block, tile or layer).
+
+A primitive listed here keeps its operands' block layouts; any other primitive gets its
+block-scaled operands in per-tensor form (the largest block scale, every block's data
+multiplied by its ratio to it: `core.blocks.to_per_tensor`) and its ordinary rule.
+Layouts meet at their common refinement (along each axis, blocks of the greatest common
+divisor of the operands' block sizes), so operands with different layouts combine
+exactly. Outputs of sums and contractions get one dynamic power-of-two scale per block
+(the largest finite magnitude of each block), whatever the policy.
+
+- data-only ops (neg, abs, copy, reduce_precision, float casts): scale kept;
+- transpose, broadcast_in_dim, squeeze: the scale moves with its axes; reshape keeps the
+  blocks when only axes with one block are merged or split (else per tensor); slice when
+  it cuts along block boundaries with stride 1 (else per tensor);
+- mul / div: data multiplied / divided, scales multiplied / divided per block;
+- exp, log, tanh, logistic, sqrt, rsqrt, sin, cos, erf, integer powers...: computed on
+  the value in float32, one dynamic scale per block of the output;
+- add, sub, max, min, select_n: each block at the larger of its operands' scales;
+- reductions: blocks along a reduced axis are first brought to their largest scale;
+- dot_general: blocks along contracting axes are applied to the data in float32 before
+  the product (as MX hardware applies them per block); blocks of the lhs's batch and free
+  axes stay the output's; blocks of the rhs's free axes are applied to the float32
+  accumulator (an output scale per (row, column) pair would be as large as the data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..core import _compat, blocks, registry
+from ..core.datatype import ScaledArray, is_floating
+from .base import compute_dtype
+
+Array = Any
+_F32 = np.dtype(np.float32)
+
+
+def layout_of(x: ScaledArray) -> tuple[int, ...]:
+    """The block layout of `x` (all 1s for a per-tensor scale)."""
+    if np.ndim(x.scale) == 0:
+        return (1,) * x.ndim
+    return blocks.block_layout(x.shape, np.shape(x.scale))
+
+
+def scale_on(x: ScaledArray, layout: Sequence[int]) -> Array:
+    """`x`'s scale on the (finer or equal) `layout`, float32."""
+    return blocks.refine_scale(jnp.asarray(x.scale, _F32), x.shape, layout)
+
+
+def _ordinary(primitive: Any, *operands: Any, **params: Any) -> Any:
+    """The primitive's ordinary rule on per-tensor operands (a rule that cannot keep blocks)."""
+    per_tensor = [
+        ScaledArray(*blocks.to_per_tensor(o.data, o.scale)) if isinstance(o, ScaledArray) else o
+        for o in operands
+    ]
+    return registry.get_scaled_rule(primitive).rule(*per_tensor, **params)
+
+
+def _scaled(data: Array, scale: Array) -> ScaledArray:
+    """A ScaledArray whose block scale collapses to a scalar when it has a single block."""
+    scale = jnp.asarray(scale, _F32)
+    if scale.size == 1:
+        scale = scale.reshape(())
+    return ScaledArray(data, scale)
+
+
+def dynamic_blocks(acc: Array, factor: Array, layout: Sequence[int], dtype: Any) -> ScaledArray:
+    """`acc * expand(factor)` with one power-of-two scale per block of `layout`: the data of
+    each block has its largest finite magnitude in [1, 2)."""
+    cdtype = compute_dtype(acc.dtype)
+    acc = acc.astype(cdtype)
+    factor = jnp.broadcast_to(jnp.asarray(factor, _F32), tuple(layout))
+    block_scale = blocks.block_pow2_scale(acc * blocks.expand_scale(factor, acc.shape), layout)
+    ratio = blocks.ratio(factor, block_scale)
+    data = acc * blocks.expand_scale(ratio, acc.shape).astype(cdtype)
+    return _scaled(data.astype(dtype), block_scale)
+
+
+# --- data-only ------------------------------------------------------------------------
+
+
+def _keep_scale(primitive: Any) -> None:
+    def rule(x: ScaledArray, **params: Any) -> Any:
+        return ScaledArray(primitive.bind(x.data, **params), x.scale)
+
+    registry.register_block_rule(primitive, rule)
+
+
+for _prim in (lax.neg_p, lax.abs_p, lax.copy_p, lax.reduce_precision_p):
+    _keep_scale(_prim)
+
+
+@registry.register_block_rule(lax.convert_element_type_p)
+def _convert(x: ScaledArray, **params: Any) -> Any:
+    if not is_floating(np.dtype(params["new_dtype"])):
+        return _ordinary(lax.convert_element_type_p, x, **params)
+    return ScaledArray(lax.convert_element_type_p.bind(x.data, **params), x.scale)
+
+
+# --- shape ----------------------------------------------------------------------------
+
+
+@registry.register_block_rule(lax.transpose_p)
+def _transpose(x: ScaledArray, **params: Any) -> Any:
+    data = lax.transpose_p.bind(x.data, **params)
+    if np.ndim(x.scale) == 0:
+        return ScaledArray(data, x.scale)
+    scale = jnp.asarray(x.scale).reshape(layout_of(x))
+    return ScaledArray(data, jnp.transpose(scale, params["permutation"]))
+
+
+@registry.register_block_rule(lax.broadcast_in_dim_p)
+def _broadcast_in_dim(x: ScaledArray, *dyn: Any, **params: Any) -> Any:
+    data = lax.broadcast_in_dim_p.bind(x.data, *dyn, **params)
+    if np.ndim(x.scale) == 0:
+        return ScaledArray(data, x.scale)
+    layout = [1] * data.ndim
+    for i, d in enumerate(params["broadcast_dimensions"]):
+        layout[d] = layout_of(x)[i]
+    scale = jnp.asarray(x.scale).reshape(layout_of(x))
+    return ScaledArray(
+        data, lax.broadcast_in_dim(scale, tuple(layout), params["broadcast_dimensions"])
+    )
+
+
+@registry.register_block_rule(lax.squeeze_p)
+def _squeeze(x: ScaledArray, **params: Any) -> Any:
+    data = lax.squeeze_p.bind(x.data, **params)
+    if np.ndim(x.scale) == 0:
+        return ScaledArray(data, x.scale)
+    dims = {d % x.ndim for d in params["dimensions"]}
+    layout = tuple(s for i, s in enumerate(layout_of(x)) if i not in dims)
+    return _scaled(data, jnp.asarray(x.scale).reshape(layout) if layout else x.scale)
+
+
+@registry.register_block_rule(lax.reshape_p)
+def _reshape(x: ScaledArray, *dyn: Any, **params: Any) -> Any:
+    layout = layout_of(x)
+    new_shape = tuple(params["new_sizes"])
+    # Blocks stay when every axis with several blocks is in a leading run of axes the
+    # reshape leaves as they are (stacked layers, batches of rows...).
+    keep = 0
+    while keep < min(x.ndim, len(new_shape)) and x.shape[keep] == new_shape[keep]:
+        keep += 1
+    if params.get("dimensions") is None and all(s == 1 for s in layout[keep:]):
+        data = lax.reshape_p.bind(x.data, *dyn, **params)
+        new_layout = layout[:keep] + (1,) * (len(new_shape) - keep)
+        return _scaled(data, jnp.asarray(x.scale).reshape(new_layout))
+    return _ordinary(lax.reshape_p, x, *dyn, **params)
+
+
+@registry.register_block_rule(lax.slice_p)
+def _slice(x: ScaledArray, **params: Any) -> Any:
+    layout = layout_of(x)
+    starts, limits = params["start_indices"], params["limit_indices"]
+    strides = params.get("strides") or (1,) * x.ndim
+    aligned = True
+    for n, s, a, b, st in zip(x.shape, layout, starts, limits, strides):
+        block = n // s
+        if s > 1 and (st != 1 or a % block or b % block):
+            aligned = False
+    if not aligned:
+        return _ordinary(lax.slice_p, x, **params)
+    data = lax.slice_p.bind(x.data, **params)
+    scale = jnp.asarray(x.scale).reshape(layout)
+    index = tuple(
+        slice(a // (n // s), b // (n // s)) if s > 1 else slice(None)
+        for n, s, a, b in zip(x.shape, layout, starts, limits)
+    )
+    return _scaled(data, scale[index])
+
+
+# --- elementwise ------------------------------------------------------------------------
+
+
+def _full(xs: Sequence[ScaledArray]) -> list[ScaledArray]:
+    """Operands broadcast to one shape (JAX binds scalar literals, and size-1 axes, beside
+    full arrays); a broadcast axis has one block."""
+    shape = tuple(np.broadcast_shapes(*[x.shape for x in xs]))
+    out = []
+    for x in xs:
+        if x.shape != shape:
+            scale = x.scale
+            if np.ndim(scale):
+                lead = (1,) * (len(shape) - x.ndim)
+                scale = jnp.asarray(scale).reshape(lead + layout_of(x))
+            x = ScaledArray(jnp.broadcast_to(x.data, shape), scale)
+        out.append(x)
+    return out
+
+
+def _common(xs: Sequence[ScaledArray]) -> tuple[tuple[int, ...], list[Array]]:
+    xs = _full(xs)
+    shape = xs[0].shape
+    layout = blocks.common_layout(shape, *[layout_of(x) for x in xs])
+    return layout, [scale_on(x, layout) for x in xs]
+
+
+@registry.register_block_rule(lax.mul_p)
+def _mul(a: ScaledArray, b: ScaledArray, **params: Any) -> Any:
+    a, b = _full([a, b])
+    layout, (sa, sb) = _common([a, b])
+    cdtype = compute_dtype(a.dtype)
+    data = (a.data.astype(cdtype) * b.data.astype(cdtype)).astype(a.dtype)
+    return _scaled(data, sa * sb)
+
+
+@registry.register_block_rule(lax.div_p)
+def _div(a: ScaledArray, b: ScaledArray, **params: Any) -> Any:
+    a, b = _full([a, b])
+    layout, (sa, sb) = _common([a, b])
+    cdtype = compute_dtype(a.dtype)
+    data = lax.div(a.data.astype(cdtype), b.data.astype(cdtype)).astype(a.dtype)
+    return _scaled(data, sa / sb)
+
+
+def _at_common_scale(xs: Sequence[ScaledArray]) -> tuple[list[Array], Array]:
+    """The operands' data at one scale per block (the largest of theirs), compute dtype."""
+    xs = _full(xs)
+    layout, scales = _common(xs)
+    common = scales[0]
+    for scale in scales[1:]:
+        common = jnp.maximum(common, scale)
+    common = lax.stop_gradient(common)
+    out = []
+    for x, scale in zip(xs, scales):
+        cdtype = compute_dtype(x.dtype)
+        factor = blocks.expand_scale(blocks.ratio(scale, common), x.shape).astype(cdtype)
+        out.append(x.data.astype(cdtype) * factor)
+    return out, common
+
+
+def _common_scale_rule(primitive: Any) -> None:
+    def rule(*operands: Any, **params: Any) -> Any:
+        xs = [o for o in operands if isinstance(o, ScaledArray)]
+        datas, common = _at_common_scale(xs)
+        it = iter(datas)
+        args = [next(it).astype(o.dtype) if isinstance(o, ScaledArray) else o for o in operands]
+        return _scaled(primitive.bind(*args, **params), common)
+
+    registry.register_block_rule(primitive, rule)
+
+
+for _prim in (
+    lax.add_p,
+    lax.sub_p,
+    _compat.primitives.add_jaxvals_p,
+    lax.max_p,
+    lax.min_p,
+    lax.select_n_p,
+):
+    _common_scale_rule(_prim)
+
+
+# Non-linear functions of one operand: computed on the value in float32, each block of
+# the output at the power of two of its largest magnitude (one block reduction).
+
+
+def _unary_value_rule(primitive: Any) -> None:
+    def rule(x: ScaledArray, **params: Any) -> Any:
+        layout = layout_of(x)
+        cdtype = blocks.wide_dtype(x.dtype)
+        scale = blocks.expand_scale(jnp.asarray(x.scale, _F32), x.shape).astype(cdtype)
+        value = primitive.bind(x.data.astype(cdtype) * scale, **params)
+        return dynamic_blocks(value, np.float32(1.0), layout, x.dtype)
+
+    registry.register_block_rule(primitive, rule)
+
+
+for _name in (
+    "exp_p exp2_p log_p log1p_p expm1_p tanh_p logistic_p sqrt_p rsqrt_p cbrt_p sin_p cos_p "
+    "erf_p integer_pow_p square_p"
+).split():
+    if hasattr(lax, _name):
+        _unary_value_rule(getattr(lax, _name))
+
+
+# --- reductions -------------------------------------------------------------------------
+
+
+def _reduce_prep(x: ScaledArray, axes: Sequence[int]) -> tuple[Array, Array]:
+    """Data with the blocks along `axes` at their largest scale (compute dtype), and the
+    scale over the remaining axes (the reduced ones dropped)."""
+    layout = layout_of(x)
+    scale = jnp.asarray(x.scale, _F32).reshape(layout) if np.ndim(x.scale) else x.scale
+    if np.ndim(scale) == 0:
+        return x.data, scale
+    kept = lax.stop_gradient(jnp.max(scale, axis=tuple(axes), keepdims=True))
+    data = x.data
+    if any(layout[a] > 1 for a in axes):
+        cdtype = compute_dtype(x.dtype)
+        factor = blocks.expand_scale(blocks.ratio(scale, kept), x.shape).astype(cdtype)
+        data = x.data.astype(cdtype) * factor
+    out_layout = tuple(s for i, s in enumerate(layout) if i not in set(axes))
+    return data, kept.reshape(out_layout)
+
+
+@registry.register_block_rule(lax.reduce_sum_p)
+def _reduce_sum(x: ScaledArray, **params: Any) -> Any:
+    data, scale = _reduce_prep(x, params["axes"])
+    acc = lax.reduce_sum_p.bind(data, **params)
+    layout = np.shape(scale) if np.ndim(scale) else (1,) * acc.ndim
+    return dynamic_blocks(acc, scale, layout, x.dtype)
+
+
+def _reduce_keep(primitive: Any) -> None:
+    def rule(x: ScaledArray, **params: Any) -> Any:
+        data, scale = _reduce_prep(x, params["axes"])
+        return _scaled(primitive.bind(data, **params).astype(x.dtype), scale)
+
+    registry.register_block_rule(primitive, rule)
+
+
+for _prim in (lax.reduce_max_p, lax.reduce_min_p):
+    _reduce_keep(_prim)
+
+
+# --- dot_general ------------------------------------------------------------------------
+
+
+def _apply_contracting_blocks(
+    x: ScaledArray, contracting: Sequence[int]
+) -> tuple[Array, Array, tuple[int, ...]]:
+    """Data with the blocks along `contracting` applied (float32 where there are several),
+    and the scale left on the other axes (1 along `contracting`), with its layout."""
+    layout = layout_of(x)
+    if np.ndim(x.scale) == 0:
+        return x.data, jnp.asarray(x.scale, _F32).reshape(layout), layout
+    scale = jnp.asarray(x.scale, _F32).reshape(layout)
+    if not any(layout[a] > 1 for a in contracting):
+        return x.data, scale, layout
+    kept = lax.stop_gradient(jnp.max(scale, axis=tuple(contracting), keepdims=True))
+    cdtype = blocks.wide_dtype(x.dtype)
+    factor = blocks.expand_scale(blocks.ratio(scale, kept), x.shape).astype(cdtype)
+    return x.data.astype(cdtype) * factor, kept, tuple(kept.shape)
+
+
+@registry.register_block_rule(lax.dot_general_p)
+def _dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Any:
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    preferred = params.get("preferred_element_type")
+    out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if preferred is None else preferred
+    ldata, lscale, llayout = _apply_contracting_blocks(lhs, lc)
+    rdata, rscale, rlayout = _apply_contracting_blocks(rhs, rc)
+    if ldata.dtype != rdata.dtype:
+        ldata, rdata = ldata.astype(_F32), rdata.astype(_F32)
+    acc_dtype = blocks.wide_dtype(out_dtype)
+    acc = lax.dot_general_p.bind(ldata, rdata, **dict(params, preferred_element_type=acc_dtype))
+    lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
+    rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+    # Output axes: batch, lhs free, rhs free. Scales as arrays of the output's rank.
+    nb, nl, nr = len(lb), len(lfree), len(rfree)
+    l_out = jnp.transpose(lscale, [*lb, *lfree, *lc]).reshape(
+        tuple(llayout[i] for i in [*lb, *lfree]) + (1,) * nr
+    )
+    # rhs free blocks are applied to the accumulator, relative to their largest.
+    r_perm = jnp.transpose(rscale, [*rb, *rfree, *rc]).reshape(
+        tuple(rlayout[i] for i in [*rb, *rfree])
+    )
+    r_free_axes = tuple(range(nb, nb + nr))
+    r_kept = lax.stop_gradient(jnp.max(r_perm, axis=r_free_axes, keepdims=True))
+    if any(rlayout[i] > 1 for i in rfree):
+        inner = blocks.ratio(r_perm, r_kept).reshape(
+            r_perm.shape[:nb] + (1,) * nl + r_perm.shape[nb:]
+        )
+        acc = acc * blocks.expand_scale(inner, acc.shape).astype(acc.dtype)
+    r_out = r_kept.reshape(r_perm.shape[:nb] + (1,) * (nl + nr))
+    layout = blocks.common_layout(acc.shape, l_out.shape, r_out.shape)
+    factor = blocks.refine_scale(l_out, acc.shape, layout) * blocks.refine_scale(
+        r_out, acc.shape, layout
+    )
+    return dynamic_blocks(acc, factor, layout, out_dtype)

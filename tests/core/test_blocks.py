@@ -1,0 +1,266 @@
+"""Block scales (scales finer than one per tensor): the datatype contract, and autoscale
+keeping them through the block rules (lax/blocks.py) or going per tensor elsewhere.
+
+Every case compares the autoscaled function on block-scaled inputs with the plain
+function on the represented values, over layouts (per tensor, per row, per column, MX
+1x32 blocks, tiles), data dtypes and jit on/off, with gradients.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.core import blocks
+
+M, K, N = 8, 64, 16
+# Block layouts of an (M, K) array.
+LAYOUTS = {
+    "tensor": (1, 1),
+    "row": (M, 1),
+    "column": (1, K),
+    "mx32": (M, K // 32),
+    "tile": (M // 4, K // 32),
+}
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+TOL = {np.float32: 1e-6, np.float16: 4e-3, ml_dtypes.bfloat16: 3e-2}
+
+
+def rows_far_apart(shape, seed=0, binades=6):
+    """Normal values whose rows differ by up to 2^(2 * binades) in magnitude."""
+    rng = np.random.default_rng(seed)
+    size = (shape[0],) + (1,) * (len(shape) - 1)
+    mag = np.exp2(rng.integers(-binades, binades + 1, size=size))
+    return (rng.normal(size=shape) * mag).astype(np.float32)
+
+
+def represented(x):
+    return np.asarray(x.to_array(jnp.float32)) if isinstance(x, jsa.ScaledArray) else x
+
+
+def assert_close(out, ref, dtype):
+    out, ref = np.asarray(represented(out), np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    err = np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert err <= TOL[dtype], err
+
+
+# --- the datatype ------------------------------------------------------------------------
+
+
+def test_to_array_repeats_each_scale_over_its_block():
+    data = np.arange(1.0, 9.0, dtype=np.float32).reshape(2, 4)
+    x = jsa.scaled_array(data, np.float32([[1.0, 4.0], [0.5, 2.0]]))
+    expected = data * np.float32([[1, 1, 4, 4], [0.5, 0.5, 2, 2]])
+    np.testing.assert_array_equal(x.to_array(), expected)
+
+
+def test_lower_rank_scale_is_per_trailing_axis():
+    x = jsa.scaled_array(np.ones((2, 3), np.float32), np.float32([1.0, 2.0, 4.0]))
+    assert x.scale.shape == (1, 3)
+    np.testing.assert_array_equal(x.to_array()[1], [1.0, 2.0, 4.0])
+
+
+@pytest.mark.parametrize("scale_shape", [(3, 1), (2, 5), (1, 1, 1)])
+def test_scale_that_does_not_tile_the_data_is_rejected(scale_shape):
+    with pytest.raises(ValueError, match=r"does not broadcast to data of shape \(4, 64\)"):
+        jsa.scaled_array(np.ones((4, 64), np.float32), np.ones(scale_shape, np.float32))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES + [ml_dtypes.float8_e4m3fn])
+def test_as_scaled_array_with_scale_shape(name, dtype):
+    x = rows_far_apart((M, K))
+    y = jsa.as_scaled_array(x, scale_shape=LAYOUTS[name], dtype=dtype)
+    assert y.scale.shape == LAYOUTS[name] and y.dtype == dtype
+    data = np.abs(np.asarray(y.data, np.float32)).reshape(
+        LAYOUTS[name][0], -1, LAYOUTS[name][1], K // LAYOUTS[name][1]
+    )
+    # Each block's largest magnitude is in [1, 2) (before the cast to the data dtype).
+    block_max = data.max(axis=(1, 3))
+    assert ((block_max >= 1) & (block_max <= 2)).all()
+    scale = np.asarray(y.scale)
+    assert (np.frexp(scale)[0] == 0.5).all()  # powers of two
+    # Error within the format's precision relative to each block's largest magnitude.
+    tol = {ml_dtypes.float8_e4m3fn: 0.07}.get(dtype, TOL.get(dtype, 0))
+    block_ref = np.asarray(
+        blocks.expand_scale(blocks.block_max(jnp.asarray(x), y.scale.shape), x.shape)
+    )
+    assert (np.abs(np.asarray(y.to_array(jnp.float32)) - x) <= tol * block_ref).all()
+
+
+def test_as_scaled_array_scale_shape_callable_and_errors():
+    tree = {"w": jnp.ones((4, 8)), "b": jnp.ones((8,))}
+    out = jsa.as_scaled_array(tree, scale_shape=lambda s: (1,) * (len(s) - 1) + (s[-1],))
+    assert out["w"].scale.shape == (1, 8) and out["b"].scale.shape == (8,)
+    with pytest.raises(ValueError, match="takes `scale` or `scale_shape`, not both"):
+        jsa.as_scaled_array(tree["w"], scale=2.0, scale_shape=(4, 1))
+    with pytest.raises(ValueError, match="each scale dimension must divide"):
+        jsa.as_scaled_array(tree["w"], scale_shape=(3, 1))
+    with pytest.raises(TypeError, match="scale_shape must be a tuple of ints"):
+        jsa.as_scaled_array(tree["w"], scale_shape=4)
+
+
+def test_autoscale_rejects_a_scale_that_is_not_a_block_scale():
+    bad = jsa.ScaledArray(jnp.ones((4, 8)), jnp.ones((3, 1)))
+    with pytest.raises(ValueError, match=r"scale of shape \(3, 1\) is not a block scale"):
+        jsa.autoscale(lambda a: a * 2)(bad)
+
+
+def test_blocks_helpers():
+    assert blocks.common_layout((8, 64), (8, 1), (1, 2)) == (8, 2)
+    assert blocks.common_layout((8, 64), (2, 2), (4, 1)) == (4, 2)
+    scale = jnp.float32([[1.0, 2.0], [4.0, 8.0]])
+    np.testing.assert_array_equal(
+        blocks.refine_scale(scale, (4, 4), (4, 2)), [[1, 2], [1, 2], [4, 8], [4, 8]]
+    )
+    data, largest = blocks.to_per_tensor(jnp.ones((2, 4)), scale)
+    assert float(largest) == 8.0
+    np.testing.assert_array_equal(data, [[0.125, 0.125, 0.25, 0.25], [0.5, 0.5, 1.0, 1.0]])
+
+
+# --- autoscale over block layouts --------------------------------------------------------
+
+
+def _linear_relu(x, w, b):
+    return jax.nn.relu(x @ w + b[None, :])
+
+
+def _norm_rows(x):
+    centred = x - jnp.mean(x, axis=-1, keepdims=True)
+    return centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + 1e-5)
+
+
+def _elementwise_mix(x):
+    return jnp.maximum(x, 0.0) * 2.0 - jnp.abs(x) / 4.0 + jnp.where(x > 0, x, -x)
+
+
+def _reductions(x):
+    return jnp.stack([x.sum(axis=1), jnp.max(x, axis=1), jnp.min(x, axis=1)]).T.sum(axis=0)
+
+
+def _shapes(x):
+    y = x.T[:, :4]  # transpose, slice
+    return y.reshape(K, 2, 2).sum(axis=-1) + jnp.broadcast_to(x[:1, :1], (K, 2))
+
+
+def _softmax_cross_entropy(x):
+    return -jnp.mean(jax.nn.log_softmax(x, axis=-1)[:, 0])
+
+
+FUNCTIONS = {
+    "linear_relu": _linear_relu,
+    "norm_rows": _norm_rows,
+    "elementwise_mix": _elementwise_mix,
+    "reductions": _reductions,
+    "shapes": _shapes,
+    "softmax_cross_entropy": _softmax_cross_entropy,
+}
+
+
+def _inputs(name):
+    # Squares of rows 2^12 apart span 2^24: more than float16 holds at one scale.
+    x = rows_far_apart((M, K), binades=3 if name == "norm_rows" else 6)
+    if name != "linear_relu":
+        return (x,)
+    rng = np.random.default_rng(1)
+    w = (rng.normal(size=(K, N)) / 8).astype(np.float32)
+    return x, w, np.full(N, 0.1, np.float32)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("fn_name", list(FUNCTIONS))
+def test_autoscale_matches_plain_on_block_layouts(fn_name, layout, dtype, jit):
+    fn = FUNCTIONS[fn_name]
+    plain = _inputs(fn_name)
+    x = jsa.as_scaled_array(plain[0], scale_shape=LAYOUTS[layout], dtype=dtype)
+    rest = [jsa.as_scaled_array(p, dtype=dtype) for p in plain[1:]]
+    values = [represented(x)] + [represented(r) for r in rest]
+    scaled_fn = jsa.autoscale(fn)
+    if jit:
+        scaled_fn = jax.jit(scaled_fn)
+    out = scaled_fn(x, *rest)
+    ref = fn(*[jnp.asarray(v, jnp.float32) for v in values])
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("layout", ["row", "mx32", "tile"])
+def test_block_layouts_kept_by_block_rules(layout):
+    x = jsa.as_scaled_array(rows_far_apart((M, K)), scale_shape=LAYOUTS[layout])
+    out = jsa.autoscale(lambda a: (-a * a).T)(x)
+    assert out.scale.shape == LAYOUTS[layout][::-1]
+    assert jsa.autoscale(jnp.tanh)(x).scale.shape == LAYOUTS[layout]
+    # A primitive without a block rule (atan) gets the operand per tensor: a scalar scale.
+    assert jsa.autoscale(jnp.arctan)(x).scale.shape == ()
+
+
+def test_row_scales_keep_rows_that_one_float16_scale_loses():
+    """Rows 2^24 apart: normalising each row in float16 data works with one scale per row,
+    and loses the small rows with one scale per tensor (their squares underflow)."""
+    x = np.ones((4, 32), np.float32) * np.float32([[2.0**-12], [1.0], [2.0**6], [2.0**12]])
+    x[:, ::2] *= -1
+    ref = _norm_rows(jnp.asarray(x))
+    rows = jsa.autoscale(_norm_rows)(jsa.as_scaled_array(x, scale_shape=(4, 1), dtype=np.float16))
+    assert_close(rows, ref, np.float16)
+    tensor = jsa.autoscale(_norm_rows)(jsa.as_scaled_array(x, scale_shape=(1, 1), dtype=np.float16))
+    assert np.abs(represented(tensor)[0] - np.asarray(ref)[0]).max() > 0.1
+
+
+@pytest.mark.parametrize("w_layout", [(1, 1), (1, N), (2, 1), (2, N)])
+@pytest.mark.parametrize("x_layout", ["tensor", "row", "mx32"])
+def test_dot_general_block_layouts(x_layout, w_layout):
+    """Row / MX blocks of x and column / MX blocks of w: the product is exact in float32
+    (power-of-two scales), and the output keeps x's row blocks."""
+    x_plain, w_plain, _ = _inputs("linear_relu")
+    x = jsa.as_scaled_array(x_plain, scale_shape=LAYOUTS[x_layout])
+    w = jsa.as_scaled_array(w_plain, scale_shape=w_layout)
+    out = jax.jit(jsa.autoscale(jnp.matmul))(x, w)
+    np.testing.assert_allclose(out.to_array(), x_plain @ w_plain, rtol=1e-5, atol=1e-6)
+    rows = LAYOUTS[x_layout][0]
+    assert np.shape(out.scale) == ((rows, 1) if rows > 1 else ())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["row", "mx32"])
+def test_gradients_through_block_scaled_inputs(layout, dtype):
+    x_plain, w_plain, b_plain = _inputs("linear_relu")
+
+    def loss(x, w, b):
+        return jnp.sum(_linear_relu(x, w, b) ** 2)
+
+    x = jsa.as_scaled_array(x_plain, scale_shape=LAYOUTS[layout], dtype=dtype)
+    w = jsa.as_scaled_array(w_plain, scale_shape=(1, N), dtype=dtype)
+    b = jsa.as_scaled_array(b_plain, dtype=dtype)
+    grads = jax.jit(jsa.autoscale(jax.grad(loss, argnums=(0, 1, 2))))(x, w, b)
+    ref = jax.grad(loss, argnums=(0, 1, 2))(represented(x), represented(w), represented(b))
+    for g, r in zip(grads, ref):
+        assert_close(g, r, dtype)
+    # Outside autoscale, the gradient with respect to the data is dL/dvalue times the
+    # data's block scale.
+    outer = jax.grad(lambda x: jsa.autoscale(loss)(x, w, b).to_array(jnp.float32))(x)
+    assert_close(
+        outer.data.astype(np.float32) / blocks.expand_scale(x.scale, x.shape), ref[0], dtype
+    )
+
+
+def test_float8_data_with_mx_blocks_through_a_matmul():
+    """MXFP8-style operands: float8_e4m3fn data with one scale per 32 elements."""
+    x_plain, w_plain, _ = _inputs("linear_relu")
+    x = jsa.as_scaled_array(x_plain, scale_shape=(M, K // 32), dtype=ml_dtypes.float8_e4m3fn)
+    w = jsa.as_scaled_array(w_plain, scale_shape=(K // 32, 1), dtype=ml_dtypes.float8_e4m3fn)
+    out = jax.jit(jsa.autoscale(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)))(
+        x, w
+    )
+    ref = represented(x).astype(np.float64) @ represented(w).astype(np.float64)
+    np.testing.assert_allclose(out.to_array(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # Against per-tensor float8 scaling, MX blocks keep the small rows' precision.
+    x_tensor = jsa.as_scaled_array(x_plain, scale_shape=(1, 1), dtype=ml_dtypes.float8_e4m3fn)
+    err_mx = np.abs(represented(x) - x_plain).max(axis=1) / np.abs(x_plain).max(axis=1)
+    err_tensor = np.abs(represented(x_tensor) - x_plain).max(axis=1) / np.abs(x_plain).max(axis=1)
+    assert err_mx.max() < 0.07 < err_tensor.max()
