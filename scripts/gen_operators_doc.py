@@ -16,6 +16,7 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as jax_primitives
 
 import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.core import registry
 
 DOC_PATH = pathlib.Path(__file__).resolve().parent.parent / "docs" / "operators.md"
 
@@ -70,6 +71,7 @@ def all_primitives() -> dict[str, Primitive]:
 
 def render() -> str:
     rules = jsa.coverage()
+    block_rules = {p.name for p in registry._BLOCK_RULES}
     rows = []
     counts = {"supported": 0, "not applicable": 0, "not yet": 0}
     for name in all_primitives():
@@ -81,7 +83,13 @@ def render() -> str:
         else:
             status, family, remark = "not yet", "", ""
         counts[status] += 1
-        rows.append(f"| `{name}` | {status} | {family} | {remark} |")
+        if name in block_rules:
+            blocks = "kept"
+        elif status == "supported":
+            blocks = "per tensor"
+        else:
+            blocks = ""
+        rows.append(f"| `{name}` | {status} | {family} | {blocks} | {remark} |")
     header = [
         "# Scaled operator coverage",
         "",
@@ -96,11 +104,17 @@ def render() -> str:
         "`NotImplementedError` naming it when one of its inputs is scaled (register a rule",
         "with `jsa.register_scaled_op`).",
         "",
-        f"Supported: {counts['supported']}. Not applicable: {counts['not applicable']}. "
-        f"Not yet: {counts['not yet']}.",
+        "*block scales*: with an operand whose scale is finer than one per tensor (per row,",
+        "channel, MX block, tile, stacked layer), *kept* rules keep the blocks",
+        "(`jax_scaled_arithmetics/lax/blocks.py`); *per tensor* rules get such operands",
+        "brought to one scale first (the largest block scale; smaller blocks lose the",
+        "precision their data dtype has below its smallest normal number).",
         "",
-        "| primitive | status | rule family | remark |",
-        "| --- | --- | --- | --- |",
+        f"Supported: {counts['supported']}. Not applicable: {counts['not applicable']}. "
+        f"Not yet: {counts['not yet']}. Keeping block scales: {len(block_rules & set(rules))}.",
+        "",
+        "| primitive | status | rule family | block scales | remark |",
+        "| --- | --- | --- | --- | --- |",
     ]
     return "\n".join(header + rows) + "\n"
 
