@@ -23,7 +23,7 @@ FP8 training libraries do: a scale that varied along the sum could not be factor
 - :func:`tensorwise_fp8_matmul`: one scale per operand and matmul (the baseline).
 - :func:`rowwise_fp8_matmul`: one scale per row / column, the layouts above.
 - :func:`mx_matmul`: OCP MX blocks of ``block_size`` elements along the contracting axis,
-  E8M0 scales (``jsa.quantization.block_quantize``). In the backward pass an axis that
+  E8M0 scales (``jsa.quantization.block_fake_quantize``). In the backward pass an axis that
   ``block_size`` does not divide (N, M) is zero-padded to whole blocks.
 
 Power-of-two scales (row-wise and tensor-wise): the scale of a row whose largest magnitude
@@ -51,7 +51,7 @@ from jax import lax
 
 from ..core.datatype import ScaledArray
 from ..core.interpreter import autoscale
-from ..quantization import block_dequantize, block_quantize, float_quantize, get_format
+from ..quantization import block_fake_quantize, float_quantize, get_format
 from ..quantization.block import mx_element_format
 from ..quantization.formats import FloatFormat
 
@@ -97,19 +97,35 @@ def _dot(a: Array, b: Array) -> Array:
 def _contract(recipe: _Recipe, a: Array, a_fmt: FloatFormat, b: Array, b_fmt: FloatFormat) -> Array:
     """``a (M, K) @ b (K, N)`` in float32, operands quantised along K as `recipe` says."""
     if recipe.granularity == "mx":
-        qa = block_dequantize(block_quantize(a, a_fmt, recipe.block_size, axis=1, pad=True))
-        qb = block_dequantize(block_quantize(b, b_fmt, recipe.block_size, axis=0, pad=True))
+        # Fake-quantised in float32 (no float8 intermediates: under jax.jit(jsa.autoscale),
+        # block_dequantize of a float8 MXArray computed from a closed-over constant came
+        # out wrong).
+        qa = block_fake_quantize(a, a_fmt, recipe.block_size, axis=1, pad=True)
+        qb = block_fake_quantize(b, b_fmt, recipe.block_size, axis=0, pad=True)
         return _dot(qa, qb)
     row = recipe.granularity == "row"
     qa, sa = _pow2_quantize(a, a_fmt, 1 if row else None)  # (M, 1) or (1, 1)
     qb, sb = _pow2_quantize(b, b_fmt, 0 if row else None)  # (1, N) or (1, 1)
-    return (_dot(qa, qb) * sa) * sb
+    return _dot(qa, qb) * (sa * sb)  # a scale product beyond float32 is beyond it too
 
 
+# The recipe's computations are compiled once per recipe and shape (eager calls run one
+# executable); the custom_vjp sits outside, so jit, vmap, grad and autoscale see it.
+@functools.partial(jax.jit, static_argnums=0)
 def _forward(recipe: _Recipe, x: Array, w: Array) -> Array:
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     y = _contract(recipe, x2, recipe.forward, w.astype(jnp.float32), recipe.forward)
     return y.reshape(*x.shape[:-1], w.shape[1]).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _backward(recipe: _Recipe, x: Array, w: Array, g: Array) -> tuple[Array, Array]:
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    g2 = g.reshape(-1, w.shape[1]).astype(jnp.float32)
+    w32 = w.astype(jnp.float32)
+    dx = _contract(recipe, g2, recipe.backward, w32.T, recipe.forward)
+    dw = _contract(recipe, x2.T, recipe.forward, g2, recipe.backward)
+    return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -122,13 +138,7 @@ def _matmul_fwd(recipe: _Recipe, x: Array, w: Array) -> tuple[Array, tuple[Array
 
 
 def _matmul_bwd(recipe: _Recipe, residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
-    x, w = residuals
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    g2 = g.reshape(-1, w.shape[1]).astype(jnp.float32)
-    w32 = w.astype(jnp.float32)
-    dx = _contract(recipe, g2, recipe.backward, w32.T, recipe.forward)
-    dw = _contract(recipe, x2.T, recipe.forward, g2, recipe.backward)
-    return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype)
+    return _backward(recipe, *residuals, g)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -286,7 +296,7 @@ def mx_matmul(
 
     ``x`` is quantised in blocks of ``1 x block_size`` along K, ``w`` in blocks of
     ``block_size x 1`` along K, each block with an E8M0 scale
-    (``jsa.quantization.block_quantize``: OCP MX v1.0 scales, round to nearest,
+    (``jsa.quantization.block_fake_quantize``: OCP MX v1.0 scales, round to nearest,
     saturating elements). Backward (a ``jax.custom_vjp``): ``dx = g @ wᵀ`` with ``g``
     (in `backward_format`) and ``w`` in blocks along N, ``dw = xᵀ @ g`` with ``x`` and
     ``g`` (in `backward_format`) in blocks along the tokens; those axes are zero-padded

@@ -9,6 +9,7 @@ from .block import MX_FORMATS as MX_FORMATS
 from .block import MXArray as MXArray
 from .block import as_e8m0 as as_e8m0
 from .block import block_dequantize as block_dequantize
+from .block import block_fake_quantize as block_fake_quantize
 from .block import block_quantize as block_quantize
 from .block import from_e8m0 as from_e8m0
 from .block import mx_element_format as mx_element_format
@@ -41,6 +42,7 @@ __all__ = [
     "Rounding",
     "as_e8m0",
     "block_dequantize",
+    "block_fake_quantize",
     "block_quantize",
     "fixed_point_quantize",
     "float_quantize",

@@ -296,6 +296,19 @@ def block_quantize(
         >>> block_dequantize(mx)  # 100 / 0.25 = 400 rounds to 384 in float8_e4m3fn
         Array([ 1., -2.,  3., 96.], dtype=float32)
     """
+    return _block_quantize(x, format, block_size, axis, rounding, key, pad, float32_data=False)
+
+
+def _block_quantize(
+    x: Any,
+    format: str | FloatFormat | Any,
+    block_size: int,
+    axis: int,
+    rounding: Rounding,
+    key: jax.Array | None,
+    pad: bool,
+    float32_data: bool,
+) -> MXArray:
     fmt = mx_element_format(format)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -313,7 +326,7 @@ def block_quantize(
             f"block_size {block_size} does not divide the length {length} of axis {axis}; "
             "pass pad=True to zero-pad the last block"
         )
-    data_dtype = fmt.jax_dtype or np.dtype(np.float32)
+    data_dtype = np.dtype(np.float32) if float32_data else fmt.jax_dtype or np.dtype(np.float32)
     key = key if mode == "stochastic" else None
     data, scales = _block_quantize_impl(x, key, fmt, block_size, axis, mode, data_dtype)
     return MXArray(data, scales, fmt, block_size, axis - x.ndim, length)
@@ -356,6 +369,31 @@ def _block_quantize_impl(
     data = data.astype(data_dtype)
     scales = jnp.moveaxis(_e8m0_from_codes(codes[..., 0]), -1, axis)
     return data, scales
+
+
+def block_fake_quantize(
+    x: Any,
+    format: str | FloatFormat | Any,
+    block_size: int = 32,
+    axis: int = -1,
+    rounding: Rounding = "nearest",
+    key: jax.Array | None = None,
+    pad: bool = False,
+) -> jax.Array:
+    """The float32 values of the block quantisation of `x` (simulated MX, "fake quantisation").
+
+    Bit-identical to ``block_dequantize(block_quantize(x, ...))``, with the same arguments
+    and errors, but the elements are held in float32 throughout: no array of the element
+    dtype (float8, float4) is formed. The shape is that of `x` (padding trimmed). Not
+    differentiable.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> block_fake_quantize(jnp.array([1.0, -2.0, 3.0, 100.0]), "mxfp8_e4m3", block_size=2)
+        Array([ 1., -2.,  3., 96.], dtype=float32)
+    """
+    mx = _block_quantize(x, format, block_size, axis, rounding, key, pad, float32_data=True)
+    return block_dequantize(mx)
 
 
 def block_dequantize(mx: MXArray) -> jax.Array:

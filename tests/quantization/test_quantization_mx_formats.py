@@ -11,6 +11,7 @@ from jax_scaled_arithmetics.quantization import (
     MX_FORMATS,
     block,
     block_dequantize,
+    block_fake_quantize,
     block_quantize,
     mx_element_format,
 )
@@ -43,6 +44,20 @@ def test_block_quantize_accepts_mx_names(name):
     by_element = block_quantize(x, EXPECTED[name])
     assert by_name.format is by_element.format and by_name.block_size == 32
     np.testing.assert_array_equal(block_dequantize(by_name), block_dequantize(by_element))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("axis", [0, 1])
+def test_block_fake_quantize_is_dequantize_of_quantize(name, axis):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((40, 48)) * np.exp2(rng.uniform(-20, 20, (40, 1)))
+    x = jnp.asarray(x.astype(np.float32)).at[0].set(0.0)
+    fake = block_fake_quantize(x, name, 16, axis=axis, pad=True)
+    expected = block_dequantize(block_quantize(x, name, 16, axis=axis, pad=True))
+    assert fake.dtype == jnp.float32 and fake.shape == x.shape
+    np.testing.assert_array_equal(fake, expected)
+    with pytest.raises(ValueError, match="does not divide"):
+        block_fake_quantize(x, name, 32, axis=axis)
 
 
 def test_unknown_or_unsuitable_formats_raise():

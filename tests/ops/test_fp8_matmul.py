@@ -1,0 +1,351 @@
+"""FP8 / MX matmul recipes (`jsa.ops.rowwise_fp8_matmul`, `mx_matmul`,
+`tensorwise_fp8_matmul`) against a float64 NumPy reference of the same recipes.
+
+The reference quantises with ml_dtypes casts (saturated first) and accumulates in
+float64: the quantised operands must match exactly, outputs and gradients within
+float32 accumulation error.
+"""
+
+from __future__ import annotations
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.ops import fp8_matmul
+from jax_scaled_arithmetics.quantization import FORMATS, MX_FORMATS
+
+E4M3, E5M2 = FORMATS["float8_e4m3fn"], FORMATS["float8_e5m2"]
+MX_NAMES = sorted(MX_FORMATS)
+
+
+# --- float64 reference ---------------------------------------------------------------------
+
+
+def cast(v: np.ndarray, fmt) -> np.ndarray:
+    """Round to `fmt` with saturation (clip, then the ml_dtypes cast), in float64."""
+    clipped = np.clip(v, -fmt.max, fmt.max).astype(np.float32)
+    return clipped.astype(fmt.dtype).astype(np.float64)
+
+
+def ref_pow2(v: np.ndarray, fmt, axis):
+    """(elements, scales): the smallest power-of-two scale with amax / s <= max."""
+    amax = np.max(np.abs(v), axis=axis, keepdims=True).astype(np.float64)
+    _, exp = np.frexp(np.where(amax > 0, amax, 1.0))
+    scale = np.exp2(np.clip(exp - 1 - fmt.max_exponent, -126, 126).astype(np.float64))
+    scale = np.where(amax / scale > fmt.max, 2 * scale, scale)
+    scale = np.where(amax > 0, scale, 1.0)
+    return cast(v / scale, fmt), scale
+
+
+def ref_mx(v: np.ndarray, fmt, block_size: int, axis: int) -> np.ndarray:
+    """Dequantized OCP MX blocks along `axis` (zero-padded to whole blocks)."""
+    vt = np.moveaxis(v.astype(np.float64), axis, -1)
+    n = vt.shape[-1]
+    padded = np.concatenate([vt, np.zeros((*vt.shape[:-1], -n % block_size))], axis=-1)
+    blocks = padded.reshape(*vt.shape[:-1], -1, block_size)
+    amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+    _, exp = np.frexp(np.where(amax > 0, amax, 1.0))
+    shared = np.where(amax > 0, np.clip(exp - 1 - fmt.max_exponent, -127, 127), -127)
+    scale = np.exp2(shared.astype(np.float64))
+    out = (cast(blocks / scale, fmt) * scale).reshape(padded.shape)[..., :n]
+    return np.moveaxis(out, -1, axis)
+
+
+def ref_contract(kind: str, a, a_fmt, b, b_fmt, block_size: int = 32) -> np.ndarray:
+    if kind == "mx":
+        return ref_mx(a, a_fmt, block_size, 1) @ ref_mx(b, b_fmt, block_size, 0)
+    row = kind == "row"
+    qa, sa = ref_pow2(a, a_fmt, 1 if row else None)
+    qb, sb = ref_pow2(b, b_fmt, 0 if row else None)
+    return (qa @ qb) * sa * sb
+
+
+def ref_recipe(kind, x, w, g, fwd, bwd, block_size=32):
+    """(y, dx, dw) of the recipe in float64."""
+    x2 = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    w64, g2 = w.astype(np.float64), g.reshape(-1, w.shape[1]).astype(np.float64)
+    y = ref_contract(kind, x2, fwd, w64, fwd, block_size).reshape(g.shape)
+    dx = ref_contract(kind, g2, bwd, w64.T, fwd, block_size).reshape(x.shape)
+    dw = ref_contract(kind, x2.T, fwd, g2, bwd, block_size)
+    return y, dx, dw
+
+
+RECIPES = {
+    "tensor": (jsa.ops.tensorwise_fp8_matmul, {}),
+    "row": (jsa.ops.rowwise_fp8_matmul, {}),
+    "mx": (jsa.ops.mx_matmul, {}),
+}
+
+
+def call(kind: str, x, w, **kw):
+    fn, defaults = RECIPES[kind]
+    return fn(x, w, **{**defaults, **kw})
+
+
+def data(seed: int, x_shape=(2, 5, 64), n: int = 24, spread: float = 8.0):
+    """x, w and an output gradient with rows / columns spread over 2^±spread."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape) * np.exp2(rng.uniform(-spread, spread, (*x_shape[:-1], 1)))
+    w = rng.standard_normal((x_shape[-1], n)) * np.exp2(rng.uniform(-spread, spread, (1, n)))
+    g = rng.standard_normal((*x_shape[:-1], n)) * 2.0**-12
+    return x.astype(np.float32), w.astype(np.float32), g.astype(np.float32)
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    """Within float32 accumulation error, relative to the largest expected magnitude."""
+    actual = np.asarray(actual, np.float64)
+    atol = rtol * np.max(np.abs(expected))
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+# --- quantised operands ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, FORMATS["float6_e2m3fn"]], ids=lambda f: f.name)
+@pytest.mark.parametrize("axis", [0, 1, None])
+def test_pow2_operands_match_reference_exactly(fmt, axis):
+    x, _, _ = data(0, (16, 40), spread=40)
+    x[3] = 0.0  # an all-zero row gets scale 1
+    x[5, :] = 0.0
+    x[:, 7] = 0.0
+    q, s = jax.jit(fp8_matmul._pow2_quantize, static_argnums=(1, 2))(jnp.asarray(x), fmt, axis)
+    q_ref, s_ref = ref_pow2(x, fmt, axis)
+    np.testing.assert_array_equal(np.asarray(s, np.float64), s_ref)
+    np.testing.assert_array_equal(np.asarray(q, np.float64), q_ref)
+    # the largest magnitude of every non-zero slice lands in [max / 2, max] (after rounding)
+    top = np.max(np.abs(q_ref), axis=axis)
+    assert np.all((top == 0) | ((top >= fmt.max / 2) & (top <= fmt.max)))
+
+
+@pytest.mark.parametrize("name", MX_NAMES)
+def test_mx_operands_match_reference_exactly(name):
+    fmt = FORMATS[MX_FORMATS[name]]
+    x, _, _ = data(1, (6, 64), spread=30)
+    recipe = fp8_matmul._Recipe("mx", fmt, fmt, 32)
+    eye = np.eye(64, dtype=np.float32)
+    # x @ I with I exact in every format: the dequantized MX operand itself
+    out = fp8_matmul._contract(recipe, jnp.asarray(x), fmt, jnp.asarray(eye), fmt)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), ref_mx(x, fmt, 32, 1))
+
+
+def test_finite_inputs_give_finite_outputs_at_the_extremes():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 32)) * np.array([[1e38], [1e-30], [1.0], [0.0]])
+    x = x.astype(np.float32)
+    w = rng.standard_normal((32, 3)).astype(np.float32)
+    for kind in RECIPES:
+        y = np.asarray(call(kind, x, w * 1e-30))
+        assert np.all(np.isfinite(y)), kind
+        np.testing.assert_array_equal(y[3], 0.0)
+
+
+# --- forward, error bounds ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(RECIPES))
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_forward_and_gradients_match_reference(kind, use_jit):
+    x, w, g = data(3)
+    fn = lambda a, b: call(kind, a, b)  # noqa: E731
+    y, vjp = jax.vjp(jax.jit(fn) if use_jit else fn, jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(g))
+    y_ref, dx_ref, dw_ref = ref_recipe(kind, x, w, g, E4M3, E5M2)
+    assert y.shape == (2, 5, 24) and dx.shape == x.shape and dw.shape == w.shape
+    assert_close(y, y_ref)
+    assert_close(dx, dx_ref)
+    assert_close(dw, dw_ref)
+
+
+@pytest.mark.parametrize("name", MX_NAMES)
+def test_mx_formats_match_reference(name):
+    """Every MX element format, forward and backward (E5M2 gradients; N=24 and M=10 are
+    padded to one block of 32 in the backward pass)."""
+    x, w, g = data(4)
+    fmt = FORMATS[MX_FORMATS[name]]
+    y, vjp = jax.vjp(lambda a, b: jsa.ops.mx_matmul(a, b, format=name), x, w)
+    dx, dw = vjp(g)
+    y_ref, dx_ref, dw_ref = ref_recipe("mx", x, w, g, fmt, E5M2)
+    for actual, expected in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        assert_close(actual, expected)
+
+
+# Relative (Frobenius) error against the exact float64 matmul, x (32, 256) and w (256, 32)
+# standard Gaussian: measured, and bounded with a margin of about 1.3x.
+ERROR_BOUNDS = {
+    ("row", "float8_e4m3fn"): 0.05,  # measured 0.0374
+    ("row", "float8_e5m2"): 0.10,  # 0.0747
+    ("mx", "mxfp8_e4m3"): 0.055,  # 0.0410
+    ("mx", "mxfp8_e5m2"): 0.10,  # 0.0773
+    ("mx", "mxfp6_e2m3"): 0.055,  # 0.0387
+    ("mx", "mxfp6_e3m2"): 0.10,  # 0.0773
+    ("mx", "mxfp4_e2m1"): 0.20,  # 0.1544
+}
+
+
+@pytest.mark.parametrize("kind,name", sorted(ERROR_BOUNDS))
+def test_relative_error_against_exact_matmul(kind, name):
+    x, w, _ = data(5, (32, 256), n=32, spread=0)
+    kw = {"forward_format": name} if kind == "row" else {"format": name}
+    y = np.asarray(call(kind, x, w, **kw), np.float64)
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    error = np.linalg.norm(y - exact) / np.linalg.norm(exact)
+    assert error < ERROR_BOUNDS[kind, name]
+    assert error > ERROR_BOUNDS[kind, name] / 2  # the operands really are quantised
+
+
+def test_rowwise_beats_tensorwise_when_rows_differ_by_2_pow_10():
+    """Rows of x (and columns of w) alternating between magnitudes 1 and 2^-10.
+
+    With power-of-two scales, a row's rounding is the same under any scale as long as it
+    stays in the format's normal range, so the gain of row-wise scales is where the
+    per-tensor scale pushes the small rows' elements below E4M3's normal range (2^-6,
+    about 2^-15 of its max): every quantised element within 2^-12 of its row's largest
+    is within E4M3's half-ulp 2^-4 row-wise, not per-tensor, and the small rows'
+    quantisation error is lower (the large rows' the same). At 2^10 the gain is small
+    (the worst small row: 0.02953 against 0.02981, and matmul outputs within noise of
+    each other: per-tensor FP8 is enough for such rows). Beyond the format's range (rows
+    2^20 apart) per-tensor flushes the small rows to zero."""
+    rng = np.random.default_rng(6)
+    small = np.arange(64) % 2 == 1
+    x = rng.standard_normal((64, 256)) * np.where(small, 2.0**-10, 1.0)[:, None]
+    w = rng.standard_normal((256, 64)) * np.where(small, 2.0**-10, 1.0)[None, :]
+    x, w = x.astype(np.float32), w.astype(np.float32)
+
+    def worst_row_error(y, rows):
+        d = np.linalg.norm(np.asarray(y, np.float64) - exact, axis=1)
+        return np.max((d / np.linalg.norm(exact, axis=1))[rows])
+
+    amax = np.max(np.abs(x), axis=1, keepdims=True)
+    considered = np.abs(x) >= amax * 2.0**-12
+    errors = {}
+    for axis in (1, None):
+        q, scale = ref_pow2(x, E4M3, axis)
+        quantize = jax.jit(fp8_matmul._pow2_quantize, static_argnums=(1, 2))
+        np.testing.assert_array_equal(q, np.asarray(quantize(x, E4M3, axis)[0]))
+        d = q * scale - x
+        rel = np.abs(d) / np.abs(x)
+        errors[axis] = np.linalg.norm(d, axis=1) / np.linalg.norm(x, axis=1)
+        assert (np.max(rel[considered]) <= 2.0**-4) == (axis == 1)
+    assert np.max(errors[1][small]) < np.max(errors[None][small])  # 0.02953 < 0.02981
+    np.testing.assert_array_equal(errors[1][~small], errors[None][~small])
+
+    far = x * np.where(small, 2.0**-10, 1.0)[:, None].astype(np.float32)  # 2^20 apart
+    exact = far.astype(np.float64) @ w.astype(np.float64)
+    assert worst_row_error(jsa.ops.rowwise_fp8_matmul(far, w), small) < 0.1
+    assert worst_row_error(jsa.ops.tensorwise_fp8_matmul(far, w), small) > 0.5
+
+
+# --- transformations, dtypes, autoscale ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["row", "mx"])
+def test_vmap_over_a_leading_axis(kind):
+    x, _, _ = data(7, (3, 4, 32))
+    w = np.stack([data(8 + i, (4, 32), n=5)[1] for i in range(3)])
+    out = jax.vmap(lambda a, b: call(kind, a, b))(x, w)
+    for i in range(3):
+        np.testing.assert_array_equal(out[i], call(kind, x[i], w[i]))
+    grads = jax.vmap(jax.grad(lambda a, b: jnp.sum(call(kind, a, b)), argnums=1))(x, w)
+    for i in range(3):
+        expected = jax.grad(lambda a, b: jnp.sum(call(kind, a, b)), argnums=1)(x[i], w[i])
+        np.testing.assert_array_equal(grads[i], expected)
+
+
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [("tensor", jnp.float16), ("row", jnp.bfloat16), ("row", jnp.float16), ("mx", jnp.bfloat16)],
+)
+def test_dtypes(kind, dtype):
+    """Outputs in x's dtype, gradients in their primals'; values those of the float32
+    recipe (tested above, same shapes) on the same (exactly converted) inputs, rounded
+    once to the dtype."""
+    x, w, g = data(9, spread=2)
+    x, w, g = (jnp.asarray(v, dtype) for v in (x, w, g))
+    y, vjp = jax.vjp(lambda a, b: call(kind, a, b), x, w)
+    dx, dw = vjp(g)
+    assert y.dtype == dx.dtype == dw.dtype == dtype
+    y32, vjp32 = jax.vjp(
+        lambda a, b: call(kind, a, b), x.astype(jnp.float32), w.astype(jnp.float32)
+    )
+    for low, high in zip((y, dx, dw), (y32, *vjp32(g.astype(jnp.float32))), strict=True):
+        np.testing.assert_array_equal(low, high.astype(dtype))
+
+
+@pytest.mark.parametrize("kind,scale", [("row", 2.0**20), ("mx", 2.0**-20)])
+def test_inside_autoscale_with_scaled_arrays(kind, scale):
+    """Called inside `jsa.autoscale` on ScaledArrays (x with a scale far from 1), or on
+    ScaledArrays directly: the plain call's values, and its gradients (of the data:
+    those of the value times the scale). tensorwise_fp8_matmul shares row-wise's code."""
+    x, w, g = data(10, (4, 32), n=6)
+    xs = jsa.scaled_array(jnp.asarray(x / np.float32(scale)), np.float32(scale))
+    ws = jsa.as_scaled_array(jnp.asarray(w))
+
+    def loss(a, b):
+        return jnp.sum(call(kind, a, b) * g)
+
+    @jax.jit
+    @jsa.autoscale
+    def scaled(a, b):
+        return call(kind, a, b)
+
+    expected = call(kind, x, w)
+    np.testing.assert_array_equal(jsa.asarray(scaled(xs, ws), jnp.float32), expected)
+    np.testing.assert_array_equal(jsa.asarray(call(kind, xs, ws), jnp.float32), expected)
+    grad_fn = jax.jit(jax.grad(lambda a, b: jsa.asarray(jsa.autoscale(loss)(a, b)), (0, 1)))
+    dxs, dws = grad_fn(xs, ws)
+    dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+    np.testing.assert_array_equal(dxs.data, dx * np.float32(scale))
+    np.testing.assert_array_equal(dws.data, dw)
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fn,args,kwargs,match",
+    [
+        (jsa.ops.rowwise_fp8_matmul, ((2, 8), (4, 3)), {}, "mismatched shapes.*K=8.*K=4"),
+        (jsa.ops.rowwise_fp8_matmul, ((2, 8), (8,)), {}, r"w must have shape \(K, N\)"),
+        (jsa.ops.rowwise_fp8_matmul, ((), (8, 2)), {}, "at least one dimension"),
+        (
+            jsa.ops.rowwise_fp8_matmul,
+            ((2, 8), (8, 2)),
+            {"forward_format": "float7"},
+            "unknown forward_format 'float7'",
+        ),
+        (
+            jsa.ops.tensorwise_fp8_matmul,
+            ((2, 8), (8, 2)),
+            {"backward_format": "float8_e8m0fnu"},
+            "backward_format must be a signed float format",
+        ),
+        (jsa.ops.mx_matmul, ((2, 48), (48, 2)), {}, "block_size 32 does not divide.*K=48"),
+        (jsa.ops.mx_matmul, ((2, 32), (16, 2)), {}, "mismatched shapes"),
+        (jsa.ops.mx_matmul, ((2, 32), (32, 2)), {"format": "mxfp7"}, "unknown format 'mxfp7'"),
+        (
+            jsa.ops.mx_matmul,
+            ((2, 32), (32, 2)),
+            {"backward_format": "nope"},
+            "unknown backward_format 'nope'",
+        ),
+        (jsa.ops.mx_matmul, ((2, 32), (32, 2)), {"block_size": 0}, "block_size must be"),
+    ],
+)
+def test_bad_inputs_raise_value_error(fn, args, kwargs, match):
+    x, w = (jnp.ones(shape, jnp.float32) for shape in args)
+    with pytest.raises(ValueError, match=match):
+        fn(x, w, **kwargs)
+
+
+def test_integer_inputs_raise():
+    with pytest.raises(ValueError, match="x must be a floating array"):
+        jsa.ops.rowwise_fp8_matmul(jnp.ones((2, 4), jnp.int32), jnp.ones((4, 2)))
+
+
+def test_doctests():
+    assert doctest.testmod(fp8_matmul, optionflags=doctest.ELLIPSIS).failed == 0
