@@ -9,6 +9,8 @@ float32 accumulation error.
 from __future__ import annotations
 
 import doctest
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,16 +77,15 @@ def ref_recipe(kind, x, w, g, fwd, bwd, block_size=32):
     return y, dx, dw
 
 
-RECIPES = {
-    "tensor": (jsa.ops.tensorwise_fp8_matmul, {}),
-    "row": (jsa.ops.rowwise_fp8_matmul, {}),
-    "mx": (jsa.ops.mx_matmul, {}),
+RECIPES: dict[str, Callable[..., Any]] = {
+    "tensor": jsa.ops.tensorwise_fp8_matmul,
+    "row": jsa.ops.rowwise_fp8_matmul,
+    "mx": jsa.ops.mx_matmul,
 }
 
 
 def call(kind: str, x, w, **kw):
-    fn, defaults = RECIPES[kind]
-    return fn(x, w, **{**defaults, **kw})
+    return RECIPES[kind](x, w, **kw)
 
 
 def data(seed: int, x_shape=(2, 5, 64), n: int = 24, spread: float = 8.0):
