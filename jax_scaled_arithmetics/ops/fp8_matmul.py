@@ -97,9 +97,8 @@ def _dot(a: Array, b: Array) -> Array:
 def _contract(recipe: _Recipe, a: Array, a_fmt: FloatFormat, b: Array, b_fmt: FloatFormat) -> Array:
     """``a (M, K) @ b (K, N)`` in float32, operands quantised along K as `recipe` says."""
     if recipe.granularity == "mx":
-        # Fake-quantised in float32 (no float8 intermediates: under jax.jit(jsa.autoscale),
-        # block_dequantize of a float8 MXArray computed from a closed-over constant came
-        # out wrong).
+        # Fake-quantised in float32, no float8 intermediates: under jax.jit, dequantising
+        # a float8 MXArray quantised from a constant misplaces elements (docs/design.md).
         qa = block_fake_quantize(a, a_fmt, recipe.block_size, axis=1, pad=True)
         qb = block_fake_quantize(b, b_fmt, recipe.block_size, axis=0, pad=True)
         return _dot(qa, qb)
