@@ -17,8 +17,9 @@ the original construct over those leaves:
 - A loop carry keeps one structure: a carry scaled on input stays scaled; one
   the body returns scaled is promoted on input and the body traced again, until
   a fixed point. The scale is a carried leaf, so it can change per iteration.
-  A scaled stacked output of `scan` gets one scale: its loop-invariant scale,
-  or else the largest, the data of each iteration rescaled to it.
+  A scaled stacked output of `scan` keeps one scale per iteration, as a block
+  scale `(L, 1, ...)` (or its loop-invariant scale), and a scanned input with such
+  a scale gives each iteration its own: stacked layers keep their own scales.
 - A `cond` output scaled in one branch is scaled (promoted) in all; the index
   stays plain.
 - `custom_linear_solve` runs the public `jax.lax.custom_linear_solve` on the data
@@ -36,9 +37,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import io_callback
 
-from ..core import _compat, registry
+from ..core import _compat, blocks, registry
 from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray, is_floating
 from ..core.promotion import promote_to_scaled
@@ -450,16 +452,43 @@ def _loop_fixed_point(
         specs = new_specs
 
 
-def _common_stacked_scale(y: ScaledArray, invariant: bool) -> ScaledArray:
-    """A stacked output of a scan, whose scale was stacked too, with one scalar scale."""
+def _stacked_scale(y: ScaledArray, invariant: bool) -> ScaledArray:
+    """A stacked output of a scan, whose scale was stacked too: one scale per iteration, as
+    a block scale with one block per iteration along the stacked axis (`(L, 1, ...)`), or
+    the one scale when it is the same at every iteration."""
     scales = jnp.asarray(y.scale)
     if scales.shape[0] == 0:
         return ScaledArray(y.data, jnp.ones((), scales.dtype))
     if invariant:  # the same scale at every iteration
         return ScaledArray(y.data, scales[0])
-    common = jax.lax.stop_gradient(jnp.max(scales))
-    ratios = safe_div(scales, common).reshape((-1,) + (1,) * (y.data.ndim - 1))
-    return ScaledArray(rescale(y.data, ratios), common)
+    per_iteration = scales.shape[1:] or (1,) * (y.data.ndim - 1)
+    return ScaledArray(y.data, scales.reshape(scales.shape[:1] + tuple(per_iteration)))
+
+
+def _per_tensor(value: Any) -> Any:
+    if isinstance(value, ScaledArray) and np.ndim(value.scale):
+        return ScaledArray(*blocks.to_per_tensor(value.data, value.scale))
+    return value
+
+
+def _scan_x(x: Any, length: int) -> tuple[Any, bool]:
+    """A scanned operand with its scale as each iteration sees it: `(x, sliced)`. A block
+    scale with one block per iteration along the scanned axis is sliced with the data
+    (stacked layers keep one scale each); one with one block along it is passed whole,
+    without that axis; any other layout goes per tensor."""
+    if not isinstance(x, ScaledArray) or np.ndim(x.scale) == 0:
+        return x, False
+    layout = blocks.block_layout(x.shape, np.shape(x.scale))
+    scale = jnp.asarray(x.scale).reshape(layout)
+    if layout[0] == length and length > 1:
+        rest = layout[1:]
+        return ScaledArray(
+            x.data, scale.reshape((length,) if all(r == 1 for r in rest) else layout)
+        ), True
+    if layout[0] == 1:
+        rest = layout[1:]
+        return ScaledArray(x.data, scale.reshape(() if all(r == 1 for r in rest) else rest)), False
+    return _per_tensor(x), False
 
 
 @registry.register_scaled_op(
@@ -467,7 +496,8 @@ def _common_stacked_scale(y: ScaledArray, invariant: bool) -> ScaledArray:
     always_scaled=True,
     promote=False,
     family="higher-order",
-    remark="lax.scan over leaves; carries promoted to a fixed point; stacked scales unified",
+    remark="lax.scan over leaves; carries promoted to a fixed point; stacked outputs and "
+    "inputs one scale per iteration",
 )
 def scaled_scan(
     *args: Any,
@@ -481,14 +511,21 @@ def scaled_scan(
 ) -> list[Any]:
     sizes = (num_consts, num_carry)
     consts, init, xs = _split(args, sizes)
+    init = [_per_tensor(c) for c in init]
+    xs, sliced = map(list, zip(*[_scan_x(x, length) for x in xs])) if xs else ([], [])
     k_consts, k_init, k_xs = _split(_operand_known(len(args)), sizes)
     _, carry_avals, x_avals = _split(jaxpr.in_avals, sizes)
     const_abs = [abstract_value(c) for c in consts]
     x_abs = [
-        ScaledArray(_carry_abstract(a, False, None), abstract_value(x.scale))
+        ScaledArray(
+            _carry_abstract(a, False, None),
+            jax.ShapeDtypeStruct(np.shape(x.scale)[1:], jnp.result_type(x.scale))
+            if cut
+            else abstract_value(x.scale),
+        )
         if isinstance(x, ScaledArray)
         else _carry_abstract(a, False, None)
-        for x, a in zip(xs, x_avals, strict=True)
+        for x, a, cut in zip(xs, x_avals, sliced, strict=True)
     ]
     scale_avals = [_scale_aval(c) for c in init]
     num_ys = len(jaxpr.out_avals) - num_carry
@@ -510,12 +547,21 @@ def scaled_scan(
     init_leaves, _ = flatten_scaled(init)
     carry_leaf_avals, _ = flatten_scaled(carry_abs)
     n_carry = len(init_leaves)
-    xs_data = [x.data if isinstance(x, ScaledArray) else x for x in xs]
+    xs_data: list[Any] = []
+    for x, cut in zip(xs, sliced, strict=True):
+        xs_data.append(x.data if isinstance(x, ScaledArray) else x)
+        if cut:
+            xs_data.append(x.scale)
 
     def body_fun(carry_leaves: list[Any], x_slices: list[Any]) -> tuple[list[Any], list[Any]]:
         x_leaves: list[Any] = []
-        for x, sliced in zip(xs, x_slices, strict=True):
-            x_leaves.extend([sliced, x.scale] if isinstance(x, ScaledArray) else [sliced])
+        slices = iter(x_slices)
+        for x, cut in zip(xs, sliced, strict=True):
+            data = next(slices)
+            if isinstance(x, ScaledArray):
+                x_leaves.extend([data, next(slices) if cut else x.scale])
+            else:
+                x_leaves.append(data)
         outs = _compat.jaxpr_as_fun(body)(*const_leaves, *carry_leaves, *x_leaves)
         carry_out = [
             _cast_like(o, a) for o, a in zip(outs[:n_carry], carry_leaf_avals, strict=True)
@@ -534,11 +580,14 @@ def scaled_scan(
     ys = unflatten_scaled(ys_leaves, y_specs)
     ys_varying = unflatten_scaled(varying, y_specs)
     ys = [
-        _common_stacked_scale(y, not v.scale) if isinstance(y, ScaledArray) else y
+        _stacked_scale(y, not v.scale) if isinstance(y, ScaledArray) else y
         for y, v in zip(ys, ys_varying, strict=True)
     ]
     return [*unflatten_scaled(carry_leaves, carry_specs), *ys]
 
+
+# Block-scaled operands reach the scan rule as they are (stacked xs keep a scale per layer).
+registry.register_block_rule(_compat.scan_p, scaled_scan)
 
 # Scan params with a keyword of `jax.lax.scan` other than length / reverse / unroll.
 _SCAN_PUBLIC_PARAMS = ("_split_transpose",)

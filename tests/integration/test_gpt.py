@@ -70,15 +70,15 @@ def test_gradients_match_float32(problem, dtype):
         assert flushed <= 0.01, f"{name}: {flushed:.1%} of its entries flushed to zero"
 
 
-@pytest.mark.parametrize("dtype", [np.float32], ids=["float32"])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
 def test_scan_over_layers_matches_the_unrolled_model(problem, dtype):
-    """Blocks stacked and run as a `lax.scan` (one scale per stacked tensor, a scaled carry):
-    the gradients under autoscale match float32 gradients of the unrolled model.
+    """Blocks stacked and run as a `lax.scan` (a scaled carry; the scan's stacked outputs,
+    the residuals its backward pass reads, keep one scale per layer as `(L, 1, ...)` block
+    scales): the gradients under autoscale match float32 gradients of the unrolled model.
 
-    float16 is not here yet: the scan's stacked residuals get one scale for all layers, so a
-    layer whose values are much smaller than the largest one's has data far below 1, and layer
-    norm's backward (`(var + eps) ** -1.5`) then overflows float16 (per-layer scales of stacked
-    tensors are the granular-scales issue's work)."""
+    float16 is not here yet: its jitted step gives NaN gradients, from a NaN that first
+    appears in the output of the jitted `jnp.var` helper of the forward scan's layer norm
+    (the same step run eagerly is finite; seen before and after per-layer scales)."""
     params, tokens, targets = problem
     stacked = jsa.as_scaled_array(gpt.stack_blocks(params), dtype=dtype)
     values = jsa.asarray(stacked, jnp.float32)
@@ -118,7 +118,10 @@ def _check_updates(new_params, reference, before, grads, tol, floor):
     bias of attention (zero in exact arithmetic, softmax ignores it; rounding noise of
     1e-12 in plain float32 too), in float16 gradients below its precision relative to the
     tensor's largest. Entries whose float32 gradient is below `floor` times the tensor's
-    largest are left out: no precision decides their update.
+    largest are left out: no precision decides their update. On top of `tol`, each
+    entry may differ by one float32 ulp of its new value: a step of 1e-3 on a parameter
+    near 1 (layer norm gains) is resolved to 1.2e-7, 1.2e-4 of the step, and the scaled
+    and plain sums may round to neighbouring float32 values.
     """
     flat = zip(
         _leaves(new_params),
@@ -132,7 +135,9 @@ def _check_updates(new_params, reference, before, grads, tol, floor):
         ref, old, grad = (np.asarray(a, np.float64) for a in (ref, old, grad))
         conditioned = np.abs(grad) >= floor * np.max(np.abs(grad))
         update, expected = (new - old)[conditioned], (ref - old)[conditioned]
-        error = np.max(np.abs(update - expected)) / np.max(np.abs(expected))
+        ulp = np.spacing(np.abs(ref[conditioned]).astype(np.float32)).astype(np.float64)
+        excess = np.abs(update - expected) - ulp
+        error = max(np.max(excess), 0.0) / np.max(np.abs(expected))
         assert error < tol, f"{jax.tree_util.keystr(path)}: update error {error:.2e}"
 
 

@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
@@ -259,8 +260,49 @@ def test_scan_stacked_outputs_with_varying_and_constant_scales():
     assert_close(c, ec, 1e-6)
     assert_close(ys, eys, 1e-6)
     assert_close(xs, exs, 0)
-    # The loop-invariant scale is kept as it is; the varying one is the largest.
-    assert float(xs.scale) == 2.0**-50 and float(ys.scale) == 2.0**-50 * 8
+    # The loop-invariant scale is kept as it is; the varying one is kept per iteration, as a
+    # block scale with one block per iteration along the stacked axis.
+    assert float(xs.scale) == 2.0**-50
+    per_iteration = 2.0**-50 * 2.0 ** np.arange(4)
+    assert ys.scale.shape == (4,) + (1,) * (ys.ndim - 1)
+    np.testing.assert_array_equal(np.asarray(ys.scale).ravel(), per_iteration)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_scan_over_stacked_per_layer_scales(dtype, reverse):
+    """Layers 2^30 apart, stacked with one scale per layer `(L, 1, 1)`: each iteration sees
+    its own layer's scale (float16 could not hold them at one scale), forward and backward,
+    and the stacked outputs keep one scale per layer."""
+    rng = np.random.default_rng(0)
+    magnitudes = np.exp2(np.array([-20.0, -5.0, 0.0, 10.0]))[:, None, None]
+    w = (rng.normal(size=(4, 8, 8)) * magnitudes).astype(np.float32)
+    x = rng.normal(size=(2, 8)).astype(np.float32)
+
+    def fn(w, x):
+        def body(c, wl):
+            y = c @ wl
+            return jnp.tanh(y), y
+
+        return jax.lax.scan(body, x, w, reverse=reverse)
+
+    def loss(w, x):
+        return jnp.sum(fn(w, x)[1][:, 0] ** 2)
+
+    ws = jsa.as_scaled_array(w, scale_shape=(4, 1, 1), dtype=dtype)
+    plain_w = jnp.asarray(represented(ws), jnp.float32)
+    tol = {np.float32: 1e-5, np.float16: 4e-3, ml_dtypes.bfloat16: 3e-2}[dtype]
+    _, ys = jax.jit(jsa.autoscale(fn))(ws, x)
+    _, ref = fn(plain_w, x)
+    assert ys.scale.shape == (4, 1, 1)
+    grad = jax.jit(jsa.autoscale(jax.grad(loss)))(ws, x)
+    ref_grad = jax.grad(loss)(plain_w, x)
+    for got, want in [(ys, ref), (grad, ref_grad)]:
+        got = np.asarray(got.to_array(jnp.float32), np.float64)
+        want = np.asarray(want, np.float64)
+        # Per layer: each layer's error relative to its own largest value.
+        err = np.abs(got - want).max(axis=(1, 2)) / np.abs(want).max(axis=(1, 2))
+        assert (err <= tol).all(), err
 
 
 def test_while_carry_promoted():
