@@ -1,7 +1,8 @@
 """Number formats: simulated float, fixed point, posit, lookup-table and block scaled (MX)
 quantisation.
 
-Pure JAX / numpy; independent of the rest of the library.
+Pure JAX / numpy; independent of the rest of the library, except the ScaledArray view of
+block scaled arrays (`MXArray.to_scaled_array`, `mx_from_scaled_array`).
 """
 
 from ._bits import Rounding as Rounding
@@ -13,6 +14,7 @@ from .block import block_fake_quantize as block_fake_quantize
 from .block import block_quantize as block_quantize
 from .block import from_e8m0 as from_e8m0
 from .block import mx_element_format as mx_element_format
+from .block import mx_from_scaled_array as mx_from_scaled_array
 from .fixed_point import fixed_point_quantize as fixed_point_quantize
 from .float_quantize import float_quantize as float_quantize
 from .formats import FORMATS as FORMATS
@@ -49,6 +51,7 @@ __all__ = [
     "from_e8m0",
     "get_format",
     "mx_element_format",
+    "mx_from_scaled_array",
     "posit_from_bits",
     "posit_quantize",
     "posit_to_bits",

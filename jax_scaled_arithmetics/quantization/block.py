@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import types
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,9 @@ from . import _bits
 from ._bits import Rounding
 from .float_quantize import quantize_abs_bits
 from .formats import FloatFormat, get_format
+
+if TYPE_CHECKING:
+    from ..core.datatype import ScaledArray
 
 E8M0_NAN = 0xFF
 E8M0_BIAS = 127
@@ -227,6 +230,45 @@ class MXArray:
         """Same as :func:`block_dequantize`."""
         return block_dequantize(self)
 
+    def to_scaled_array(self) -> ScaledArray:
+        """The same values as a block-scaled :class:`~jax_scaled_arithmetics.ScaledArray`.
+
+        A view, nothing is re-quantised: the data are the elements (``data``, in their
+        dtype), the scale is the float32 power of two of each block (``scales`` decoded
+        from E8M0), of the data's rank with ``shape[axis] // block_size`` blocks along
+        ``axis``: ``(M, K // 32)`` for blocks of 32 along the last axis of ``(M, K)``. So
+        ``jsa.autoscale`` computes on it with its block rules, and
+        :func:`mx_from_scaled_array` gives this MXArray back bit for bit. A block that held
+        NaN/inf keeps its NaN scale (it represents NaNs). The smallest E8M0 scale,
+        ``2**-127``, is a float32 subnormal, which XLA on CPU flushes to zero in arithmetic:
+        there, values of such blocks may read as zeros through ``to_array()``.
+
+        Raises:
+            ValueError: the MXArray is padded (``block_quantize(..., pad=True)`` on an
+                axis that `block_size` does not divide): a block scale needs whole blocks.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jax_scaled_arithmetics as jsa
+            >>> x = jnp.array([[1.0, 2.0, 96.0, -64.0]])
+            >>> sa = block_quantize(x, "mxfp8_e4m3", block_size=2).to_scaled_array()
+            >>> sa.scale  # one power of two per block of 2: shape (1, 4 // 2)
+            Array([[0.0078125, 0.25     ]], dtype=float32)
+            >>> sa.data.dtype
+            dtype(float8_e4m3fn)
+            >>> jsa.autoscale(lambda a: a.astype(jnp.float32) * 2.0)(sa).to_array()
+            Array([[   2.,    4.,  192., -128.]], dtype=float32)
+        """
+        from ..core.datatype import ScaledArray
+
+        if self.data.shape[self.axis] != self.length:
+            raise ValueError(
+                f"MXArray padded from length {self.length} to {self.data.shape[self.axis]} "
+                f"along axis {self.axis} (block size {self.block_size}) has no ScaledArray "
+                "view: a block scale needs whole blocks (quantize without pad=True)"
+            )
+        return ScaledArray(self.data, from_e8m0(self.scales))
+
 
 jax.tree_util.register_dataclass(
     MXArray, data_fields=["data", "scales"], meta_fields=["format", "block_size", "axis", "length"]
@@ -299,6 +341,35 @@ def block_quantize(
     return _block_quantize(x, format, block_size, axis, rounding, key, pad, float32_data=False)
 
 
+def _check_block_args(
+    ndim: int,
+    shape: tuple[int, ...],
+    format: Any,
+    block_size: Any,
+    axis: Any,
+    rounding: Any,
+    key: Any,
+    pad: bool,
+    fn: str,
+) -> tuple[FloatFormat, str, int]:
+    """Validates the arguments of a block quantiser: (element format, rounding, axis >= 0)."""
+    fmt = mx_element_format(format)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    mode = _bits.check_rounding(rounding, key)
+    if ndim == 0:
+        raise ValueError(f"{fn} needs an array with at least one dimension")
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis!r} is out of range for an array of rank {ndim}")
+    axis = axis % ndim
+    if shape[axis] % block_size and not pad:
+        raise ValueError(
+            f"block_size {block_size} does not divide the length {shape[axis]} of axis {axis}; "
+            "pass pad=True to zero-pad the last block"
+        )
+    return fmt, mode, axis
+
+
 def _block_quantize(
     x: Any,
     format: str | FloatFormat | Any,
@@ -309,27 +380,24 @@ def _block_quantize(
     pad: bool,
     float32_data: bool,
 ) -> MXArray:
-    fmt = mx_element_format(format)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    mode = _bits.check_rounding(rounding, key)
     x = jnp.asarray(x)
     _bits.compute_dtype(x, "block_quantize")
-    if x.ndim == 0:
-        raise ValueError("block_quantize needs an array with at least one dimension")
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"axis {axis!r} is out of range for an array of rank {x.ndim}")
-    axis = axis % x.ndim
-    length = x.shape[axis]
-    if length % block_size and not pad:
-        raise ValueError(
-            f"block_size {block_size} does not divide the length {length} of axis {axis}; "
-            "pass pad=True to zero-pad the last block"
-        )
+    fmt, mode, axis = _check_block_args(
+        x.ndim, x.shape, format, block_size, axis, rounding, key, pad, "block_quantize"
+    )
     data_dtype = np.dtype(np.float32) if float32_data else fmt.jax_dtype or np.dtype(np.float32)
     key = key if mode == "stochastic" else None
     data, scales = _block_quantize_impl(x, key, fmt, block_size, axis, mode, data_dtype)
-    return MXArray(data, scales, fmt, block_size, axis - x.ndim, length)
+    return MXArray(data, scales, fmt, block_size, axis - x.ndim, x.shape[axis])
+
+
+def _pad_axis(x: jax.Array, block_size: int, axis: int) -> jax.Array:
+    """`x` zero-padded along `axis` to a multiple of `block_size`."""
+    if x.shape[axis] % block_size == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, -x.shape[axis] % block_size)
+    return jnp.pad(x, widths)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_size", "axis", "mode", "data_dtype"))
@@ -342,33 +410,171 @@ def _block_quantize_impl(
     mode: str,
     data_dtype: np.dtype,
 ) -> tuple[jax.Array, jax.Array]:
-    if x.shape[axis] % block_size:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, -x.shape[axis] % block_size)
-        x = jnp.pad(x, widths)
-    xt = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
-    blocks = xt.reshape(*xt.shape[:-1], xt.shape[-1] // block_size, block_size)
-    bits = _bits.to_bits(blocks)
-    sign = bits & _bits.u32(_bits.SIGN_MASK)
-    a = bits & _bits.u32(_bits.ABS_MASK)
-    # Integer max of |bits| is the max of |x|, and NaN/inf patterns are the largest.
-    amax = jnp.max(a, axis=-1, keepdims=True)
-    special = amax >= _bits.u32(_bits.INF_BITS)
-    shared = jnp.clip(_floor_log2(amax) - fmt.max_exponent, -E8M0_BIAS, E8M0_BIAS)
+    bits = _bits.to_bits(_pad_axis(x.astype(jnp.float32), block_size, axis))
+    special = (bits & _bits.u32(_bits.ABS_MASK)) >= _bits.u32(_bits.INF_BITS)
+    return _encode_blocks(bits, 0, special, key, fmt, block_size, axis, mode, data_dtype)
+
+
+# Exponent of a zero element: below any block's, so that it never sets a scale.
+_NO_EXPONENT = -(2**24)
+
+
+def _encode_blocks(
+    bits: jax.Array,
+    exp_offset: Any,
+    special: jax.Array,
+    key: jax.Array | None,
+    fmt: FloatFormat,
+    block_size: int,
+    axis: int,
+    mode: str,
+    data_dtype: np.dtype,
+) -> tuple[jax.Array, jax.Array]:
+    """MX elements and E8M0 scales of the values ``bits * 2**exp_offset``.
+
+    `bits` are float32 bit patterns (signs included) of an array whose `axis` is a multiple
+    of `block_size`; `exp_offset` is 0 or an int32 array of the same shape; `special` marks
+    elements whose value is NaN or infinite (their block becomes a NaN block). Integer
+    operations only, so the result is exact whatever the offsets.
+    """
+
+    def blocked(v: jax.Array) -> jax.Array:
+        vt = jnp.moveaxis(v, axis, -1)
+        return vt.reshape(*vt.shape[:-1], vt.shape[-1] // block_size, block_size)
+
+    blocks = blocked(bits)
+    offset = blocked(exp_offset) if np.ndim(exp_offset) else exp_offset
+    sign = blocks & _bits.u32(_bits.SIGN_MASK)
+    a = blocks & _bits.u32(_bits.ABS_MASK)
+    special = jnp.any(blocked(special), axis=-1, keepdims=True)
+    a = jnp.where(special, _bits.u32(0), a)
+    # floor(log2 |value|) per element; its largest over a block is that of the block's amax.
+    exponent = jnp.where(a == 0, _NO_EXPONENT, _floor_log2(a) + offset)
+    top = jnp.max(exponent, axis=-1, keepdims=True)
+    shared = jnp.clip(top - fmt.max_exponent, -E8M0_BIAS, E8M0_BIAS)
     shared = jnp.where(special, 0, shared)
 
     rbits = _bits.random_bits(key, blocks.shape) if mode == "stochastic" else None
-    r = quantize_abs_bits(jnp.where(special, _bits.u32(0), a), -shared, fmt, mode, rbits)
+    r = quantize_abs_bits(a, offset - shared, fmt, mode, rbits)
     r = jnp.minimum(r, _bits.u32(_bits.float_bits(fmt.max)))  # saturate
     if fmt.nan_encoding == "fnuz":  # no negative zero
         sign = jnp.where(r == 0, _bits.u32(0), sign)
     elements = _bits.from_bits(jnp.where(special, _bits.u32(0), r | sign))
     codes = jnp.where(special, E8M0_NAN, shared + E8M0_BIAS)
 
-    data = jnp.moveaxis(elements.reshape(xt.shape), -1, axis)
+    shape = jnp.moveaxis(bits, axis, -1).shape
+    data = jnp.moveaxis(elements.reshape(shape), -1, axis)
     data = data.astype(data_dtype)
     scales = jnp.moveaxis(_e8m0_from_codes(codes[..., 0]), -1, axis)
     return data, scales
+
+
+def mx_from_scaled_array(
+    x: ScaledArray,
+    format: str | FloatFormat | Any,
+    block_size: int = 32,
+    axis: int = -1,
+    rounding: Rounding = "nearest",
+    key: jax.Array | None = None,
+    pad: bool = False,
+) -> MXArray:
+    """The MX quantisation of the values a ScaledArray represents (``data * scale``).
+
+    The inverse of :meth:`MXArray.to_scaled_array`: any scale layout is accepted (one
+    scale per tensor, per row, per channel, MX blocks, tiles...), and the values are
+    quantised as :func:`block_quantize` quantises them, without forming them in float32:
+    each element's exponent is its data's plus its scale's (integer arithmetic), so values
+    beyond float32's range (large scales) are quantised exactly as well. When `x` came
+    from an MXArray with the same format, block size and axis, the result is that MXArray,
+    bit for bit. A scale that is not a power of two is folded into the data in float32
+    before rounding (one extra rounding); a negative scale flips signs; a NaN or infinite
+    value (data or scale) makes its block a NaN block.
+
+    Args:
+        x: A :class:`~jax_scaled_arithmetics.ScaledArray` of rank at least 1 (data float
+            up to 32 bits).
+        format: Element format, as for :func:`block_quantize` (an OCP MX name such as
+            ``"mxfp8_e4m3"``, or an element format).
+        block_size: Elements per block (32 in the MX specification).
+        axis: Axis along which blocks are formed.
+        rounding: Element rounding: ``"nearest"``, ``"toward_zero"`` or ``"stochastic"``.
+        key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
+        pad: Whether to zero-pad an axis that `block_size` does not divide.
+
+    Returns:
+        An :class:`MXArray`.
+
+    Raises:
+        ValueError: invalid format, block size, axis or rounding, a block size that does
+            not divide the axis length without ``pad=True``, or a scale whose shape is not
+            a block layout of the data's.
+        TypeError: `x` is not a ScaledArray, or its data is float64 or not real.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jsa.scaled_array(jnp.array([[1.0, 1.5, 1.0, -1.25]]), 2.0**100)
+        >>> mx = mx_from_scaled_array(x, "mxfp8_e4m3", block_size=2)
+        >>> mx.scales.view(jnp.uint8)  # E8M0 codes: 2**(100 - 8) per block
+        Array([[219, 219]], dtype=uint8)
+        >>> mx.data
+        Array([[256, 384, 256, -320]], dtype=float8_e4m3fn)
+        >>> y = jsa.as_scaled_array(jnp.arange(8.0).reshape(2, 4), scale_shape=(2, 1))
+        >>> mx_from_scaled_array(y, "mxfp4_e2m1", block_size=4).dequantize()
+        Array([[0., 1., 2., 3.],
+               [4., 4., 6., 6.]], dtype=float32)
+    """
+    from ..core import blocks
+    from ..core.datatype import ScaledArray
+
+    if not isinstance(x, ScaledArray):
+        raise TypeError(f"mx_from_scaled_array expects a ScaledArray, got {type(x).__name__}")
+    data = jnp.asarray(x.data)
+    _bits.compute_dtype(data, "mx_from_scaled_array")
+    fmt, mode, axis = _check_block_args(
+        data.ndim, data.shape, format, block_size, axis, rounding, key, pad, "mx_from_scaled_array"
+    )
+    scale = jnp.asarray(x.scale)
+    if scale.ndim:
+        scale = scale.reshape(blocks.block_layout(data.shape, scale.shape))
+        scale = blocks.expand_scale(scale.astype(jnp.float32), data.shape)
+    data_dtype = fmt.jax_dtype or np.dtype(np.float32)
+    key = key if mode == "stochastic" else None
+    elements, scales = _mx_from_scaled_impl(
+        data, scale, key, fmt, block_size, axis, mode, data_dtype
+    )
+    return MXArray(elements, scales, fmt, block_size, axis - data.ndim, data.shape[axis])
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "axis", "mode", "data_dtype"))
+def _mx_from_scaled_impl(
+    data: jax.Array,
+    scale: jax.Array,
+    key: jax.Array | None,
+    fmt: FloatFormat,
+    block_size: int,
+    axis: int,
+    mode: str,
+    data_dtype: np.dtype,
+) -> tuple[jax.Array, jax.Array]:
+    d = data.astype(jnp.float32)
+    sbits = _bits.to_bits(jnp.broadcast_to(scale.astype(jnp.float32), d.shape))
+    sa = sbits & _bits.u32(_bits.ABS_MASK)
+    # |scale| = m * 2**k with m in [1, 2), from its bits (float32 subnormals included).
+    sm, se = _bits.decompose(sa)
+    msb = 31 - lax.clz(sm).astype(jnp.int32)
+    k = se + msb
+    pow2 = (sm & (sm - _bits.u32(1))) == 0
+    # m / 2 in [0.5, 1), folded into the data in float32 (the product cannot overflow).
+    half_m = _bits.from_bits(_bits.u32(126 << 23) | (_bits.shl(sm, 23 - msb) & _bits.u32(0x7FFFFF)))
+    v = jnp.where(pow2, d, d * half_m)
+    k = jnp.where(pow2, k, k + 1)
+    bits = _bits.to_bits(v) ^ (sbits & _bits.u32(_bits.SIGN_MASK))
+    # A zero scale represents zeros (signed as the data).
+    bits = jnp.where(sa == 0, bits & _bits.u32(_bits.SIGN_MASK), bits)
+    special = ~jnp.isfinite(d) | (sa >= _bits.u32(_bits.INF_BITS))
+    bits, k, special = (_pad_axis(t, block_size, axis) for t in (bits, k, special))
+    return _encode_blocks(bits, k, special, key, fmt, block_size, axis, mode, data_dtype)
 
 
 def block_fake_quantize(
