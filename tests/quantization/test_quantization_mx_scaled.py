@@ -10,6 +10,7 @@ import pytest
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.quantization import (
     MX_FORMATS,
+    block,
     block_dequantize,
     block_quantize,
     mx_from_scaled_array,
@@ -178,3 +179,16 @@ def test_errors_name_the_problem():
         mx_from_scaled_array(jsa.scaled_array(1.0, 1.0), "mxfp8_e4m3")
     with pytest.raises(TypeError, match="expects a ScaledArray, got ndarray"):
         mx_from_scaled_array(np.ones((4, 64), np.float32), "mxfp8_e4m3")
+
+
+def test_view_under_jit_and_no_recompilation():
+    x = wide_blocks(7, (4, 64), low=-10, high=10)
+    x[2, 3] = x[3, 40] = 1.0
+    mx = block_quantize(x, "mxfp6_e3m2")
+    round_trip = jax.jit(lambda m: mx_from_scaled_array(m.to_scaled_array(), "mxfp6_e3m2"))
+    assert_same_mx(round_trip(mx), mx)
+    sa = mx.to_scaled_array()
+    mx_from_scaled_array(sa, "mxfp6_e3m2")
+    before = block._mx_from_scaled_impl._cache_size()
+    mx_from_scaled_array(jsa.ScaledArray(sa.data + 1, sa.scale), "mxfp6_e3m2")
+    assert block._mx_from_scaled_impl._cache_size() == before
