@@ -30,6 +30,11 @@ parameters, float16 new kernels: per-layer scales 5.9e-4 3.1e-4 5.8e-4 3.0e-4; o
 for the whole stacked leaf 3.3e-2 3.1e-4 2.9e-2 3.0e-4 (the 2^-10 layers' data are float16
 subnormals). bfloat16 has float32's exponent range: one scale for all layers loses nothing
 there at a spread of 2^20.
+
+Adam: plain `optax.adam` on float16 ScaledArrays gives NaN where a gradient is zero (dead
+relu units; its `eps` underflows at the block's scale, so 0 / 0), per tensor as per block;
+`jsa.optax.scale_optimizer` keeps its moments per tensor, which loses the layers whose
+gradients are 2^20 below the others' (xfail below).
 """
 
 from __future__ import annotations
@@ -196,3 +201,28 @@ def test_one_scale_for_all_layers_loses_the_small_layers_in_float16(problem):
     small = LOG2_MAGNITUDES < 0
     assert np.all(errors["one scale"][small] > 10 * errors["per layer"][small])
     assert np.all(errors["per layer"] <= 2e-3)
+
+
+@pytest.mark.xfail(
+    reason="jsa.optax.scale_optimizer keeps Adam's moments at one scale per tensor: in "
+    "float16 the layers whose gradients are 2^20 below the others' get no update",
+    strict=True,
+)
+def test_scaled_adam_step_in_float16_keeps_every_layer(problem):
+    """Adam through `jsa.optax.scale_optimizer` (float16 moments) on the per-layer-scaled
+    float16 model: every layer's update within 1e-2 of float32 Adam's. Today the moments'
+    state is per tensor (`opt.init` gives scalar scales and the update keeps them), so
+    the 2^10 layers (gradients near 2^-10 of the others') lose their moments: update errors
+    measured 4.1e-4, 0.997, 4.1e-4, 0.997."""
+    graphdef, state, x, y = problem
+    adam = optax.adam(1e-3)
+    opt = jsa.optax.scale_optimizer(adam)
+    scaled = scaled_state(state, np.float16, per_layer)
+    values = jsa.asarray(scaled, jnp.float32)
+    expected, _, _ = jax.jit(make_step(graphdef, adam))(values, adam.init(values), x, y)
+    updates, _, _ = jax.jit(jsa.autoscale(make_step(graphdef, opt)))(scaled, opt.init(scaled), x, y)
+    got = layer_errors(
+        updates["blocks"]["linear"]["kernel"], expected["blocks"]["linear"]["kernel"]
+    )
+    print(f"float16 scaled Adam kernel update errors: {got}")
+    assert np.all(got <= 1e-2), got
