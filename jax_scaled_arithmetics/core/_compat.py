@@ -166,6 +166,22 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def _batch_tracer_type() -> Any:
+    try:  # JAX has no public name for vmap's tracer
+        from jax._src.interpreters.batching import BatchTracer
+    except ImportError:  # pragma: no cover - a future JAX that moved it
+        return ()
+    return BatchTracer
+
+
+_BATCH_TRACER = _batch_tracer_type()
+
+
+def is_batched(x: Any) -> bool:
+    """Whether `x` is a value being mapped by an enclosing `jax.vmap` (its tracer)."""
+    return bool(_BATCH_TRACER) and isinstance(x, _BATCH_TRACER)
+
+
 def new_primitive(name: str, multiple_results: bool = False) -> Primitive:
     prim = Primitive(name)
     prim.multiple_results = multiple_results

@@ -16,9 +16,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from . import _compat
+from .scale_primitives import scale_divide_p
 
 Array = Any
 
@@ -29,6 +33,7 @@ __all__ = [
     "common_layout",
     "refine_scale",
     "block_max",
+    "block_sum",
     "block_pow2_scale",
     "to_per_tensor",
 ]
@@ -128,12 +133,14 @@ def refine_scale(scale: Array, shape: Sequence[int], layout: Sequence[int]) -> A
     scale = jnp.asarray(scale, _F32) if not hasattr(scale, "dtype") else scale
     if np.ndim(scale) == 0:
         return jnp.broadcast_to(scale, tuple(layout))
+    if tuple(np.shape(scale)) == tuple(layout):
+        return scale
     own = block_layout(shape, np.shape(scale))
     scale = scale.reshape(own)
     if own == tuple(layout):
         return scale
     # Each of our blocks holds whole blocks of the finer layout.
-    return expand_scale(scale, layout) * jnp.ones(tuple(layout), scale.dtype)
+    return jnp.broadcast_to(expand_scale(scale, layout), tuple(layout))
 
 
 def _blocked(x: Array, layout: Sequence[int]) -> tuple[Array, tuple[int, ...]]:
@@ -144,33 +151,110 @@ def _blocked(x: Array, layout: Sequence[int]) -> tuple[Array, tuple[int, ...]]:
     return x.reshape(tuple(dims)), tuple(range(1, 2 * x.ndim, 2))
 
 
+def block_sum(x: Array, layout: Sequence[int]) -> Array:
+    """The sum of each block of `layout` (an array of the layout's shape)."""
+    layout = block_layout(x.shape, tuple(layout))
+    blocked, axes = _blocked(x, layout)
+    return lax.reduce_sum(blocked, axes)
+
+
 def block_max(x: Array, layout: Sequence[int]) -> Array:
     """The largest finite `|x|` of each block of `layout` (0 where there is none), float32."""
-    magnitude = jnp.abs(x.astype(wide_dtype(x.dtype)))
-    magnitude = jnp.where(jnp.isfinite(magnitude), magnitude, 0)
+    magnitude = lax.abs(x.astype(wide_dtype(x.dtype)))
+    magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
     if x.size == 0:
         return jnp.zeros(tuple(layout), magnitude.dtype)
     blocked, axes = _blocked(magnitude, layout)
     return lax.reduce_max(blocked, axes)
 
 
+def _block_pow2_scale_impl(x: Array, layout: Sequence[int], factor: Array = 1.0) -> Array:
+    amax = block_max(x, layout).astype(_F32)
+    factor = jnp.asarray(factor, _F32)
+    if factor.ndim or not isinstance(factor, np.ndarray) or float(factor) != 1.0:
+        amax = amax * factor
+    bits = lax.bitcast_convert_type(amax, np.int32) & np.int32(0x7F800000)
+    bits = lax.clamp(np.int32((127 - 124) << 23), bits, np.int32((127 + 126) << 23))
+    bits = lax.select(amax > 0, bits, lax.full_like(bits, 127 << 23))
+    return lax.bitcast_convert_type(bits, _F32)
+
+
+def _block_dynamic_scale_impl(x: Array, factor: Array, *, layout: tuple[int, ...]) -> list[Array]:
+    scale = _block_pow2_scale_impl(x, layout, factor)
+    inverse = lax.bitcast_convert_type(
+        np.int32(254 << 23) - lax.bitcast_convert_type(scale, np.int32), _F32
+    )  # 1 / scale, exactly
+    return [scale, factor.astype(_F32) * inverse]
+
+
+# One equation for a block-wise dynamic scale (as `dynamic_scale_p` is for a tensor's):
+# (scale, factor / scale), scale the power of two of each block's largest `|x| * factor`.
+block_dynamic_scale_p = _compat.new_primitive("block_dynamic_scale", multiple_results=True)
+block_dynamic_scale_p.def_impl(_block_dynamic_scale_impl)
+block_dynamic_scale_p.def_abstract_eval(
+    lambda x, factor, *, layout: [jax.core.ShapedArray(tuple(layout), _F32)] * 2
+)
+_compat.register_lowering(block_dynamic_scale_p, _block_dynamic_scale_impl, multiple_results=True)
+
+
+def _block_dynamic_scale_jvp(primals: Any, tangents: Any, *, layout: tuple[int, ...]) -> Any:
+    scale, ratio_ = block_dynamic_scale_p.bind(*primals, layout=layout)
+    dfactor = _compat.instantiate_zeros(tangents[1])
+    inverse = ratio(jnp.ones_like(scale), scale)
+    return [scale, ratio_], [jnp.zeros_like(scale), dfactor * inverse]
+
+
+def _block_dynamic_scale_batch(args: Any, dims: Any, *, layout: tuple[int, ...]) -> Any:
+    # One scale per example and block: the batch axis becomes a leading axis of blocks.
+    x, factor = args
+    x_dim, f_dim = dims
+    size = x.shape[x_dim] if x_dim is not None else factor.shape[f_dim]
+    x = jnp.moveaxis(x, x_dim, 0) if x_dim is not None else jnp.broadcast_to(x, (size,) + x.shape)
+    factor = jnp.asarray(factor, _F32)
+    if f_dim is None:
+        factor = jnp.broadcast_to(factor, (size,) + tuple(layout))
+    else:
+        factor = jnp.broadcast_to(jnp.moveaxis(factor, f_dim, 0), (size,) + tuple(layout))
+    outs = block_dynamic_scale_p.bind(x, factor, layout=(size,) + tuple(layout))
+    return outs, [0, 0]
+
+
+_compat.register_jvp(block_dynamic_scale_p, _block_dynamic_scale_jvp)
+_compat.register_batching(block_dynamic_scale_p, _block_dynamic_scale_batch)
+
+
 def block_pow2_scale(x: Array, layout: Sequence[int], factor: Array = 1.0) -> Array:
     """Per block of `layout`: the power of two at or below the largest finite `|x| * factor`,
     within `[SCALE_MIN, SCALE_MAX]` (1 for a block of zeros), float32. `factor` is a scalar
-    or an array of the layout's shape."""
-    amax = block_max(x, layout).astype(_F32) * jnp.asarray(factor, _F32)
-    bits = lax.bitcast_convert_type(amax, np.int32) & np.int32(0x7F800000)
-    bits = jnp.clip(bits, np.int32((127 - 124) << 23), np.int32((127 + 126) << 23))
-    scale = lax.bitcast_convert_type(bits, _F32)
-    return lax.stop_gradient(jnp.where(amax > 0, scale, np.float32(1.0)))
+    or an array of the layout's shape. Excluded from autodiff (a choice of representation).
+
+    Examples:
+        >>> block_pow2_scale(jnp.array([[0.3, 5.0], [0.0, 0.0]]), (2, 1)).tolist()
+        [[4.0], [1.0]]
+    """
+    layout = block_layout(np.shape(x), tuple(layout))
+    factor = jnp.broadcast_to(jnp.asarray(factor, _F32), layout)
+    return block_dynamic_scale_p.bind(lax.stop_gradient(x), factor, layout=layout)[0]
+
+
+def block_dynamic_scale(x: Array, factor: Array, layout: Sequence[int]) -> tuple[Array, Array]:
+    """`(scale, factor / scale)` per block of `layout` (see :func:`block_pow2_scale`), in one
+    equation; `factor` an array of the layout's shape."""
+    layout = block_layout(np.shape(x), tuple(layout))
+    factor = jnp.broadcast_to(jnp.asarray(factor, _F32), layout)
+    scale, inverse = block_dynamic_scale_p.bind(lax.stop_gradient(x), factor, layout=layout)
+    return scale, inverse
 
 
 def ratio(scale: Array, to: Array) -> Array:
-    """`scale / to`, 0 where `to` is 0 (a zero scale represents zeros)."""
+    """`scale / to` for scales (0 where `to` is 0: a zero scale represents zeros), without a
+    division: exact when `to` is a power of two, Newton's reciprocal otherwise."""
     scale = jnp.asarray(scale, _F32)
     to = jnp.asarray(to, _F32)
-    nonzero = to != 0
-    return jnp.where(nonzero, scale / jnp.where(nonzero, to, 1), 0)
+    if scale.shape != to.shape:
+        shape = np.broadcast_shapes(scale.shape, to.shape)
+        scale, to = jnp.broadcast_to(scale, shape), jnp.broadcast_to(to, shape)
+    return scale_divide_p.bind(scale, to, zero_gives_inf=False, pow2=False)
 
 
 def to_per_tensor(data: Array, scale: Array) -> tuple[Array, Array]:

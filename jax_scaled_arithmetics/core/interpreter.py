@@ -341,11 +341,20 @@ def _leaf_aval(leaf: Any) -> Any:
     return leaf
 
 
-def _as_output(value: Any) -> Any:
+def _as_output(value: Any, mapped: bool = False) -> Any:
     """An output as users get it: a scale that rules folded at trace time (a NumPy scalar)
     becomes a JAX array, like every other scale."""
     if isinstance(value, ScaledArray) and isinstance(value.scale, (np.ndarray, np.generic)):
-        return ScaledArray(value.data, jnp.asarray(value.scale))
+        value = ScaledArray(value.data, jnp.asarray(value.scale))
+    if (
+        isinstance(value, ScaledArray)
+        and np.ndim(value.scale) == 0
+        and np.ndim(value.data) > 0
+        and (mapped or _compat.is_batched(value.data) or _compat.is_batched(value.scale))
+    ):
+        # Under `jax.vmap`, a per-example scale goes out at the data's rank, so that the
+        # stacked scales form a block scale with one block per example, `(B, 1, ...)`.
+        value = ScaledArray(value.data, jnp.reshape(value.scale, (1,) * np.ndim(value.data)))
     return value
 
 
@@ -484,7 +493,14 @@ def autoscale(
                 values.append(leaf)
                 known.append(None)
         outs, _ = interpret_jaxpr(closed.jaxpr, closed.consts, values, known)
-        return jax.tree_util.tree_unflatten(out_tree, [_as_output(o) for o in outs])
+        # Called under `jax.vmap` (an input is mapped): per-example output scales go out at
+        # their data's rank, also where an output is the same for every example.
+        mapped = any(
+            _compat.is_batched(part)
+            for leaf in leaves
+            for part in ((leaf.data, leaf.scale) if isinstance(leaf, ScaledArray) else (leaf,))
+        )
+        return jax.tree_util.tree_unflatten(out_tree, [_as_output(o, mapped) for o in outs])
 
     trace_cache: dict[Any, tuple[Any, Any]] = {}
     # Lets a transform applied on top (`unit_scale`, `simulate_fp8`) act on `fun` first:

@@ -74,9 +74,7 @@ def dynamic_blocks(acc: Array, factor: Array, layout: Sequence[int], dtype: Any)
     each block has its largest finite magnitude in [1, 2)."""
     cdtype = compute_dtype(acc.dtype)
     acc = acc.astype(cdtype)
-    factor = jnp.broadcast_to(jnp.asarray(factor, _F32), tuple(layout))
-    block_scale = blocks.block_pow2_scale(acc * blocks.expand_scale(factor, acc.shape), layout)
-    ratio = blocks.ratio(factor, block_scale)
+    block_scale, ratio = blocks.block_dynamic_scale(acc, factor, layout)
     data = acc * blocks.expand_scale(ratio, acc.shape).astype(cdtype)
     return _scaled(data.astype(dtype), block_scale)
 
@@ -223,13 +221,21 @@ def _at_common_scale(xs: Sequence[ScaledArray]) -> tuple[list[Array], Array]:
     """The operands' data at one scale per block (the largest of theirs), compute dtype."""
     xs = _full(xs)
     layout, scales = _common(xs)
-    common = scales[0]
-    for scale in scales[1:]:
-        common = jnp.maximum(common, scale)
-    common = lax.stop_gradient(common)
+    distinct: list[Array] = []
+    for scale in scales:
+        if not any(scale is d for d in distinct):
+            distinct.append(scale)
+    common = distinct[0]
+    for scale in distinct[1:]:
+        common = lax.max(common, scale)
+    # No stop_gradient: each operand's value `data * ratio(s, common) * common` does not
+    # depend on `common`, and autodiff of the ratio (scale_divide_p) says so exactly.
     out = []
     for x, scale in zip(xs, scales):
         cdtype = compute_dtype(x.dtype)
+        if scale is common:  # already at the common scale
+            out.append(x.data.astype(cdtype))
+            continue
         factor = blocks.expand_scale(blocks.ratio(scale, common), x.shape).astype(cdtype)
         out.append(x.data.astype(cdtype) * factor)
     return out, common
@@ -290,13 +296,15 @@ def _reduce_prep(x: ScaledArray, axes: Sequence[int]) -> tuple[Array, Array]:
     scale = jnp.asarray(x.scale, _F32).reshape(layout) if np.ndim(x.scale) else x.scale
     if np.ndim(scale) == 0:
         return x.data, scale
+    out_layout = tuple(s for i, s in enumerate(layout) if i not in set(axes))
+    if all(layout[a] == 1 for a in axes):  # one block along every reduced axis
+        return x.data, scale.reshape(out_layout)
     kept = lax.stop_gradient(jnp.max(scale, axis=tuple(axes), keepdims=True))
     data = x.data
     if any(layout[a] > 1 for a in axes):
         cdtype = compute_dtype(x.dtype)
         factor = blocks.expand_scale(blocks.ratio(scale, kept), x.shape).astype(cdtype)
         data = x.data.astype(cdtype) * factor
-    out_layout = tuple(s for i, s in enumerate(layout) if i not in set(axes))
     return data, kept.reshape(out_layout)
 
 
@@ -363,8 +371,9 @@ def _dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Any:
         tuple(rlayout[i] for i in [*rb, *rfree])
     )
     r_free_axes = tuple(range(nb, nb + nr))
-    r_kept = lax.stop_gradient(jnp.max(r_perm, axis=r_free_axes, keepdims=True))
+    r_kept = r_perm
     if any(rlayout[i] > 1 for i in rfree):
+        r_kept = lax.stop_gradient(jnp.max(r_perm, axis=r_free_axes, keepdims=True))
         inner = blocks.ratio(r_perm, r_kept).reshape(
             r_perm.shape[:nb] + (1,) * nl + r_perm.shape[nb:]
         )

@@ -144,7 +144,7 @@ def _value_tangent(primal: Any, tangent_leaves: Sequence[Any]) -> Any:
         return tangent_leaves[0]
     t_data, t_scale = tangent_leaves
     scale = jnp.asarray(primal.scale)
-    ratio = safe_div(t_scale, scale).astype(primal.dtype)
+    ratio = blocks.expand_scale(safe_div(t_scale, scale), primal.shape).astype(primal.dtype)
     data = t_data + primal.data * ratio
     return ScaledArray(data, jax.lax.stop_gradient(scale))
 
@@ -157,10 +157,15 @@ def _leaf_tangents(primal_out: Any, value_tangent: Any) -> list[Any]:
         return [value_tangent]
     scale = jnp.asarray(primal_out.scale)
     if isinstance(value_tangent, ScaledArray):
-        ratio = safe_div(jnp.asarray(value_tangent.scale), scale)
+        t_scale = jnp.asarray(value_tangent.scale)
+        if t_scale.ndim and t_scale.shape != scale.shape:  # another block layout
+            value_tangent = _per_tensor(value_tangent)
+            t_scale = jnp.asarray(value_tangent.scale)
+        ratio = blocks.expand_scale(safe_div(t_scale, scale), primal_out.shape)
         t_data = (value_tangent.data.astype(jnp.float32) * ratio).astype(primal_out.dtype)
     else:
-        t_data = safe_div(value_tangent.astype(jnp.float32), scale).astype(primal_out.dtype)
+        full = blocks.expand_scale(scale, primal_out.shape)
+        t_data = safe_div(value_tangent.astype(jnp.float32), full).astype(primal_out.dtype)
     return [t_data, jnp.zeros_like(scale)]
 
 
@@ -282,11 +287,17 @@ def _leaf_cotangents(primal_in: Any, value_ct: Any) -> list[Any]:
         return [value_ct.astype(primal_in.dtype)]
     scale = jnp.asarray(primal_in.scale)
     if isinstance(value_ct, ScaledArray):
-        ct_value = value_ct.data.astype(jnp.float32) * jnp.asarray(value_ct.scale, jnp.float32)
+        ct_scale_in = blocks.expand_scale(jnp.asarray(value_ct.scale, jnp.float32), value_ct.shape)
+        ct_value = value_ct.data.astype(jnp.float32) * ct_scale_in
     else:
         ct_value = value_ct.astype(jnp.float32)
-    ct_data = (ct_value * scale.astype(jnp.float32)).astype(primal_in.dtype)
-    ct_scale = jnp.sum(ct_value * primal_in.data.astype(jnp.float32)).astype(scale.dtype)
+    full = blocks.expand_scale(scale.astype(jnp.float32), primal_in.shape)
+    ct_data = (ct_value * full).astype(primal_in.dtype)
+    products = ct_value * primal_in.data.astype(jnp.float32)
+    if scale.ndim:  # dL/dscale of each block: the sum over its block
+        ct_scale = blocks.block_sum(products, scale.shape).astype(scale.dtype)
+    else:
+        ct_scale = jnp.sum(products).astype(scale.dtype)
     return [ct_data, ct_scale]
 
 
@@ -586,8 +597,17 @@ def scaled_scan(
     return [*unflatten_scaled(carry_leaves, carry_specs), *ys]
 
 
-# Block-scaled operands reach the scan rule as they are (stacked xs keep a scale per layer).
+# Block-scaled operands reach these rules as they are: scan slices stacked per-layer scales,
+# and the call-like primitives interpret their bodies with the blocks.
 registry.register_block_rule(_compat.scan_p, scaled_scan)
+for _call_prim, _call_rule in (
+    (_compat.jit_p, scaled_jit),
+    (_compat.closed_call_p, scaled_closed_call),
+    (_compat.remat_p, scaled_remat),
+    (_compat.custom_jvp_call_p, scaled_custom_jvp_call),
+    (_compat.custom_vjp_call_p, scaled_custom_vjp_call),
+):
+    registry.register_block_rule(_call_prim, _call_rule)
 
 # Scan params with a keyword of `jax.lax.scan` other than length / reverse / unroll.
 _SCAN_PUBLIC_PARAMS = ("_split_transpose",)

@@ -264,3 +264,44 @@ def test_float8_data_with_mx_blocks_through_a_matmul():
     err_mx = np.abs(represented(x) - x_plain).max(axis=1) / np.abs(x_plain).max(axis=1)
     err_tensor = np.abs(represented(x_tensor) - x_plain).max(axis=1) / np.abs(x_plain).max(axis=1)
     assert err_mx.max() < 0.07 < err_tensor.max()
+
+
+# --- vmap: per-example scales ---------------------------------------------------------
+
+
+def _per_example(x):
+    """One power-of-two scale per example (leading axis): a (B, 1, ...) block scale."""
+    return jsa.as_scaled_array(x, scale_shape=(x.shape[0],) + (1,) * (x.ndim - 1))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_vmap_of_autoscale_stacks_per_example_scales_as_blocks(jit):
+    x = rows_far_apart((M, K))
+    xs = _per_example(x)
+
+    def fn(a):
+        return jnp.tanh(a) * 3.0 + a
+
+    mapped = jax.vmap(jsa.autoscale(fn))
+    if jit:
+        mapped = jax.jit(mapped)
+    out = mapped(xs)
+    assert out.scale.shape == (M, 1)
+    assert_close(out, jax.vmap(fn)(jnp.asarray(x)), np.float32)
+    # The stacked output is a valid ScaledArray: autoscale takes it as an input again.
+    again = jsa.autoscale(lambda a: a * 2.0)(out)
+    assert_close(again, 2 * jax.vmap(fn)(jnp.asarray(x)), np.float32)
+
+
+def test_autoscale_of_vmap_with_per_example_scales():
+    x = rows_far_apart((M, K))
+    w = (np.random.default_rng(2).normal(size=(K, N)) / 8).astype(np.float32)
+
+    def per_example(a, w):
+        return jax.nn.relu(a @ w)
+
+    out = jax.jit(jsa.autoscale(jax.vmap(per_example, in_axes=(0, None))))(
+        _per_example(x), jsa.as_scaled_array(w)
+    )
+    assert out.scale.shape == (M, 1)
+    assert_close(out, jax.vmap(per_example, in_axes=(0, None))(x, w), np.float32)

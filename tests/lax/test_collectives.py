@@ -353,6 +353,7 @@ def test_collectives_over_a_named_vmap_axis_with_a_scale_per_element(name, offse
     in_axes = (jsa.ScaledArray(0, 0),)  # type: ignore[arg-type]
     out = jax.jit(jax.vmap(jsa.autoscale(fn), in_axes=in_axes, axis_name="i"))(x)
     expected = jax.vmap(fn, axis_name="i")(data.astype(np.float32) * scales[:, None])
-    assert isinstance(out, jsa.ScaledArray) and out.scale.shape == (4,)
-    value = np.asarray(out.data, np.float64) * np.asarray(out.scale, np.float64)[:, None]
+    # One scale per element of the mapped axis: a (4, 1, ...) block scale.
+    assert isinstance(out, jsa.ScaledArray) and out.scale.shape == (4,) + (1,) * (out.ndim - 1)
+    value = np.asarray(out.to_array(np.float32), np.float64)
     assert_close(value, expected, RTOL[np.dtype(np.float16)])

@@ -205,7 +205,8 @@ def test_einsum_under_jit_and_vmap():
     fn = jax.jit(
         jax.vmap(jsa.autoscale(lambda u, v: jnp.einsum("ij,jk->ik", u, v)), in_axes=(axes, axes))
     )
-    out = fn(a, b)  # one scale per example
-    value = np.asarray(out.data, np.float64) * np.asarray(out.scale)[:, None, None]
+    out = fn(a, b)  # one scale per example: a (3, 1, 1) block scale
+    assert out.scale.shape == (3, 1, 1)
+    value = np.asarray(out.to_array(np.float32), np.float64)
     expected = np.einsum("bij,bjk->bik", represented(a), represented(b))
     np.testing.assert_allclose(value, expected, rtol=4e-3, atol=4e-3 * abs(expected).max())
