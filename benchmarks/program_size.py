@@ -37,6 +37,8 @@ Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slo
         grad of a sum-of-squares loss of its output w.r.t. its params.
     gpt-adam, gpt2-adam, gpt8-adam: char GPT with 1, 2 or 8 blocks (same shapes), optax.adam step.
     gpt8-scan: gpt8-adam with the blocks stacked and run as a lax.scan over layers.
+    gpt-adam-channel: gpt-adam with block scales, one per output channel, on every
+        parameter and Adam moment of rank >= 2.
     gpt-scaled-opt: char GPT, 1 block; scaled: `jsa.optax.scale_optimizer(optax.adam)` and
         `jsa.optax.apply_updates`; plain: the float32 optax.adam step.
     gpt-unit-fp8: char GPT, 1 block, adam; the "scaled" variant is `U.simulate_fp8(U.unit_scale(
@@ -356,12 +358,34 @@ def case_gpt2_small_scan(dtype: Any) -> Case:
     return _gpt_adam_case(config, 4, dtype, scan=True)
 
 
+def _per_channel_layout(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One scale per entry of the last axis (per output channel), one block elsewhere."""
+    return (1,) * (len(shape) - 1) + shape[-1:] if len(shape) >= 2 else (1,) * len(shape)
+
+
+def case_gpt_adam_channel(dtype: Any) -> Case:
+    """case_gpt_adam with block scales: every parameter and Adam moment of rank >= 2 scaled
+    per output channel (`(1, N)`), vectors per tensor."""
+    plain = case_gpt_adam(dtype)
+    params, state, tokens, targets = plain.plain_args
+
+    def per_channel(tree: Any) -> Any:
+        return jsa.as_scaled_array(tree, dtype=dtype, scale_shape=_per_channel_layout)
+
+    return Case(
+        plain.plain_step,
+        plain.plain_args,
+        (per_channel(params), per_channel(state), tokens, targets),
+    )
+
+
 # name: (builder, default data dtype of the scaled variant)
 CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "mlp": (case_mlp, "float32"),
     "cnn": (case_cnn, "float32"),
     "block": (case_block, "float32"),
     "gpt-adam": (case_gpt_adam, "float32"),
+    "gpt-adam-channel": (case_gpt_adam_channel, "float32"),
     "gpt2-adam": (case_gpt2_adam, "float32"),
     "gpt8-adam": (case_gpt8_adam, "float32"),
     "gpt8-scan": (case_gpt8_scan, "float32"),

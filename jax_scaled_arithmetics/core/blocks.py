@@ -234,7 +234,8 @@ def block_pow2_scale(x: Array, layout: Sequence[int], factor: Array = 1.0) -> Ar
     """
     layout = block_layout(np.shape(x), tuple(layout))
     factor = jnp.broadcast_to(jnp.asarray(factor, _F32), layout)
-    return block_dynamic_scale_p.bind(lax.stop_gradient(x), factor, layout=layout)[0]
+    # The primitive's derivative ignores `x` (a choice of representation).
+    return block_dynamic_scale_p.bind(x, factor, layout=layout)[0]
 
 
 def block_dynamic_scale(x: Array, factor: Array, layout: Sequence[int]) -> tuple[Array, Array]:
@@ -242,7 +243,7 @@ def block_dynamic_scale(x: Array, factor: Array, layout: Sequence[int]) -> tuple
     equation; `factor` an array of the layout's shape."""
     layout = block_layout(np.shape(x), tuple(layout))
     factor = jnp.broadcast_to(jnp.asarray(factor, _F32), layout)
-    scale, inverse = block_dynamic_scale_p.bind(lax.stop_gradient(x), factor, layout=layout)
+    scale, inverse = block_dynamic_scale_p.bind(x, factor, layout=layout)
     return scale, inverse
 
 
