@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core import blocks
 from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
 from ..lax.scaling import get_data_scale, rebalance
@@ -52,8 +53,42 @@ def _rescale_leaf(x: Array, norm: Callable[[Array], Array], epsilon: float) -> A
     return rebalance(x, jax.lax.stop_gradient(inverse))
 
 
+def _block_norms(data: Array, layout: tuple[int, ...], norm: Callable[[Array], Array]) -> Array:
+    """`norm` of each block of `layout` (an array of the layout's shape), float32."""
+    dims: list[int] = []
+    for s, n in zip(layout, data.shape):
+        dims += [s, n // s]
+    blocked = data.astype(jnp.float32).reshape(tuple(dims))
+    # Each block's elements moved to a trailing axis, then the norm over it.
+    blocks_first = jnp.transpose(
+        blocked, tuple(range(0, 2 * len(layout), 2)) + tuple(range(1, 2 * len(layout), 2))
+    ).reshape(tuple(layout) + (-1,))
+    return jax.vmap(norm)(blocks_first.reshape((-1, blocks_first.shape[-1]))).reshape(layout)
+
+
+def _rescale_blocks(x: ScaledArray, norm: Callable[[Array], Array], epsilon: float) -> Any:
+    """Block-scaled `x` rescaled block by block: each block's norm moves to its scale."""
+    layout = blocks.block_layout(x.shape, np.shape(x.scale))
+    if x.size == 0:
+        return x
+    magnitude = _block_norms(jnp.asarray(x.data), layout, norm)
+    finite = jnp.isfinite(magnitude)
+    magnitude = jnp.where(finite, jnp.maximum(magnitude, np.float32(epsilon)), np.float32(1.0))
+    bits = jax.lax.bitcast_convert_type(magnitude, jnp.int32) & np.int32(0x7F800000)
+    bits = jnp.clip(bits, np.int32(1 << 23), np.int32(253 << 23))
+    factor = jax.lax.stop_gradient(jax.lax.bitcast_convert_type(bits, jnp.float32))
+    inverse = jax.lax.stop_gradient(
+        jax.lax.bitcast_convert_type(np.int32(254 << 23) - bits, jnp.float32)
+    )
+    data = jnp.asarray(x.data).astype(jnp.float32) * blocks.expand_scale(inverse, x.shape)
+    scale = jnp.asarray(x.scale, jnp.float32).reshape(layout) * factor
+    return ScaledArray(data.astype(x.dtype), scale.astype(jnp.asarray(x.scale).dtype))
+
+
 def _rescale_tree(tree: Any, norm: Callable[[Array], Array], epsilon: float) -> Any:
     def rescale(x: Any) -> Any:
+        if isinstance(x, ScaledArray) and np.ndim(x.scale):
+            return _rescale_blocks(x, norm, epsilon)
         if isinstance(x, ScaledArray):
             return autoscale(lambda v: _rescale_leaf(v, norm, epsilon))(x)
         return _rescale_leaf(x, norm, epsilon)
@@ -66,7 +101,9 @@ def dynamic_rescale_max(tree: Any, epsilon: float = DEFAULT_EPSILON) -> Any:
 
     A power of two is moved from the data to the scale, so the value is
     unchanged (exactly). Plain arrays outside `autoscale` are returned as they
-    are. `epsilon` floors the norm (all-zero data keeps a finite scale).
+    are. `epsilon` floors the norm (all-zero data keeps a finite scale). A
+    ScaledArray with a block scale is rescaled block by block (each block's data
+    to [1, 2), the layout kept); inside `autoscale` leaves are rescaled per tensor.
 
     Examples:
         >>> import jax_scaled_arithmetics as jsa
@@ -74,6 +111,9 @@ def dynamic_rescale_max(tree: Any, epsilon: float = DEFAULT_EPSILON) -> Any:
         >>> y = jsa.ops.dynamic_rescale_max(x)
         >>> float(y.scale), y.to_array().tolist() == x.to_array().tolist()
         (0.001953125, True)
+        >>> rows = jsa.scaled_array([[0.001, 0.002], [8.0, 3.0]], [[1.0], [1.0]])
+        >>> jsa.ops.dynamic_rescale_max(rows).scale.tolist()
+        [[0.001953125], [8.0]]
     """
     return _rescale_tree(tree, _norm_max, epsilon)
 

@@ -68,3 +68,33 @@ def test_dynamic_rescale_grad_variant_rescales_the_gradient_only():
     # Without the rescaling, the gradient's data is not normalised.
     raw = jsa.autoscale(jax.grad(lambda a: jnp.sum(a * a * 1e-3)))(x)
     assert not 1.0 <= float(jnp.max(jnp.abs(raw.data))) < 2.0
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("layout", [(8, 1), (1, 64), (8, 2), (2, 2)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(
+    "rescale", ["dynamic_rescale_max", "dynamic_rescale_l1", "dynamic_rescale_l2"]
+)
+def test_dynamic_rescale_of_block_scales_is_per_block(rescale, dtype, layout, jit):
+    """A block-scaled array is rescaled block by block: the layout is kept, the values are
+    unchanged exactly, and each block's norm of the data is in [1, 2) (max: its largest
+    magnitude)."""
+    rng = np.random.default_rng(0)
+    value = rng.normal(size=(8, 64)) * np.exp2(np.arange(-12, 12, 3))[:, None]
+    x = jsa.as_scaled_array(jnp.asarray(value, jnp.float32), scale_shape=layout, dtype=dtype)
+    # Data 2^8 below where it should be (exactly: powers of two, normal in every dtype).
+    x = jsa.ScaledArray((x.data.astype(jnp.float32) * 2.0**-8).astype(dtype), x.scale * 2.0**8)
+    fn = getattr(jsa.ops, rescale)
+    y = (jax.jit(fn) if jit else fn)(x)
+    assert y.scale.shape == layout and y.dtype == x.dtype
+    np.testing.assert_array_equal(y.to_array(jnp.float32), x.to_array(jnp.float32))
+    blocks_of = np.abs(np.asarray(y.data, np.float64)).reshape(
+        layout[0], -1, layout[1], 64 // layout[1]
+    )
+    norm = {
+        "dynamic_rescale_max": lambda b: b.max(axis=(1, 3)),
+        "dynamic_rescale_l1": lambda b: b.mean(axis=(1, 3)),
+        "dynamic_rescale_l2": lambda b: np.sqrt((b**2).mean(axis=(1, 3))),
+    }[rescale](blocks_of)
+    assert ((norm >= 1) & (norm < 2)).all(), norm
