@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import json
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import jax_scaled_arithmetics as jsa
 
@@ -49,9 +47,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script, only this folder is on th
     sys.path.insert(0, str(REPO_ROOT))
 
 from experiments.mnist.train_mlp import (  # noqa: E402
-    ADAM_B2,
-    ADAM_EPS,
     N_TRAIN,
+    adam_train,
     init_mlp,
     load_mnist,
 )
@@ -137,27 +134,16 @@ def train(
     train_x, train_y = images[:n_train], labels[:n_train]
     test_x, test_y = images[n_train:], labels[n_train:]
     params = init_mlp(jax.random.PRNGKey(seed), [images.shape[1], *hidden, 10])
-    adam = optax.adam(lr, b2=ADAM_B2, eps=ADAM_EPS)
-    state = adam.init(params)
-
-    @jax.jit
-    def step(params: Any, state: Any, x: jax.Array, onehot: jax.Array) -> Any:
-        loss, grads = jax.value_and_grad(lambda p: _loss(mode, p, x, onehot))(params)
-        updates, state = adam.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    rng = np.random.default_rng(seed)
-    order = np.zeros(0, np.int64)
-    losses = np.zeros(steps, np.float32)
-    eye = np.eye(10, dtype=np.float32)
-    start = time.perf_counter()
-    for i in range(steps):
-        if order.size < batch_size:
-            order = np.concatenate([order, rng.permutation(n_train)])
-        batch, order = order[:batch_size], order[batch_size:]
-        params, state, loss = step(params, state, train_x[batch], eye[train_y[batch]])
-        losses[i] = float(loss)
-    seconds = time.perf_counter() - start
+    params, losses, seconds = adam_train(
+        lambda p, x, onehot: _loss(mode, p, x, onehot),
+        params,
+        train_x,
+        train_y,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+    )
     accuracy, test_loss = evaluate(mode, params, test_x, test_y)
     return Result(mode, accuracy, test_loss, losses, seconds)
 
