@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core import _compat, registry
+from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_floating
 from .scales import at_scale, same_scale, scale_div
 
@@ -240,6 +240,16 @@ def scaled_rebalance(x: Any, factor: Any) -> Any:
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
     data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
     return ScaledArray(data, scale_div(x.scale, factor.astype(jnp.float32)))
+
+
+@registry.register_block_rule(rebalance_p)
+def _block_rebalance(x: Any, factor: Any) -> Any:
+    """Every block's data multiplied by `factor`, its scale divided by it."""
+    factor = jnp.asarray(_plain(factor), jnp.float32)
+    cdtype = np.float64 if x.dtype == np.float64 else np.float32
+    data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
+    scale = jnp.asarray(x.scale, jnp.float32)
+    return ScaledArray(data, blocks.ratio(scale, jnp.broadcast_to(factor, scale.shape)))
 
 
 def rebalance(x: Array, factor: Array) -> Any:

@@ -1,18 +1,27 @@
-"""Dynamic rescaling: move a power-of-two factor from data to scale, value unchanged."""
+"""Dynamic rescaling: move a power-of-two factor from data to scale, value unchanged.
+
+One primitive, `dynamic_rescale_p`, does it inside and outside `autoscale`: the identity
+on plain arrays, and on a ScaledArray a new scale per block chosen from its data (per
+tensor for a scalar scale). `scale_shape` asks for another block layout (per row, per
+channel, MX blocks, tiles): each new block's data is first brought to the largest of the
+old scales it covers (exact powers of two, nothing overflows), then rescaled by its norm.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from ..core import blocks
+from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
-from ..lax.scaling import get_data_scale, rebalance
+from ..lax.scaling import scaled_rebalance
 
 __all__ = [
     "dynamic_rescale_max",
@@ -24,7 +33,9 @@ __all__ = [
 ]
 
 Array = Any
+ScaleShape = Sequence[int] | Callable[[tuple[int, ...]], Sequence[int]] | None
 DEFAULT_EPSILON = 2.0**-60
+_F32 = np.dtype(np.float32)
 
 
 def _norm_max(data: Array) -> Array:
@@ -39,71 +50,239 @@ def _norm_l2(data: Array) -> Array:
     return jnp.sqrt(jnp.mean(jnp.square(data)))
 
 
-def _rescale_leaf(x: Array, norm: Callable[[Array], Array], epsilon: float) -> Array:
-    if not is_floating(x) or jnp.size(x) == 0:
-        return x
-    data, _ = get_data_scale(x)
-    magnitude = norm(data.astype(jnp.float32))
-    finite = jax.lax.is_finite(magnitude)
-    magnitude = jax.lax.select(finite, jnp.maximum(magnitude, np.float32(epsilon)), np.float32(1.0))
-    # The power of two at or below the magnitude, as exponent bits: its inverse is exact.
-    bits = jax.lax.bitcast_convert_type(magnitude, jnp.int32) & np.int32(0x7F800000)
-    bits = jnp.minimum(bits, np.int32(253 << 23))
-    inverse = jax.lax.bitcast_convert_type(np.int32(254 << 23) - bits, jnp.float32)
-    return rebalance(x, jax.lax.stop_gradient(inverse))
+_NORMS = {"max": _norm_max, "l1": _norm_l1, "l2": _norm_l2}
 
 
-def _block_norms(data: Array, layout: tuple[int, ...], norm: Callable[[Array], Array]) -> Array:
-    """`norm` of each block of `layout` (an array of the layout's shape), float32."""
-    dims: list[int] = []
-    for s, n in zip(layout, data.shape):
-        dims += [s, n // s]
-    blocked = data.astype(jnp.float32).reshape(tuple(dims))
-    # Each block's elements moved to a trailing axis, then the norm over it.
-    blocks_first = jnp.transpose(
-        blocked, tuple(range(0, 2 * len(layout), 2)) + tuple(range(1, 2 * len(layout), 2))
-    ).reshape(tuple(layout) + (-1,))
-    return jax.vmap(norm)(blocks_first.reshape((-1, blocks_first.shape[-1]))).reshape(layout)
+def _block_norms(data: Array, layout: tuple[int, ...], norm: str) -> Array:
+    """The `norm` of each block of `layout` (an array of the layout's shape), float32."""
+    data = data.astype(jnp.float32)
+    if norm == "max":
+        return blocks.block_max(data, layout)  # the largest finite magnitude
+    count = np.float32(data.size // max(int(np.prod(layout)), 1))
+    if norm == "l1":
+        return blocks.block_sum(lax.abs(data), layout) / count
+    return lax.sqrt(blocks.block_sum(data * data, layout) / count)
 
 
-def _rescale_blocks(x: ScaledArray, norm: Callable[[Array], Array], epsilon: float) -> Any:
-    """Block-scaled `x` rescaled block by block: each block's norm moves to its scale."""
-    layout = blocks.block_layout(x.shape, np.shape(x.scale))
-    if x.size == 0:
-        return x
-    magnitude = _block_norms(jnp.asarray(x.data), layout, norm)
-    finite = jnp.isfinite(magnitude)
-    magnitude = jnp.where(finite, jnp.maximum(magnitude, np.float32(epsilon)), np.float32(1.0))
-    bits = jax.lax.bitcast_convert_type(magnitude, jnp.int32) & np.int32(0x7F800000)
-    bits = jnp.clip(bits, np.int32(1 << 23), np.int32(253 << 23))
-    factor = jax.lax.stop_gradient(jax.lax.bitcast_convert_type(bits, jnp.float32))
-    inverse = jax.lax.stop_gradient(
-        jax.lax.bitcast_convert_type(np.int32(254 << 23) - bits, jnp.float32)
+def _pow2_bits(magnitude: Array, epsilon: float, lowest: int = 0) -> Array:
+    """The exponent bits of the power of two at or below each finite `magnitude` (floored
+    at `epsilon`; 1 where it is not finite), at most 2^126 and at least 2^(lowest - 127)."""
+    finite = lax.is_finite(magnitude)
+    magnitude = lax.select(
+        finite,
+        lax.max(magnitude, lax.full_like(magnitude, epsilon)),
+        lax.full_like(magnitude, 1.0),
     )
-    data = jnp.asarray(x.data).astype(jnp.float32) * blocks.expand_scale(inverse, x.shape)
-    scale = jnp.asarray(x.scale, jnp.float32).reshape(layout) * factor
-    return ScaledArray(data.astype(x.dtype), scale.astype(jnp.asarray(x.scale).dtype))
+    bits = lax.bitcast_convert_type(magnitude, np.int32) & np.int32(0x7F800000)
+    if lowest:
+        return lax.clamp(np.int32(lowest << 23), bits, np.int32(253 << 23))
+    return lax.min(bits, lax.full_like(bits, 253 << 23))
 
 
-def _rescale_tree(tree: Any, norm: Callable[[Array], Array], epsilon: float) -> Any:
+def _pow2(bits: Array) -> Array:
+    return lax.stop_gradient(lax.bitcast_convert_type(bits, _F32))
+
+
+def _inverse_pow2(bits: Array) -> Array:
+    """`1 / 2^e` for the exponent bits of `2^e`, exactly."""
+    return lax.stop_gradient(lax.bitcast_convert_type(np.int32(254 << 23) - bits, _F32))
+
+
+def _layout_of(x: ScaledArray) -> tuple[int, ...]:
+    if np.ndim(x.scale) == 0:
+        return (1,) * x.ndim
+    return blocks.block_layout(x.shape, np.shape(x.scale))
+
+
+def _reblock(x: ScaledArray, target: tuple[int, ...]) -> tuple[Array, Array]:
+    """`x` on the block layout `target`: `(data, scale)`, the scale of each target block the
+    largest old scale within it, the data (float32 or float64) multiplied by each old
+    scale's ratio to it (a power of two at most 1: nothing overflows)."""
+    cdtype = blocks.wide_dtype(x.dtype)
+    data = jnp.asarray(x.data).astype(cdtype)
+    scale = jnp.asarray(x.scale, _F32)
+    if scale.ndim == 0:
+        return data, jnp.broadcast_to(scale, target)
+    own = blocks.block_layout(x.shape, scale.shape)
+    scale = scale.reshape(own)
+    if own == target:
+        return data, scale
+    common = blocks.common_layout(x.shape, own, target)
+    fine = blocks.refine_scale(scale, x.shape, common)
+    new = blocks.block_max(fine, target)
+    ratio = blocks.ratio(fine, blocks.refine_scale(new, x.shape, common))
+    return data * blocks.expand_scale(ratio, x.shape).astype(cdtype), new
+
+
+def _scaled(data: Array, scale: Array, dtype: Any) -> ScaledArray:
+    """A ScaledArray from float32 block arithmetic; one block gives a scalar scale."""
+    scale = jnp.asarray(scale, _F32)
+    if scale.size == 1:
+        scale = scale.reshape(())
+    return ScaledArray(data.astype(dtype), scale)
+
+
+# --- the primitive -------------------------------------------------------------------------
+#
+# `dynamic_rescale_p(x, norm, epsilon, layout)`: the identity on values. Inside `autoscale`
+# a ScaledArray `x` gets one new power-of-two scale per block of `layout` (None: its own
+# layout), so that each block's `norm` of the data is in [1, 2).
+
+dynamic_rescale_p = _compat.new_primitive("dynamic_rescale")
+dynamic_rescale_p.def_impl(lambda x, **_: x)
+dynamic_rescale_p.def_abstract_eval(lambda x, **_: x)
+_compat.register_lowering(dynamic_rescale_p, lambda x, **_: x)
+
+
+def _dynamic_rescale_jvp(primals: Any, tangents: Any, **params: Any) -> Any:
+    return dynamic_rescale_p.bind(*primals, **params), _compat.instantiate_zeros(tangents[0])
+
+
+def _dynamic_rescale_batch(args: Any, dims: Any, *, layout: Any, **params: Any) -> Any:
+    (x,), (dim,) = args, dims
+    if layout is not None and dim is not None:  # one block per example along the batch axis
+        layout = tuple(layout[:dim]) + (x.shape[dim],) + tuple(layout[dim:])
+    return dynamic_rescale_p.bind(x, layout=layout, **params), dim
+
+
+_compat.register_jvp(dynamic_rescale_p, _dynamic_rescale_jvp)
+_compat.register_batching(dynamic_rescale_p, _dynamic_rescale_batch)
+
+
+def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float) -> ScaledArray:
+    magnitude = _NORMS[norm](jnp.asarray(x.data).astype(jnp.float32))
+    return scaled_rebalance(x, _inverse_pow2(_pow2_bits(magnitude, epsilon)))
+
+
+@registry.register_scaled_op(
+    dynamic_rescale_p,
+    promote=False,
+    family="scaling",
+    remark="a new power-of-two scale per tensor or block, from the data's norm",
+)
+def scaled_dynamic_rescale(
+    x: Any, *, norm: str, epsilon: float, layout: tuple[int, ...] | None
+) -> Any:
+    if not isinstance(x, ScaledArray) or x.size == 0:
+        return x
+    own = _layout_of(x)
+    target = own if layout is None else tuple(layout)
+    if np.ndim(x.scale) == 0 and all(s == 1 for s in target):
+        return _rescale_per_tensor(x, norm, epsilon)
+    data, scale = _reblock(x, target)
+    # Block scales stay in [2^-126, 2^127]: a block of zeros is no reason for a zero scale.
+    bits = _pow2_bits(_block_norms(data, target, norm), epsilon, lowest=1)
+    data = data * blocks.expand_scale(_inverse_pow2(bits), x.shape).astype(data.dtype)
+    return _scaled(data, scale * _pow2(bits), x.dtype)
+
+
+registry.register_block_rule(dynamic_rescale_p, scaled_dynamic_rescale)
+
+
+# `match_layout_p(x, like)`: the identity on `x`'s value; inside `autoscale`, `x` as a
+# ScaledArray (a plain `x` gets scale 1) on the block layout of `like`'s scale (per tensor
+# when `like` has a scalar scale or none), each block at the largest of `x`'s scales within
+# it. Optimizer states use it to keep their layout from step to step.
+match_layout_p = _compat.new_primitive("match_layout")
+match_layout_p.def_impl(lambda x, like: x)
+match_layout_p.def_abstract_eval(lambda x, like: x)
+_compat.register_lowering(match_layout_p, lambda x, like: x)
+
+
+def _match_layout_jvp(primals: Any, tangents: Any) -> Any:
+    return match_layout_p.bind(*primals), _compat.instantiate_zeros(tangents[0])
+
+
+def _match_layout_batch(args: Any, dims: Any) -> Any:
+    x, like = args
+    x_dim, like_dim = dims
+    if x_dim is None:
+        x = jnp.broadcast_to(x, (like.shape[like_dim],) + x.shape)
+    else:
+        x = jnp.moveaxis(x, x_dim, 0)
+    like = like if like_dim is None else jnp.moveaxis(like, like_dim, 0)
+    return match_layout_p.bind(x, like), 0
+
+
+_compat.register_jvp(match_layout_p, _match_layout_jvp)
+_compat.register_batching(match_layout_p, _match_layout_batch)
+
+
+@registry.register_scaled_op(
+    match_layout_p,
+    always_scaled=True,
+    promote=False,
+    family="scaling",
+    remark="re-block to another array's scale layout",
+)
+def scaled_match_layout(x: Any, like: Any) -> Any:
+    if not isinstance(x, ScaledArray):
+        if not is_floating(x):
+            return x
+        x = ScaledArray(x, np.float32(1.0))  # a plain value: scale 1
+    if isinstance(like, ScaledArray) and np.ndim(like.scale) and np.shape(like) == x.shape:
+        target = _layout_of(like)
+    else:
+        target = (1,) * x.ndim
+    if _layout_of(x) == target:
+        return x
+    if all(s == 1 for s in target):
+        return ScaledArray(*blocks.to_per_tensor(x.data, x.scale))
+    data, scale = _reblock(x, target)
+    return _scaled(data, scale, x.dtype)
+
+
+registry.register_block_rule(match_layout_p, scaled_match_layout)
+
+
+def match_layout(x: Array, like: Array) -> Any:
+    """`x` with the block layout of `like`'s scale (same value): inside `autoscale`, each
+    block of `like`'s layout at the largest of `x`'s scales within it; per tensor when
+    `like` has one scale. Outside `autoscale` on plain arrays: the identity."""
+    if isinstance(x, ScaledArray) or isinstance(like, ScaledArray):
+        return autoscale(match_layout_p.bind)(x, like)
+    return match_layout_p.bind(x, like)
+
+
+# --- public functions ----------------------------------------------------------------------
+
+
+def _target_layout(shape: tuple[int, ...], scale_shape: ScaleShape) -> tuple[int, ...] | None:
+    if scale_shape is None:
+        return None
+    wanted = scale_shape(shape) if callable(scale_shape) else scale_shape
+    return blocks.block_layout(shape, tuple(int(s) for s in wanted))
+
+
+def _rescale_tree(tree: Any, norm: str, epsilon: float, scale_shape: ScaleShape) -> Any:
     def rescale(x: Any) -> Any:
-        if isinstance(x, ScaledArray) and np.ndim(x.scale):
-            return _rescale_blocks(x, norm, epsilon)
-        if isinstance(x, ScaledArray):
-            return autoscale(lambda v: _rescale_leaf(v, norm, epsilon))(x)
-        return _rescale_leaf(x, norm, epsilon)
+        if not is_floating(x):
+            return x
+        params = dict(
+            norm=norm,
+            epsilon=float(epsilon),
+            layout=_target_layout(tuple(np.shape(x)), scale_shape),
+        )
+        if isinstance(x, ScaledArray):  # outside autoscale: interpret the primitive
+            return autoscale(functools.partial(dynamic_rescale_p.bind, **params))(x)
+        return dynamic_rescale_p.bind(x, **params)
 
     return jax.tree_util.tree_map(rescale, tree, is_leaf=is_scaled_leaf)
 
 
-def dynamic_rescale_max(tree: Any, epsilon: float = DEFAULT_EPSILON) -> Any:
+def dynamic_rescale_max(
+    tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
+) -> Any:
     """Rescale every scaled leaf so that its data's largest magnitude is in [1, 2).
 
-    A power of two is moved from the data to the scale, so the value is
-    unchanged (exactly). Plain arrays outside `autoscale` are returned as they
-    are. `epsilon` floors the norm (all-zero data keeps a finite scale). A
-    ScaledArray with a block scale is rescaled block by block (each block's data
-    to [1, 2), the layout kept); inside `autoscale` leaves are rescaled per tensor.
+    A power of two is moved from the data to the scale, so the value is unchanged
+    (exactly, unless a block's data falls below its dtype's smallest normal). Works inside
+    `autoscale` (on the ScaledArrays the step computes) and outside it (on ScaledArray
+    leaves); plain arrays are returned as they are. `epsilon` floors the norm (all-zero
+    data keeps a finite scale). A block-scaled leaf is rescaled block by block (the largest
+    finite magnitude of each block); `scale_shape` (a tuple, or a function of the leaf's
+    shape) asks for another block layout: per row `(M, 1)`, per channel `(1, N)`, MX
+    blocks `(M, K // 32)`, tiles, or `()` for one scale per tensor.
 
     Examples:
         >>> import jax_scaled_arithmetics as jsa
@@ -114,11 +293,15 @@ def dynamic_rescale_max(tree: Any, epsilon: float = DEFAULT_EPSILON) -> Any:
         >>> rows = jsa.scaled_array([[0.001, 0.002], [8.0, 3.0]], [[1.0], [1.0]])
         >>> jsa.ops.dynamic_rescale_max(rows).scale.tolist()
         [[0.001953125], [8.0]]
+        >>> jsa.ops.dynamic_rescale_max(x, scale_shape=(2,)).scale.tolist()  # per element
+        [0.0009765625, 0.001953125]
     """
-    return _rescale_tree(tree, _norm_max, epsilon)
+    return _rescale_tree(tree, "max", epsilon, scale_shape)
 
 
-def dynamic_rescale_l1(tree: Any, epsilon: float = DEFAULT_EPSILON) -> Any:
+def dynamic_rescale_l1(
+    tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
+) -> Any:
     """Like :func:`dynamic_rescale_max`, with the mean absolute value of the data.
 
     Examples:
@@ -126,10 +309,12 @@ def dynamic_rescale_l1(tree: Any, epsilon: float = DEFAULT_EPSILON) -> Any:
         >>> float(jsa.ops.dynamic_rescale_l1(jsa.scaled_array([4.0, 4.0], 1.0)).scale)
         4.0
     """
-    return _rescale_tree(tree, _norm_l1, epsilon)
+    return _rescale_tree(tree, "l1", epsilon, scale_shape)
 
 
-def dynamic_rescale_l2(tree: Any, epsilon: float = DEFAULT_EPSILON) -> Any:
+def dynamic_rescale_l2(
+    tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
+) -> Any:
     """Like :func:`dynamic_rescale_max`, with the root mean square of the data.
 
     Examples:
@@ -137,25 +322,31 @@ def dynamic_rescale_l2(tree: Any, epsilon: float = DEFAULT_EPSILON) -> Any:
         >>> float(jsa.ops.dynamic_rescale_l2(jsa.scaled_array([3.0, 4.0], 1.0)).scale)
         2.0
     """
-    return _rescale_tree(tree, _norm_l2, epsilon)
+    return _rescale_tree(tree, "l2", epsilon, scale_shape)
 
 
 def _grad_variant(rescale_fn: Callable[..., Any], doc: str) -> Callable[..., Any]:
-    @jax.custom_vjp
-    def identity(x: Any) -> Any:
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def identity(x: Any, epsilon: float, scale_shape: ScaleShape) -> Any:
         return x
 
-    def fwd(x: Any) -> tuple[Any, None]:
+    def fwd(x: Any, epsilon: float, scale_shape: ScaleShape) -> tuple[Any, None]:
         return x, None
 
-    def bwd(_: None, ct: Any) -> tuple[Any]:
-        return (rescale_fn(ct),)
+    def bwd(epsilon: float, scale_shape: ScaleShape, _: None, ct: Any) -> tuple[Any]:
+        return (rescale_fn(ct, epsilon, scale_shape=scale_shape),)
 
     identity.defvjp(fwd, bwd)
 
-    def grad_rescale(tree: Any) -> Any:
+    def grad_rescale(
+        tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
+    ) -> Any:
+        if isinstance(scale_shape, list):
+            scale_shape = tuple(scale_shape)  # hashable (a static argument)
         return jax.tree_util.tree_map(
-            lambda x: identity(x) if is_floating(x) else x, tree, is_leaf=is_scaled_leaf
+            lambda x: identity(x, epsilon, scale_shape) if is_floating(x) else x,
+            tree,
+            is_leaf=is_scaled_leaf,
         )
 
     grad_rescale.__doc__ = doc
@@ -164,13 +355,16 @@ def _grad_variant(rescale_fn: Callable[..., Any], doc: str) -> Callable[..., Any
 
 dynamic_rescale_max_grad = _grad_variant(
     dynamic_rescale_max,
-    """Identity on the forward pass; dynamic_rescale_max of the gradient on the backward pass.""",
+    """Identity on the forward pass; dynamic_rescale_max of the gradient on the backward pass
+    (same `epsilon` and `scale_shape`).""",
 )
 dynamic_rescale_l1_grad = _grad_variant(
     dynamic_rescale_l1,
-    """Identity on the forward pass; dynamic_rescale_l1 of the gradient on the backward pass.""",
+    """Identity on the forward pass; dynamic_rescale_l1 of the gradient on the backward pass
+    (same `epsilon` and `scale_shape`).""",
 )
 dynamic_rescale_l2_grad = _grad_variant(
     dynamic_rescale_l2,
-    """Identity on the forward pass; dynamic_rescale_l2 of the gradient on the backward pass.""",
+    """Identity on the forward pass; dynamic_rescale_l2 of the gradient on the backward pass
+    (same `epsilon` and `scale_shape`).""",
 )

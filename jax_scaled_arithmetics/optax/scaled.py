@@ -34,6 +34,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,8 +45,8 @@ import optax
 
 from ..core.datatype import ScaledArray, as_scaled_array, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
-from ..lax.scaling import get_data_scale, rebalance, set_scaling, stop_scaling
-from ..ops.rescaling import dynamic_rescale_l2, dynamic_rescale_max
+from ..lax.scaling import rebalance, stop_scaling
+from ..ops.rescaling import dynamic_rescale_l2, dynamic_rescale_max, match_layout
 
 __all__ = [
     "default_data_exponent",
@@ -93,10 +94,18 @@ def _cast(tree: Any, dtype: DTypeLike | None) -> Any:
     )
 
 
-def _store_leaf(x: Any, state_dtype: DTypeLike, rescale: Rescale | None, data_exponent: int) -> Any:
-    """Inside autoscale: make `x` scaled, rescale it and cast its data to `state_dtype`."""
-    _, scale = get_data_scale(x)
-    x = set_scaling(x, scale)  # a plain value becomes a ScaledArray (no-op when already scaled)
+def _store_leaf(
+    x: Any,
+    state_dtype: DTypeLike,
+    rescale: Rescale | None,
+    data_exponent: int,
+    like: Any = None,
+) -> Any:
+    """Inside autoscale: make `x` scaled, bring it to the block layout of `like` (the stored
+    leaf it replaces: one layout from step to step), rescale it and cast its data to
+    `state_dtype`."""
+    # A plain value becomes a ScaledArray; a scaled one keeps its layout (or takes `like`'s).
+    x = match_layout(x, x if like is None else like)
     if rescale is not None:
         x = rescale(x)
         if data_exponent:
@@ -117,18 +126,55 @@ def _store_state(
         if not (old is not None and is_floating(old)):
             return new
         if _is_stored_scaled(old):
-            return _store_leaf(new, state_dtype, rescale, data_exponent)
+            return _store_leaf(new, state_dtype, rescale, data_exponent, like=old)
         return stop_scaling(new, dtype=jnp.dtype(old.dtype))  # scalars: plain, original dtype
 
     return jax.tree_util.tree_map(store, new_state, old_state, is_leaf=is_scaled_leaf)
 
 
-def _to_storage(x: Any, state_dtype: DTypeLike, rescale: Rescale | None, exp: int) -> Any:
-    """Outside autoscale: one initial state leaf to its storage layout."""
+def _to_storage(
+    x: Any,
+    state_dtype: DTypeLike,
+    rescale: Rescale | None,
+    exp: int,
+    scale_shape: tuple[int, ...] | None,
+) -> Any:
+    """Outside autoscale: one initial state leaf to its storage layout (`scale_shape`: the
+    block scale of the parameter it belongs to; None: one scale)."""
     if not _is_stored_scaled(x):
         return x
-    x = as_scaled_array(jnp.asarray(x, jnp.float32))
+    x = as_scaled_array(jnp.asarray(x, jnp.float32), scale_shape=scale_shape)
     return autoscale(lambda v: _store_leaf(v, state_dtype, rescale, exp))(x)
+
+
+class _Layout:
+    """A parameter's block scale shape (None: per tensor), as one pytree leaf."""
+
+    def __init__(self, scale_shape: tuple[int, ...] | None):
+        self.scale_shape = scale_shape
+
+
+def _state_layouts(inner: Any, params: Any, state: Any) -> tuple[Any, ...] | None:
+    """The block scale shape of each leaf of `state` (in flattening order): its parameter's
+    where the leaf is a copy of the parameter tree (Adam's moments...), None elsewhere; None
+    when every parameter has one scale."""
+    layouts = jax.tree_util.tree_map(
+        lambda p: _Layout(tuple(np.shape(p.scale)) or None if isinstance(p, ScaledArray) else None),
+        params,
+        is_leaf=is_scaled_leaf,
+    )
+    is_layout = lambda x: isinstance(x, _Layout)  # noqa: E731
+    if all(m.scale_shape is None for m in jax.tree_util.tree_leaves(layouts, is_leaf=is_layout)):
+        return None
+    marked = optax.tree_utils.tree_map_params(
+        inner,
+        lambda _, layout: layout,
+        state,
+        layouts,
+        transform_non_params=lambda _: _Layout(None),
+        is_leaf=is_layout,
+    )
+    return tuple(m.scale_shape for m in jax.tree_util.tree_leaves(marked, is_leaf=is_layout))
 
 
 def _outer_dtypes(tree: Any) -> Any:
@@ -190,11 +236,12 @@ def scaled_state(
     else:  # only max rescaling bounds the data (by 2): shift it to the top of the range
         exp = default_data_exponent(state_dtype) if rescale is dynamic_rescale_max else 0
 
-    @jax.jit
-    def to_storage(state: Any) -> Any:
-        return jax.tree_util.tree_map(
-            lambda x: _to_storage(x, state_dtype, rescale, exp), state, is_leaf=is_scaled_leaf
-        )
+    @functools.partial(jax.jit, static_argnums=1)
+    def to_storage(state: Any, layouts: tuple[Any, ...] | None) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        layouts = layouts or (None,) * len(leaves)
+        stored = [_to_storage(x, state_dtype, rescale, exp, s) for x, s in zip(leaves, layouts)]
+        return jax.tree_util.tree_unflatten(treedef, stored)
 
     def init_fn(params: Any) -> Any:
         plain = jax.tree_util.tree_map(
@@ -202,7 +249,8 @@ def scaled_state(
             params,
             is_leaf=is_scaled_leaf,
         )
-        return to_storage(inner.init(plain))
+        state = inner.init(plain)
+        return to_storage(state, _state_layouts(inner, params, state))
 
     def _update(updates: Any, state: Any, params: Any, extra_args: dict[str, Any]) -> Any:
         out_dtypes = _outer_dtypes(updates)

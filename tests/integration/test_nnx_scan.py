@@ -33,8 +33,8 @@ there at a spread of 2^20.
 
 Adam: plain `optax.adam` on float16 ScaledArrays gives NaN where a gradient is zero (dead
 relu units; its `eps` underflows at the block's scale, so 0 / 0), per tensor as per block;
-`jsa.optax.scale_optimizer` keeps its moments per tensor, which loses the layers whose
-gradients are 2^20 below the others' (xfail below).
+`jsa.optax.scale_optimizer` stores the moments of a stacked leaf with the parameter's
+block scale (one per layer), so no layer loses its update.
 """
 
 from __future__ import annotations
@@ -203,26 +203,60 @@ def test_one_scale_for_all_layers_loses_the_small_layers_in_float16(problem):
     assert np.all(errors["per layer"] <= 2e-3)
 
 
-@pytest.mark.xfail(
-    reason="jsa.optax.scale_optimizer keeps Adam's moments at one scale per tensor: in "
-    "float16 the layers whose gradients are 2^20 below the others' get no update",
-    strict=True,
-)
-def test_scaled_adam_step_in_float16_keeps_every_layer(problem):
-    """Adam through `jsa.optax.scale_optimizer` (float16 moments) on the per-layer-scaled
-    float16 model: every layer's update within 1e-2 of float32 Adam's. Today the moments'
-    state is per tensor (`opt.init` gives scalar scales and the update keeps them), so
-    the 2^10 layers (gradients near 2^-10 of the others') lose their moments: update errors
-    measured 4.1e-4, 0.997, 4.1e-4, 0.997."""
+@pytest.mark.parametrize("state_dtype", [np.float16, ml_dtypes.bfloat16], ids=str)
+def test_scaled_adam_keeps_one_scale_per_layer_in_its_moments(problem, state_dtype):
+    """Adam through `jsa.optax.scale_optimizer` on the per-layer-scaled float16 model: the
+    moments of a stacked leaf are stored with its parameter's block scale (one per layer,
+    from `opt.init`, kept by every update), so every layer's update is within 2e-3 of
+    float32 Adam's from the same values. Measured kernel update errors, float16 moments:
+    4.1e-4 4.8e-4 4.1e-4 4.8e-4 (with moments per tensor, as before block scales: 4.1e-4,
+    0.997, 4.1e-4, 0.997: the layers whose gradients are 2^20 below the others' got no
+    update). The step runs twice with one compilation (the state's layout is a fixed
+    point)."""
     graphdef, state, x, y = problem
     adam = optax.adam(1e-3)
-    opt = jsa.optax.scale_optimizer(adam)
+    opt = jsa.optax.scale_optimizer(adam, state_dtype)
     scaled = scaled_state(state, np.float16, per_layer)
     values = jsa.asarray(scaled, jnp.float32)
     expected, _, _ = jax.jit(make_step(graphdef, adam))(values, adam.init(values), x, y)
-    updates, _, _ = jax.jit(jsa.autoscale(make_step(graphdef, opt)))(scaled, opt.init(scaled), x, y)
-    got = layer_errors(
-        updates["blocks"]["linear"]["kernel"], expected["blocks"]["linear"]["kernel"]
-    )
-    print(f"float16 scaled Adam kernel update errors: {got}")
-    assert np.all(got <= 1e-2), got
+    opt_state = opt.init(scaled)
+    step = jax.jit(jsa.autoscale(make_step(graphdef, opt)))
+    updates, _, new_state = step(scaled, opt_state, x, y)
+    for moments in (opt_state[0].mu, opt_state[0].nu, new_state[0].mu, new_state[0].nu):
+        kernel = moments["blocks"]["linear"]["kernel"]
+        assert kernel.scale.shape == (L, 1, 1) and kernel.dtype == np.dtype(state_dtype)
+        assert moments["blocks"]["linear"]["bias"].scale.shape == (L, 1)
+        assert moments["head"]["kernel"].scale.shape == ()
+    for name in ("kernel", "bias"):
+        got = layer_errors(updates["blocks"]["linear"][name], expected["blocks"]["linear"][name])
+        print(f"{np.dtype(state_dtype).name} moments, Adam {name} update errors: {got}")
+        assert np.all(got <= 2e-3), (name, got)
+    step(scaled, new_state, x, y)
+    assert step._cache_size() == 1
+
+
+def test_scaled_adam_over_steps_with_bfloat16_moments(problem):
+    """Four Adam steps, float16 parameters with per-layer scales, bfloat16 moments: every
+    layer's update stays within 5e-2 of float32 Adam's run from the same values (measured
+    at most 2.9e-2: bfloat16 rounding of the moments, compounded over the steps).
+
+    With float16 moments the run diverges at the third step: within one layer the second
+    moment spans 1e-13 to 1e-19 of its largest element, beyond float16's 2^-38 range at
+    one scale per layer, so some `nu` flush to zero while `mu` does not, and
+    `mu / (sqrt(nu) + eps)` explodes (bfloat16 moments, or finer scales, are the remedy)."""
+    graphdef, state, x, y = problem
+    adam = optax.adam(1e-3)
+    opt = jsa.optax.scale_optimizer(adam, ml_dtypes.bfloat16)
+    scaled = scaled_state(state, np.float16, per_layer)
+    values = jsa.asarray(scaled, jnp.float32)
+    scaled_step = jax.jit(jsa.autoscale(make_step(graphdef, opt)))
+    plain_step = jax.jit(make_step(graphdef, adam))
+    opt_state, ref_state = opt.init(scaled), adam.init(values)
+    for _ in range(4):
+        updates, scaled, opt_state = scaled_step(scaled, opt_state, x, y)
+        ref_updates, values, ref_state = plain_step(values, ref_state, x, y)
+        got = layer_errors(
+            updates["blocks"]["linear"]["kernel"], ref_updates["blocks"]["linear"]["kernel"]
+        )
+        assert np.all(got <= 5e-2), got
+    assert scaled_step._cache_size() == 1

@@ -70,22 +70,24 @@ def test_dynamic_rescale_grad_variant_rescales_the_gradient_only():
     assert not 1.0 <= float(jnp.max(jnp.abs(raw.data))) < 2.0
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["outside", "autoscale"])
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("layout", [(8, 1), (1, 64), (8, 2), (2, 2)])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize(
     "rescale", ["dynamic_rescale_max", "dynamic_rescale_l1", "dynamic_rescale_l2"]
 )
-def test_dynamic_rescale_of_block_scales_is_per_block(rescale, dtype, layout, jit):
-    """A block-scaled array is rescaled block by block: the layout is kept, the values are
-    unchanged exactly, and each block's norm of the data is in [1, 2) (max: its largest
-    magnitude)."""
+def test_dynamic_rescale_of_block_scales_is_per_block(rescale, dtype, layout, jit, inside):
+    """A block-scaled array is rescaled block by block, on its own or inside an autoscaled
+    function: the layout is kept, the values are unchanged exactly, and each block's norm
+    of the data is in [1, 2) (max: its largest magnitude)."""
     rng = np.random.default_rng(0)
     value = rng.normal(size=(8, 64)) * np.exp2(np.arange(-12, 12, 3))[:, None]
     x = jsa.as_scaled_array(jnp.asarray(value, jnp.float32), scale_shape=layout, dtype=dtype)
     # Data 2^8 below where it should be (exactly: powers of two, normal in every dtype).
     x = jsa.ScaledArray((x.data.astype(jnp.float32) * 2.0**-8).astype(dtype), x.scale * 2.0**8)
     fn = getattr(jsa.ops, rescale)
+    fn = jsa.autoscale(fn) if inside else fn
     y = (jax.jit(fn) if jit else fn)(x)
     assert y.scale.shape == layout and y.dtype == x.dtype
     np.testing.assert_array_equal(y.to_array(jnp.float32), x.to_array(jnp.float32))
@@ -98,3 +100,129 @@ def test_dynamic_rescale_of_block_scales_is_per_block(rescale, dtype, layout, ji
         "dynamic_rescale_l2": lambda b: np.sqrt((b**2).mean(axis=(1, 3))),
     }[rescale](blocks_of)
     assert ((norm >= 1) & (norm < 2)).all(), norm
+
+
+# --- another block layout: scale_shape ------------------------------------------------------
+
+M, K = 8, 64
+TARGETS = {
+    "tensor": (),
+    "row": (M, 1),
+    "column": (1, K),
+    "mx32": (M, K // 32),
+    "tile": (2, 2),
+}
+
+
+def _rows_apart(seed=0):
+    """Rows 2^0 ... 2^-7, elements within a factor 2 of their row's magnitude: normal
+    numbers of every data dtype at one scale per tensor."""
+    rng = np.random.default_rng(seed)
+    signs = rng.choice([-1.0, 1.0], size=(M, K))
+    return signs * rng.uniform(0.5, 1.0, size=(M, K)) * np.exp2(-np.arange(M))[:, None]
+
+
+def _norm_of_blocks(data, layout):
+    layout = layout or (1, 1)
+    b = np.abs(np.asarray(data, np.float64)).reshape(layout[0], -1, layout[1], K // layout[1])
+    return b.max(axis=(1, 3))
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["outside", "autoscale"])
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("source", [(), (M, 1), (2, 2)], ids=["tensor", "row", "tile"])
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_dynamic_rescale_to_another_layout(dtype, target, source, jit, inside):
+    """`scale_shape` picks one power of two per block of the asked layout, whatever the
+    input's: values unchanged (exactly: the data stay normal numbers), each new block's
+    largest magnitude in [1, 2)."""
+    value = jnp.asarray(_rows_apart(), jnp.float32)
+    x = jsa.as_scaled_array(value, scale_shape=source or None, dtype=dtype)
+    layout = TARGETS[target]
+
+    def fn(v):
+        return jsa.ops.dynamic_rescale_max(v, scale_shape=layout)
+
+    fn = jsa.autoscale(fn) if inside else fn
+    y = (jax.jit(fn) if jit else fn)(x)
+    assert y.scale.shape == layout and y.dtype == x.dtype
+    np.testing.assert_array_equal(y.to_array(jnp.float32), x.to_array(jnp.float32))
+    norm = _norm_of_blocks(y.data, layout)
+    assert ((norm >= 1) & (norm < 2)).all(), norm
+
+
+def test_dynamic_rescale_scale_shape_as_a_function_of_the_shape():
+    """A callable `scale_shape` gets each leaf's shape: per-row scales for a pytree."""
+    tree = {
+        "a": jsa.as_scaled_array(jnp.asarray(_rows_apart(), jnp.float32)),
+        "b": jsa.as_scaled_array(jnp.ones((4, 3), jnp.float32)),
+    }
+    out = jsa.ops.dynamic_rescale_l2(tree, scale_shape=lambda shape: (shape[0], 1))
+    assert out["a"].scale.shape == (M, 1) and out["b"].scale.shape == (4, 1)
+    np.testing.assert_array_equal(out["a"].to_array(), tree["a"].to_array())
+
+
+def test_dynamic_rescale_rejects_a_layout_that_does_not_tile_the_data():
+    x = jsa.as_scaled_array(jnp.ones((M, K), jnp.float32))
+    with pytest.raises(ValueError, match=r"scale of shape \(3, 1\) does not broadcast"):
+        jsa.ops.dynamic_rescale_max(x, scale_shape=(3, 1))
+
+
+@pytest.mark.parametrize("layout", [(), (M, 1)], ids=["per tensor", "per row"])
+def test_per_row_rescale_keeps_rows_far_apart_in_float16(layout):
+    """The use: inside an autoscaled function, float32 data with one scale, rows 2^36
+    apart, rescaled then cast to float16 and squared. Per row, every row keeps float16's
+    precision; per tensor, the small rows are float16 subnormals or zeros."""
+    value = np.ones((M, K)) * np.exp2(np.arange(M) * -5.0)[:, None]  # rows 2^35 apart
+    value *= np.random.default_rng(0).uniform(0.5, 1.0, size=(M, K))
+
+    @jax.jit
+    @jsa.autoscale
+    def square(x):
+        y = jsa.ops.dynamic_rescale_max(x, scale_shape=layout).astype(jnp.float16)
+        return y * y
+
+    out = square(jsa.as_scaled_array(jnp.asarray(value, jnp.float32)))
+    assert out.scale.shape == layout
+    got = np.asarray(out.to_array(jnp.float32), np.float64)
+    errors = np.max(np.abs(got - value**2), axis=1) / np.max(value**2, axis=1)
+    if layout:
+        assert (errors < 2e-3).all(), errors
+    else:
+        assert errors[0] < 2e-3 and errors[-1] > 0.1, errors
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_dynamic_rescale_with_scale_shape_differentiates_as_the_identity(jit):
+    """Through `jax.grad` inside autoscale the rescaling is the identity: the gradient is
+    the plain one; the `_grad` variant rescales the gradient to the asked layout."""
+    value = jnp.asarray(_rows_apart(), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(M, K)), jnp.float32)
+
+    def grads(x, w):
+        def loss(x):
+            return jnp.sum(jnp.sin(jsa.ops.dynamic_rescale_l1(x, scale_shape=(M, 1))) * w)
+
+        def rescaled_cotangent(v):  # the cotangent of `v` is `w`, a scaled input
+            return jnp.sum(jsa.ops.dynamic_rescale_max_grad(v, scale_shape=(2, 2)) * w)
+
+        return jax.grad(loss)(x), jax.grad(rescaled_cotangent)(x)
+
+    fn = jsa.autoscale(grads)
+    g, h = (jax.jit(fn) if jit else fn)(jsa.as_scaled_array(value), jsa.as_scaled_array(w))
+    np.testing.assert_allclose(
+        np.asarray(jsa.asarray(g, jnp.float32)), jnp.cos(value) * w, rtol=1e-5, atol=1e-6
+    )
+    assert h.scale.shape == (2, 2)
+    np.testing.assert_array_equal(np.asarray(h.to_array(jnp.float32)), w)
+    norm = _norm_of_blocks(h.data, (2, 2))
+    assert ((norm >= 1) & (norm < 2)).all(), norm
+
+
+def test_rebalance_keeps_block_scales_inside_autoscale():
+    x = jsa.as_scaled_array(jnp.asarray(_rows_apart(), jnp.float32), scale_shape=(M, 1))
+    y = jsa.autoscale(lambda v: jsa.lax.rebalance(v, jnp.float32(4.0)))(x)
+    assert y.scale.shape == (M, 1)
+    np.testing.assert_array_equal(y.scale, x.scale / 4)
+    np.testing.assert_array_equal(y.to_array(), x.to_array())

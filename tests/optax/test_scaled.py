@@ -329,3 +329,42 @@ def test_l2_rescale_keeps_data_near_one():
     _, state = opt.update({"w": g}, opt.init({"w": jnp.zeros(1024)}))
     _assert_stored_scaled(state)
     np.testing.assert_array_equal(_represented(state[0].trace["w"]), np.asarray(g))
+
+
+@pytest.mark.parametrize("layout", [(1, 16), (8, 1)], ids=["per channel", "per row"])
+def test_scaled_state_moments_take_their_parameters_block_scales(layout):
+    """A block-scaled parameter's Adam moments are stored with its block layout (`init`),
+    which every update keeps; a per-tensor parameter's stay per tensor. Columns 2^24 apart
+    in float16: each channel's update matches float32 Adam's."""
+    rng = np.random.default_rng(0)
+    magnitudes = np.exp2(np.linspace(-12, 12, 16))[None, :]
+    w = jnp.asarray(rng.normal(size=(8, 16)) * magnitudes, jnp.float32)
+    params = {
+        "w": jsa.as_scaled_array(w, scale_shape=layout, dtype=jnp.float16),
+        "b": jsa.as_scaled_array(jnp.ones(16), dtype=jnp.float16),
+    }
+    grads_value = {"w": w * 1e-3, "b": jnp.full(16, 0.5)}
+    adam = optax.adam(1e-2)
+    opt = jsa.optax.scale_optimizer(adam)
+    state = opt.init(params)
+    assert state[0].mu["w"].scale.shape == layout and state[0].nu["w"].scale.shape == layout
+    assert state[0].mu["b"].scale.shape == ()
+
+    @jax.jit
+    @jsa.autoscale
+    def update(grads, state, params):
+        return opt.update(grads, state, params)
+
+    grads = {
+        "w": jsa.as_scaled_array(grads_value["w"], scale_shape=layout, dtype=jnp.float16),
+        "b": jsa.as_scaled_array(grads_value["b"], dtype=jnp.float16),
+    }
+    updates, new_state = update(grads, state, params)
+    assert new_state[0].nu["w"].scale.shape == layout
+    assert new_state[0].mu["b"].scale.shape == ()
+    values = jsa.asarray(grads, jnp.float32)
+    expected, _ = adam.update(values, adam.init(values))
+    got = np.asarray(updates["w"].to_array(jnp.float32))
+    np.testing.assert_allclose(got, expected["w"], rtol=2e-3, atol=0)
+    update(grads, new_state, params)
+    assert update._cache_size() == 1
