@@ -277,6 +277,105 @@ def test_float8_data_with_mx_blocks_through_a_matmul():
     assert err_mx.max() < 0.07 < err_tensor.max()
 
 
+# --- FP8-training layouts at their real sizes: 1x128 and 128x128 tiles, stacked layers ---
+
+T = 256  # two 128-tiles per axis
+TILE_PAIRS = {  # (x layout, w layout) of x (T, T) @ w (T, T)
+    "tensor x tensor": ((1, 1), (1, 1)),
+    "row x column": ((T, 1), (1, T)),
+    "1x128 x 128x128": ((T, T // 128), (T // 128, T // 128)),
+    "128x128 x 128x128": ((T // 128, T // 128), (T // 128, T // 128)),
+    "1x128 x column": ((T, T // 128), (1, T)),
+}
+TILE_DTYPES = DTYPES + [ml_dtypes.float8_e4m3fn]
+
+
+def _tile_inputs():
+    rng = np.random.default_rng(3)
+    # Each 128x128 tile of x 2^(3k) apart; w's output columns 2^(2j) apart.
+    x = rng.normal(size=(T, T)) * np.kron(np.exp2([[0, 6], [-6, 3]]), np.ones((128, 128)))
+    w = rng.normal(size=(T, T)) / 16 * np.exp2(np.arange(T) % 4 * 2.0)[None, :]
+    return x.astype(np.float32), w.astype(np.float32)
+
+
+def _tile_loss(x, w):
+    return jnp.sum(jnp.tanh(x @ w) * (x @ w)) / T
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", TILE_DTYPES, ids=str)
+@pytest.mark.parametrize("pair", list(TILE_PAIRS))
+def test_tiles_of_fp8_training_through_a_matmul_with_gradients(pair, dtype, jit):
+    """x (256, 256) @ w (256, 256) with the layouts of FP8 training recipes (per tensor,
+    row x column, 1x128 activation tiles x 128x128 weight tiles): the autoscaled value and
+    gradients match the plain ones on the represented values, and the product keeps x's
+    row blocks. float8_e4m3fn data: the value and the product (its gradients store every
+    intermediate in 3 mantissa bits, a test of the format rather than of the scales)."""
+    x_layout, w_layout = TILE_PAIRS[pair]
+    x_plain, w_plain = _tile_inputs()
+    x = jsa.as_scaled_array(x_plain, scale_shape=x_layout, dtype=dtype)
+    w = jsa.as_scaled_array(w_plain, scale_shape=w_layout, dtype=dtype)
+    assert x.scale.shape == x_layout and w.scale.shape == w_layout
+    fn = jsa.autoscale(jax.value_and_grad(_tile_loss, argnums=(0, 1)))
+    product = jsa.autoscale(jnp.matmul)
+    if jit:
+        fn, product = jax.jit(fn), jax.jit(product)
+    loss, grads = fn(x, w)
+    xv, wv = jnp.asarray(represented(x)), jnp.asarray(represented(w))
+    ref_loss, ref_grads = jax.value_and_grad(_tile_loss, argnums=(0, 1))(xv, wv)
+    tol = {ml_dtypes.float8_e4m3fn: 0.25, ml_dtypes.bfloat16: 3e-2}.get(dtype, 4e-3)
+    assert abs(float(represented(loss)) - float(ref_loss)) <= tol * abs(float(ref_loss))
+    if dtype != ml_dtypes.float8_e4m3fn:
+        for g, r in zip(grads, ref_grads):
+            assert_close(g, r, dtype if dtype != np.float32 else np.float16)
+    out = product(x, w)
+    np.testing.assert_allclose(
+        represented(out), np.asarray(xv @ wv), rtol=0, atol=2 * tol * float(jnp.abs(xv @ wv).max())
+    )
+    rows = x_layout[0]
+    assert np.shape(out.scale) == ((rows, 1) if rows > 1 else ())
+
+
+L_LAYERS = 4
+
+
+def _stacked_inputs():
+    rng = np.random.default_rng(4)
+    mags = np.exp2(np.array([-9.0, 9.0, -3.0, 6.0]))[:, None, None]  # layers 2^18 apart
+    x = rng.normal(size=(L_LAYERS, M, K)) * mags
+    w = rng.normal(size=(L_LAYERS, K, N)) / 8
+    return x.astype(np.float32), w.astype(np.float32)
+
+
+STACKED_FUNCTIONS = {
+    "layer_matmul": lambda x, w: jnp.sum(jnp.tanh(jnp.einsum("lmk,lkn->lmn", x, w)) ** 2),
+    # Gradients ~ 1 / |x|: the layers' gradients are 2^18 apart, in the other order.
+    "norm_rows": lambda x, w: jnp.sum(
+        _norm_rows(x) * np.linspace(-1.0, 2.0, K, dtype=np.float32)[None, None]
+    ),
+    "elementwise_reduce": lambda x, w: jnp.sum(jnp.max(_elementwise_mix(x), axis=-1) ** 2),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fn_name", list(STACKED_FUNCTIONS))
+def test_stacked_layer_scales_with_gradients(fn_name, dtype, jit):
+    """Stacked layers with one scale each, `(L, 1, 1)`, layers 2^18 apart: value and
+    gradient (which keeps the per-layer layout) match the plain ones per layer."""
+    fn = STACKED_FUNCTIONS[fn_name]
+    x_plain, w_plain = _stacked_inputs()
+    x = jsa.as_scaled_array(x_plain, scale_shape=(L_LAYERS, 1, 1), dtype=dtype)
+    w = jsa.as_scaled_array(w_plain, scale_shape=(L_LAYERS, 1, 1), dtype=dtype)
+    grad_fn = jsa.autoscale(jax.grad(fn))
+    grad_fn = jax.jit(grad_fn) if jit else grad_fn
+    g = grad_fn(x, w)
+    ref = jax.grad(fn)(jnp.asarray(represented(x)), jnp.asarray(represented(w)))
+    assert g.scale.shape == (L_LAYERS, 1, 1)
+    for layer in range(L_LAYERS):  # each layer against its own magnitude
+        assert_close(g[layer], np.asarray(ref)[layer], dtype)
+
+
 # --- vmap: per-example scales ---------------------------------------------------------
 
 
