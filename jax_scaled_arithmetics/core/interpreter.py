@@ -145,6 +145,8 @@ def _known_scalar(value: Any) -> Any:
 def _fold_known(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any]:
     nout = len(eqn.outvars)
     name = eqn.primitive.name
+    if eqn.primitive in _CALL_BODY_PARAMS:
+        return _fold_known_call(eqn, in_known)
     if not eqn.invars or eqn.primitive.multiple_results:
         return [None] * nout
     if name in _SCALAR_PRESERVING:
@@ -166,6 +168,57 @@ def _fold_known(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any]:
             out = eqn.primitive.bind(*args, **eqn.params)
         return [np.asarray(out).item()]
     return [None]
+
+
+# Call-like primitives: the output of each is its body's, on the same operands.
+_CALL_BODY_PARAMS = {
+    _compat.jit_p: "jaxpr",
+    _compat.closed_call_p: "call_jaxpr",
+    _compat.remat_p: "jaxpr",
+    _compat.custom_jvp_call_p: "call_jaxpr",
+    _compat.custom_vjp_call_p: "call_jaxpr",
+}
+
+
+def _fold_known_call(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any]:
+    """The scalars the outputs of a call-like equation (jit, closed_call, remat, custom
+    derivatives) are statically known broadcasts of, folded through its body.
+
+    A jit boundary must not hide constants. Linearised inside a `scan` body, `jnp.var`
+    becomes two jits: one computes the normalizer (`N - ddof`) and the NaN fill of an
+    empty reduction from literals, the other divides by the normalizer and selects with
+    the fill. Unknown, the normalizer was promoted at scale 1 (the variance's data N times
+    below its value's scale) and the fill asked the `where` for scale 1 (the variance's
+    data then its value, 2^-10 for float16 activations near 2^-5), and the layer norm's
+    derivative `rsqrt(v) / v` overflowed float16 (NaN gradients). Known, the normalizer
+    takes its power of two into the scale and the fill asks for no scale, as without jit.
+    """
+    nout = len(eqn.outvars)
+    name = _CALL_BODY_PARAMS.get(eqn.primitive)
+    body = eqn.params.get(name) if name is not None else None
+    if body is None:
+        return [None] * nout
+    jaxpr = getattr(body, "jaxpr", body)
+    consts = getattr(body, "consts", ())
+    if len(jaxpr.invars) != len(in_known) or len(jaxpr.outvars) != nout:
+        return [None] * nout
+    known: dict[Any, Any] = {}
+    for var, const in zip(jaxpr.constvars, consts):
+        known[var] = _known_scalar(const)
+    for var, k in zip(jaxpr.invars, in_known):
+        known[var] = k
+
+    def read(atom: Any) -> Any:
+        if isinstance(atom, _compat.Literal):
+            return _known_scalar(atom.val)
+        return known.get(atom)
+
+    for inner in jaxpr.eqns:
+        outs = _fold_known(inner, [read(a) for a in inner.invars])
+        for var, k in zip(inner.outvars, outs):
+            if isinstance(var, _compat.Var) and type(var).__name__ != "DropVar":
+                known[var] = k
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _check_outputs(eqn: _compat.JaxprEqn, outs: Sequence[Any]) -> None:
@@ -259,7 +312,11 @@ def interpret_jaxpr(
             outs = list(outs)
             if config.check:
                 _check_outputs(eqn, outs)
-            out_known: list[Any] = [None] * len(outs)
+            # A plain output of a call (jit...) keeps what is statically known of it.
+            out_known: list[Any] = [
+                None if isinstance(out, ScaledArray) else k
+                for out, k in zip(outs, _fold_known_call(eqn, in_known))
+            ]
         else:
             subfuns, bind_params = _compat.get_bind_params(eqn)
             with _compat.eqn_context(eqn):

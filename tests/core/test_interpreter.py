@@ -332,6 +332,26 @@ def test_known_constants_get_sensible_scales():
     assert float(jsa.autoscale(lambda a: jnp.maximum(a, 0.0))(x).scale) == 2.0**-30
 
 
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_constants_computed_inside_a_jit_stay_known(use_jit):
+    """A constant a jitted helper returns (as `jnp.var` returns its normalizer `N - ddof`
+    and NaN fill) is known outside it: dividing by it moves the power of two to the scale,
+    as dividing by the literal does, rather than shrinking the data."""
+
+    @jax.jit
+    def normalizer(ddof):
+        return jnp.float32(128.0) - ddof, jnp.full((2,), jnp.nan, jnp.float16)
+
+    def fn(a):
+        n, fill = normalizer(0)
+        return jnp.where(jnp.isnan(fill), a / n, fill)
+
+    x = make_scaled(np.array([1.0, 1.5]), np.float16, 2.0**-30)
+    out = (jax.jit(jsa.autoscale(fn)) if use_jit else jsa.autoscale(fn))(x)
+    assert float(out.scale) == 2.0**-37
+    np.testing.assert_array_equal(np.asarray(out.data, np.float32), [1.0, 1.5])
+
+
 def test_scaled_input_validation():
     bad_scale = jsa.ScaledArray(jnp.ones(4), jnp.ones(3))
     with pytest.raises(ValueError, match=r"scale of shape \(3,\) is not a block scale of data"):

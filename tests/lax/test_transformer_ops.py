@@ -120,3 +120,37 @@ def test_forward_and_backward_scales_follow_the_data(name, use_jit):
         assert isinstance(grad, jsa.ScaledArray) and grad.dtype == np.float16
         assert_close(grad, np.asarray(expected), 2e-2, atol_rel=2e-2)
         _assert_data_in_range(grad, f"{name} gradient {i}")
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_scanned_layer_norm_grad_with_small_variance(use_jit):
+    """`jax.grad` through float16 layer norms run by `lax.scan` over stacked parameters,
+    on activations whose variance (2^-12) is far above eps (a float16 GPT at initialisation).
+
+    The linearised layer norm computes `rsqrt(v) / v` (2^18 in value): finite only if the
+    variance keeps a scale near its value. In a scan body JAX splits the jitted `jnp.var`
+    helper in two jits, the first computing its normalizer and NaN fill, which the second
+    divides by and selects with: unknown there, they pulled the variance's data to scale 1
+    (2^-12) and the quotient overflowed float16 (NaN gradients)."""
+    x, gamma, beta = _operands(
+        [(BATCH, SEQ, WIDTH), np.stack([GAMMA, GAMMA[::-1]]), np.stack([BETA, -BETA])],
+        [2.0**-6, 1.0, 2.0**-3],
+    )
+    weights = RNG.normal(size=(BATCH, SEQ, WIDTH)).astype(np.float16)
+
+    def loss(x, gamma, beta):
+        def body(h, p):
+            return layer_norm(h, *p), None
+
+        h, _ = jax.lax.scan(body, x, (gamma, beta))
+        return jnp.sum(h * weights)
+
+    grad_fn = jsa.autoscale(jax.grad(loss, argnums=(0, 1, 2)))
+    values = [jnp.asarray(represented(a), jnp.float32) for a in (x, gamma, beta)]
+    with jax.numpy_rank_promotion("allow"):
+        grads = (jax.jit(grad_fn) if use_jit else grad_fn)(x, gamma, beta)
+        expected = jax.grad(loss, argnums=(0, 1, 2))(*values)
+    assert isinstance(grads[0], jsa.ScaledArray) and grads[0].dtype == np.float16
+    for grad, ref in zip(grads, expected, strict=True):  # beta's is plain: sum(weights)
+        assert np.all(np.isfinite(represented(grad)))
+        assert_close(grad, np.asarray(ref), 2e-2, atol_rel=2e-2)
