@@ -343,6 +343,18 @@ def scaled_apply_to_data(x: Any, *extra: Any, fn: Any) -> Any:
     return fn(x, *[_plain(e) for e in extra])
 
 
+@registry.register_block_rule(apply_to_data_p)
+def _block_apply_to_data(x: Any, *extra: Any, fn: Any) -> Any:
+    """Block scales are kept (`fn` acts element by element on the data: an FP8 cast or
+    format simulation of each block at its own scale); per tensor if `fn` changes shape."""
+    if isinstance(x, ScaledArray) and np.ndim(x.scale):
+        data = fn(x.data, *[_plain(e) for e in extra])
+        if np.shape(data) == x.shape:
+            return ScaledArray(data, x.scale)
+        x = ScaledArray(*blocks.to_per_tensor(x.data, x.scale))
+    return scaled_apply_to_data(x, *extra, fn=fn)
+
+
 def apply_to_data(fn: Any, x: Array, *extra: Array) -> Any:
     """Apply the elementwise `fn(data, *extra)` to the stored data of `x`, keeping its scale.
 

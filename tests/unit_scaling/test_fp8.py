@@ -1,5 +1,7 @@
 """`U.simulate_fp8`: matmul operands in E4M3 forward, their output gradients in E5M2 backward."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,3 +180,147 @@ def test_bad_input():
         U.simulate_fp8("x @ w")
     with pytest.raises(ValueError, match="float8_e9m9"):
         U.simulate_fp8(lambda a: a, forward_format="float8_e9m9")
+
+
+# --- scale_layout: one power of two per row / channel / MX block --------------------------
+
+M, K, N, B = 4, 32, 16, 8  # x: (M, K), w: (K, N), output gradient: (M, N); MX blocks of B
+
+
+def round_blocks(v, quantize, block):
+    """numpy reference: each block (of shape `block`) of `v` rounded by `quantize` at its own
+    power of two (the one at or below its largest magnitude), as dynamic_rescale_max does."""
+    v = np.asarray(v, np.float64)
+    out = np.empty_like(v)
+    for i in range(0, v.shape[0], block[0]):
+        for j in range(0, v.shape[1], block[1]):
+            part = v[i : i + block[0], j : j + block[1]]
+            scale = 2.0 ** np.floor(np.log2(np.abs(part).max()))
+            rounded = np.asarray(quantize(jnp.asarray(part / scale, jnp.float32)), np.float64)
+            out[i : i + block[0], j : j + block[1]] = rounded * scale
+    return out
+
+
+def assert_product(got, a, b):
+    """`got` is `a @ b` up to float32 accumulation: within 1e-5 of `|a| @ |b|` (the bound
+    that holds where large terms cancel and leave the small ones)."""
+    got = np.asarray(got.to_array() if isinstance(got, jsa.ScaledArray) else got, np.float64)
+    assert np.all(np.abs(got - a @ b) <= 1e-5 * (np.abs(a) @ np.abs(b)))
+
+
+def layout_blocks(layout):
+    """The blocks of x, w and of the output gradient g for each `scale_layout`."""
+    return {
+        "tensor": ((M, K), (K, N), (M, N)),
+        "axis": ((1, K), (K, 1), (1, N)),  # per row of x, per output channel of w, per row of g
+        B: ((1, B), (B, 1), (1, B)),  # MX blocks along the contracting axis (and g's last)
+    }[layout]
+
+
+def spread(shape, axis, period, key):
+    """Normal values whose blocks of `period` along `axis` alternate between magnitudes 1
+    and 2^-20 (E4M3's range is 2^-9..448: one power of two cannot hold both)."""
+    index = np.arange(shape[axis]) // period % 2
+    factor = np.where(index == 1, 2.0**-20, 1.0)
+    factor = factor.reshape([-1 if a == axis else 1 for a in range(len(shape))])
+    return np.asarray(jax.random.normal(jax.random.PRNGKey(key), shape), np.float64) * factor
+
+
+def matmul_and_gradients(layout):
+    f = U.simulate_fp8(lambda a, b: a @ b, rescale=True, scale_layout=layout)
+
+    def step(x, w, g):
+        out, vjp = jax.vjp(f, x, w)
+        return out, vjp(g)
+
+    return jax.jit(jsa.autoscale(step))
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["rows", "blocks"],  # magnitudes alternate from row to row / from block to block in a row
+)
+@pytest.mark.parametrize("layout", ["tensor", "axis", B])
+def test_scale_layouts_round_each_block_at_its_own_scale(layout, pattern):
+    if pattern == "rows":  # rows of x and g, columns of w, 2^20 apart
+        x, w, g = spread((M, K), 0, 1, 0), spread((K, N), 1, 1, 1), spread((M, N), 0, 1, 2)
+    else:  # blocks of B along the contracting axis (and along g's rows) 2^20 apart
+        x, w, g = spread((M, K), 1, B, 0), spread((K, N), 0, B, 1), spread((M, N), 1, B, 2)
+    sx, sw, sg = (jsa.as_scaled_array(jnp.asarray(v, jnp.float32)) for v in (x, w, g))
+    out, (gx, gw) = matmul_and_gradients(layout)(sx, sw, sg)
+    for v in (out, gx, gw):
+        assert isinstance(v, jsa.ScaledArray)
+
+    bx, bw, bg = layout_blocks(layout)
+    xq, wq, gq = round_blocks(x, q4, bx), round_blocks(w, q4, bw), round_blocks(g, q5, bg)
+    for got, (a, b) in zip((out, gx, gw), ((xq, wq), (gq, wq.T), (xq.T, gq)), strict=True):
+        assert_product(got, a, b)
+
+    # What each layout keeps: a small row (pattern "rows") or block ("blocks") of x is lost
+    # (flushed to zero) when it shares its power of two with values 2^20 larger.
+    kept = layout == B or (layout == "axis" and pattern == "rows")
+    small = (slice(1, 2), slice(None)) if pattern == "rows" else (slice(None), slice(B, 2 * B))
+    assert bool(np.all(xq[small] != 0.0)) == kept
+    assert bool(np.all(gq[small] != 0.0)) == kept
+
+
+def test_scale_layout_operand_scale_shapes():
+    """The scale shapes asked for a dot_general's operands and its output gradient."""
+    from jax_scaled_arithmetics.unit_scaling import _fp8
+
+    assert _fp8._operand_scale_shape((2, 3, 64), (2,), "tensor") is None
+    assert _fp8._operand_scale_shape((2, 3, 64), (2,), "axis") == (2, 3, 1)
+    assert _fp8._operand_scale_shape((64, 5), (0,), "axis") == (1, 5)
+    assert _fp8._operand_scale_shape((2, 3, 64), (2,), 32) == (2, 3, 2)
+    assert _fp8._operand_scale_shape((64, 5), (0,), 32) == (2, 5)
+    assert _fp8._operand_scale_shape((2, 3, 64), (1, 2), 32) == (2, 3, 2)  # blocks on the last
+    assert _fp8._operand_scale_shape((2, 3, 48), (2,), 32) == (2, 3, 1)  # 32 does not divide 48
+    assert _fp8._gradient_scale_shape((2, 3, 64), "axis") == (2, 3, 1)
+    assert _fp8._gradient_scale_shape((2, 3, 64), 32) == (2, 3, 2)
+    assert _fp8._gradient_scale_shape((), 32) is None
+
+
+@pytest.mark.parametrize("layout", ["axis", B])
+def test_scale_layout_in_an_einsum_and_under_vmap(layout):
+    """Batch dimensions and vmap: the blocks follow the dimension numbers, the values match a
+    per-example computation."""
+    x = jnp.asarray(spread((3, M, K), 1, 1, 0), jnp.float32)
+    w = jnp.asarray(spread((3, K, N), 2, 1, 1), jnp.float32)
+    sx, sw = jsa.as_scaled_array(x), jsa.as_scaled_array(w)
+    fp8 = functools.partial(U.simulate_fp8, rescale=True, scale_layout=layout)
+    batched = jax.jit(jsa.autoscale(fp8(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))))(sx, sw)
+    mapped = jax.jit(jsa.autoscale(jax.vmap(fp8(lambda a, b: a @ b))))(sx, sw)
+    bx, bw, _ = layout_blocks(layout)
+    for i in range(3):
+        a, b = round_blocks(x[i], q4, bx), round_blocks(w[i], q4, bw)
+        for got in (batched, mapped):
+            assert_product(got.to_array()[i], a, b)
+
+
+def test_scale_layout_keeps_convolutions_per_tensor():
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 9, 9, 3))
+    k = jax.random.normal(jax.random.PRNGKey(2), (3, 3, 3, 5))
+
+    def conv(a, b):
+        return jax.lax.conv_general_dilated(
+            a, b, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+
+    sx, sk = jsa.as_scaled_array(x), jsa.as_scaled_array(k)
+    per_tensor = jsa.autoscale(U.simulate_fp8(conv, rescale=True))(sx, sk)
+    axis = jsa.autoscale(U.simulate_fp8(conv, rescale=True, scale_layout="axis"))(sx, sk)
+    _close(axis.to_array(), per_tensor.to_array(), 0.0)
+
+
+def test_scale_layout_without_autoscale_and_bad_layouts(operands):
+    x, w, _ = operands
+    f = lambda a, b: a @ b  # noqa: E731
+    # On plain arrays rescaling does nothing, whatever the layout.
+    _close(U.simulate_fp8(f, rescale=True, scale_layout=B)(x, w), q4(x) @ q4(w))
+    with pytest.raises(ValueError, match="needs rescale=True"):
+        U.simulate_fp8(f, scale_layout="axis")
+    with pytest.raises(ValueError, match="needs rescale=True"):
+        U.simulate_fp8(f, rescale=False, scale_layout=32)
+    for bad in ("row", 0, 2.5, True):
+        with pytest.raises(ValueError, match="scale_layout"):
+            U.simulate_fp8(f, rescale=True, scale_layout=bad)
