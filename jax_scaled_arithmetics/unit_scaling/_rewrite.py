@@ -78,6 +78,19 @@ def multiplies_matrices(eqn: Any) -> bool:
     return eqn.primitive.name in MATMULS or any(contains_matmul(j) for j in sub_jaxprs(eqn))
 
 
+def first_backward_eqn(jaxpr: Any) -> Any:
+    """The first equation (searching sub-jaxprs too) that JAX recorded while transposing a
+    derivative (`jax.grad`, `jax.vjp`: its name stack holds `transpose(jvp(...))`), or None."""
+    for eqn in jaxpr.eqns:
+        if "transpose(jvp" in _compat.eqn_name_stack(eqn):
+            return eqn
+        for inner in sub_jaxprs(eqn):
+            found = first_backward_eqn(inner)
+            if found is not None:
+                return found
+    return None
+
+
 @functools.lru_cache(maxsize=256)
 def contains_matmul(jaxpr: Any) -> bool:
     return any(multiplies_matrices(eqn) for eqn in jaxpr.eqns)

@@ -40,7 +40,15 @@ from . import _ops, _scale
 from ._rewrite import (
     MATMULS as _MATMULS,
 )
-from ._rewrite import Group, JaxprRewriter, code_of, find_calls, trace_flat, unwrap_outer
+from ._rewrite import (
+    Group,
+    JaxprRewriter,
+    code_of,
+    find_calls,
+    first_backward_eqn,
+    trace_flat,
+    unwrap_outer,
+)
 from ._rewrite import multiplies_matrices as _multiplies_matrices
 from ._rewrite import sub_jaxprs as _sub_jaxprs
 
@@ -528,10 +536,13 @@ def unit_scale(
     Raises:
         TypeError: `fn`, a `replace` key or a replacement is not callable.
         ValueError: the function has nothing to unit-scale (no matmul, convolution,
-            recognised function or residual add).
+            recognised function or residual add), or it computes a gradient (see below).
 
     Apply `jax.grad` outside: `jax.grad(unit_scale(f))` differentiates the unit-scaled
-    function; `unit_scale(jax.grad(f))` would treat the gradient program as a forward pass.
+    function. `unit_scale(jax.grad(f))` raises: the traced gradient program no longer
+    says which backward equation belongs to which forward op, so no op could get its
+    backward factor (JAX's name stack marks the backward equations, which is how it is
+    detected).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -555,6 +566,15 @@ def unit_scale(
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         closed, leaves, out_tree = trace_flat(fn, args, kwargs)
+        backward = first_backward_eqn(closed.jaxpr)
+        if backward is not None:
+            raise ValueError(
+                f"unit_scale: {getattr(fn, '__name__', 'the function')} computes a gradient "
+                f"(a `{backward.primitive.name}` of `jax.grad`/`jax.vjp`'s backward pass). "
+                "Unit scaling gives each op its own forward and backward factors, which a "
+                "traced gradient program no longer separates: apply jax.grad outside, "
+                "`jax.grad(U.unit_scale(f))`."
+            )
         rewriter = _UnitScaleRewriter(entries, by_code, by_name, tau, constraint)
         outs = rewriter.run_closed(closed, leaves)
         if rewriter.replaced == 0:

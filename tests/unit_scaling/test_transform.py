@@ -275,6 +275,26 @@ def test_nests_with_jit_both_orders(inputs):
     _close((v, g), (value, grads))
 
 
+def test_grad_goes_outside_and_inside_is_refused(inputs):
+    """`jax.grad(U.unit_scale(f))` (jitted or not) is the gradient of the unit-scaled
+    function; the other order, whose traced program has lost which backward equation
+    belongs to which op, raises a clear error (was: silently unit-scaled as a forward
+    pass), through `jit` and `vjp` too."""
+    x, params = inputs
+    grads = jax.grad(U.unit_scale(loss), argnums=1)(x, params)
+    _close(jax.jit(jax.grad(U.unit_scale(loss), argnums=1))(x, params), grads)
+    # A function that only differentiates something else is refused too.
+    wrong_orders = {
+        "grad": jax.grad(loss, argnums=1),
+        "jit(grad)": jax.jit(jax.grad(loss, argnums=1)),
+        "vjp": lambda v, p: jax.vjp(lambda q: loss(v, q), p)[1](jnp.float32(1.0)),
+    }
+    for name, fn in wrong_orders.items():
+        with pytest.raises(ValueError, match=r"computes a gradient .* apply jax.grad outside"):
+            U.unit_scale(fn)(x, params)
+        assert name  # every order checked
+
+
 def test_nests_with_vmap_both_orders(inputs):
     x, params = inputs
     xs = jnp.stack([x, -x, 0.5 * x])
