@@ -25,6 +25,7 @@ exactly. Outputs of sums and contractions get one dynamic power-of-two scale per
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -384,3 +385,144 @@ def _dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Any:
         r_out, acc.shape, layout
     )
     return dynamic_blocks(acc, factor, layout, out_dtype)
+
+
+# --- convolutions -----------------------------------------------------------------------
+
+
+def _conv_specs(
+    lhs: ScaledArray, params: dict
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(lhs, rhs, out) specs: batch / out-feature axis first, then feature, then spatial."""
+    dnums = params.get("dimension_numbers")
+    if dnums is None:
+        spec = tuple(range(lhs.ndim))
+        return spec, spec, spec
+    return tuple(dnums.lhs_spec), tuple(dnums.rhs_spec), tuple(dnums.out_spec)
+
+
+@registry.register_block_rule(lax.conv_general_dilated_p)
+def _conv_general_dilated(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Any:
+    lspec, rspec, ospec = _conv_specs(lhs, params)
+    # Each output element sums products of one lhs batch element (one group of them with
+    # batch_group_count > 1) with one rhs output feature: those blocks factor out; every
+    # other axis is contracted (input features, spatial window).
+    lhs_kept = [lspec[0]] if params.get("batch_group_count", 1) == 1 else []
+    lcontract = [a for a in range(lhs.ndim) if a not in lhs_kept]
+    rcontract = [a for a in range(rhs.ndim) if a != rspec[0]]
+    preferred = params.get("preferred_element_type")
+    out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if preferred is None else preferred
+    ldata, lscale, llayout = _apply_contracting_blocks(lhs, lcontract)
+    rdata, rscale, rlayout = _apply_contracting_blocks(rhs, rcontract)
+    if ldata.dtype != rdata.dtype:
+        ldata, rdata = ldata.astype(_F32), rdata.astype(_F32)
+    acc_dtype = blocks.wide_dtype(out_dtype)
+    acc = lax.conv_general_dilated_p.bind(
+        ldata, rdata, **dict(params, preferred_element_type=acc_dtype)
+    )
+    # Output scale: lhs batch blocks along the output's batch axis, rhs output-feature
+    # blocks along its feature axis (their outer product).
+    l_shape, r_shape = [1] * acc.ndim, [1] * acc.ndim
+    l_shape[ospec[0]] = llayout[lspec[0]]
+    r_shape[ospec[1]] = rlayout[rspec[0]]
+    factor = lscale.reshape(tuple(l_shape)) * rscale.reshape(tuple(r_shape))
+    return dynamic_blocks(acc, factor, factor.shape, out_dtype)
+
+
+@registry.register_block_rule(lax.rev_p)
+def _rev(x: ScaledArray, **params: Any) -> Any:
+    data = lax.rev_p.bind(x.data, **params)
+    if np.ndim(x.scale) == 0:
+        return ScaledArray(data, x.scale)
+    scale = jnp.asarray(x.scale).reshape(layout_of(x))
+    return ScaledArray(data, lax.rev(scale, params["dimensions"]))
+
+
+# --- concatenate ------------------------------------------------------------------------
+
+
+@registry.register_block_rule(lax.concatenate_p)
+def _concatenate(*xs: Any, **params: Any) -> Any:
+    axis = params["dimension"]
+    layouts = [layout_of(x) if isinstance(x, ScaledArray) else () for x in xs]
+    if (
+        not all(isinstance(x, ScaledArray) and x.size for x in xs)
+        or max(np.prod(lay, dtype=np.int64) for lay in layouts) == 1
+    ):  # one block each (per tensor): the ordinary rule, one scale out
+        return _ordinary(lax.concatenate_p, *xs, **params)
+    # The other axes: the common refinement (sizes agree there).
+    flat_shape = xs[0].shape[:axis] + (1,) + xs[0].shape[axis + 1 :]
+    other = blocks.common_layout(
+        flat_shape, *[lay[:axis] + (1,) + lay[axis + 1 :] for lay in layouts]
+    )
+
+    def on_axis(blocks_along: int) -> tuple[int, ...]:
+        return other[:axis] + (blocks_along,) + other[axis + 1 :]
+
+    # Along the axis: blocks of the gcd of the operands' block sizes, when that is the
+    # smallest of them (no operand is cut finer than the finest operand's blocks).
+    sizes = [x.shape[axis] // lay[axis] for x, lay in zip(xs, layouts)]
+    block = math.gcd(*sizes)
+    if block == min(sizes):
+        scales = [scale_on(x, on_axis(x.shape[axis] // block)) for x in xs]
+        data = lax.concatenate_p.bind(*[x.data for x in xs], **params)
+        return _scaled(data, lax.concatenate(scales, axis))
+    # Else one block along the axis: each operand's blocks along it brought to the largest
+    # scale of all operands (per block of the other axes).
+    scales = [scale_on(x, on_axis(lay[axis])) for x, lay in zip(xs, layouts)]
+    common = lax.reduce_max(scales[0], (axis,))
+    for scale in scales[1:]:
+        common = lax.max(common, lax.reduce_max(scale, (axis,)))
+    common = lax.stop_gradient(common).reshape(on_axis(1))
+    datas = []
+    for x, scale in zip(xs, scales):
+        cdtype = compute_dtype(x.dtype)
+        factor = blocks.expand_scale(blocks.ratio(scale, common), x.shape).astype(cdtype)
+        datas.append((x.data.astype(cdtype) * factor).astype(x.dtype))
+    return _scaled(lax.concatenate_p.bind(*datas, **params), common)
+
+
+# --- re-blocking (control flow: carries and branch outputs of one layout) ---------------
+
+
+def to_scale_shape(x: ScaledArray, scale_shape: Sequence[int]) -> ScaledArray:
+    """The same values with a scale of `scale_shape` (`()`: one per tensor, else a block
+    layout of `x`). Exact where the layout refines `x`'s (scales repeated); otherwise each
+    block of the layout is at the largest scale it holds (data multiplied by ratios of at
+    most 1, as :func:`core.blocks.to_per_tensor` does)."""
+    scale_shape = tuple(scale_shape)
+    if tuple(np.shape(x.scale)) == scale_shape:
+        return x
+    if scale_shape == ():
+        return ScaledArray(*blocks.to_per_tensor(x.data, x.scale))
+    fine = blocks.common_layout(x.shape, layout_of(x), scale_shape)
+    scale = scale_on(x, fine)
+    if fine == scale_shape:  # a refinement: the data is unchanged
+        return ScaledArray(x.data, scale)
+    target = lax.stop_gradient(blocks.block_max(scale, scale_shape))
+    cdtype = compute_dtype(x.dtype)
+    ratio = blocks.ratio(scale, blocks.refine_scale(target, x.shape, fine))
+    factor = blocks.expand_scale(ratio, x.shape).astype(cdtype)
+    return ScaledArray((x.data.astype(cdtype) * factor).astype(x.dtype), target)
+
+
+def meet_scale_shapes(
+    shape: Sequence[int], scale_shapes: Sequence[Sequence[int]]
+) -> tuple[int, ...]:
+    """One scale shape for values of `shape` that come with `scale_shapes` (the branches of
+    a `cond`): the common refinement when it is one of them (nested layouts: exact), else
+    the finest layout coarser than all (along each axis, blocks of the lcm of the sizes);
+    `()` when that has one block."""
+    shape = tuple(shape)
+    shapes = [tuple(s) for s in scale_shapes]
+    if all(s == shapes[0] for s in shapes):
+        return shapes[0]
+    full = [blocks.block_layout(shape, s) for s in shapes]
+    out = blocks.common_layout(shape, *full)
+    if out not in full:
+        coarse = []
+        for axis, n in enumerate(shape):
+            size = math.lcm(*[n // lay[axis] for lay in full]) if n else 0
+            coarse.append(n // size if size else 1)
+        out = tuple(coarse)
+    return () if all(s == 1 for s in out) else out

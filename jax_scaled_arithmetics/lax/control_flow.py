@@ -60,6 +60,7 @@ from ..core.subjaxpr import (
     unflatten_scaled,
 )
 from .base import register_materializing, rescale, safe_div
+from .blocks import meet_scale_shapes, to_scale_shape
 
 
 def _expand_per_value(values: Sequence[Any], specs: Sequence[Any], name: str) -> tuple[Any, ...]:
@@ -399,12 +400,45 @@ def _operand_known(n: int) -> list[Any]:
 
 
 def _scale_aval(value: Any) -> jax.ShapeDtypeStruct:
-    """The (strongly typed, scalar) aval a carried scale leaf keeps across iterations."""
+    """The (strongly typed) aval a carried scale leaf keeps across iterations: a scalar, or
+    the initial value's block scale (the body's outputs are brought back to its layout)."""
     if isinstance(value, ScaledArray):
-        dtype = jnp.result_type(value.scale)
-    else:
-        dtype = get_autoscale_config().scale_dtype
-    return jax.ShapeDtypeStruct((), dtype)
+        return jax.ShapeDtypeStruct(np.shape(value.scale), jnp.result_type(value.scale))
+    return jax.ShapeDtypeStruct((), get_autoscale_config().scale_dtype)
+
+
+def _trace_leaves(
+    closed_jaxpr: Any,
+    abstract_args: Sequence[Any],
+    known: Sequence[Any],
+    out_scaled: Sequence[bool | None],
+    scale_shapes: Sequence[Any],
+) -> tuple[Any, tuple[bool, ...]]:
+    """`trace_scaled_leaves`, each scaled output also brought to the scale shape given
+    (`()` per tensor, a block layout, or None: as it comes) with `to_scale_shape`."""
+    in_leaves, in_specs = flatten_scaled(abstract_args)
+    out_specs_box: list[tuple[bool, ...]] = []
+
+    def flat_fun(*flat: Any) -> list[Any]:
+        values = unflatten_scaled(flat, in_specs)
+        outs = []
+        for out, scaled, shape in zip(
+            registry.interpret_closed_jaxpr(closed_jaxpr, values, known),
+            out_scaled,
+            scale_shapes,
+            strict=True,
+        ):
+            if scaled is not None:
+                out = coerce_scaledness(out, scaled)
+            if shape is not None and isinstance(out, ScaledArray):
+                out = to_scale_shape(out, shape)
+            outs.append(out)
+        out_leaves, out_specs = flatten_scaled(outs)
+        out_specs_box.append(out_specs)
+        return out_leaves
+
+    traced = jax.make_jaxpr(flat_fun)(*in_leaves)
+    return traced, out_specs_box[-1]
 
 
 def _carry_abstract(aval: Any, scaled: bool, scale_aval: Any) -> Any:
@@ -446,17 +480,22 @@ def _loop_fixed_point(
 
     A carry that is scaled on input stays scaled on output (promoted with scale
     1 if the body returns it unscaled); one that the body returns scaled is
-    promoted on input, and the body traced again. Returns the body jaxpr over
-    leaves, the carry specs, the carries' abstract values and the output specs.
+    promoted on input, and the body traced again. A scaled carry's output is brought
+    to its input's scale shape (`scale_avals`: per tensor or a block layout), so the
+    layout is a fixed point. Returns the body jaxpr over leaves, the carry specs, the
+    carries' abstract values and the output specs.
     """
     specs = tuple(carry_specs)
+    scale_shapes = [tuple(sa.shape) for sa in scale_avals] + [None] * num_extra_outs
     while True:
         carries = [
             _carry_abstract(a, s, sa)
             for a, s, sa in zip(carry_avals, specs, scale_avals, strict=True)
         ]
         forced = [True if s else None for s in specs] + [None] * num_extra_outs
-        traced, out_specs = trace_scaled_leaves(body, [*before, *carries, *after], known, forced)
+        traced, out_specs = _trace_leaves(
+            body, [*before, *carries, *after], known, forced, scale_shapes
+        )
         new_specs = tuple(a or b for a, b in zip(specs, out_specs[: len(specs)], strict=True))
         if new_specs == specs:
             return traced, specs, carries, out_specs
@@ -522,7 +561,6 @@ def scaled_scan(
 ) -> list[Any]:
     sizes = (num_consts, num_carry)
     consts, init, xs = _split(args, sizes)
-    init = [_per_tensor(c) for c in init]
     xs, sliced = map(list, zip(*[_scan_x(x, length) for x in xs])) if xs else ([], [])
     k_consts, k_init, k_xs = _split(_operand_known(len(args)), sizes)
     _, carry_avals, x_avals = _split(jaxpr.in_avals, sizes)
@@ -726,19 +764,31 @@ def scaled_cond(index: Any, *operands: Any, branches: Sequence[Any], **params: A
     abstract = [abstract_value(o) for o in operands]
     probes = [trace_scaled_leaves(b, abstract, known) for b in branches]
     out_specs = tuple(any(specs) for specs in zip(*(p[1] for p in probes), strict=True))
-    # Branches whose outputs are not all scaled as the union is are traced again, promoted.
+    # One scale shape per scaled output, met by all branches (block-scaled operands give
+    # branches block-scaled outputs, possibly of different layouts).
+    branch_shapes = [_out_scale_shapes(jaxpr.out_avals, specs) for jaxpr, specs in probes]
+    scale_shapes = [
+        meet_scale_shapes(aval.shape, [shapes[i] or () for shapes in branch_shapes])
+        if scaled
+        else None
+        for i, (aval, scaled) in enumerate(zip(branches[0].out_avals, out_specs, strict=True))
+    ]
+    # Branches whose outputs are not all scaled as the union is, or not at the shapes met,
+    # are traced again, promoted and re-blocked.
     traced = [
-        jaxpr if specs == out_specs else trace_scaled_leaves(b, abstract, known, out_specs)[0]
-        for b, (jaxpr, specs) in zip(branches, probes, strict=True)
+        jaxpr
+        if specs == out_specs and shapes == scale_shapes
+        else _trace_leaves(b, abstract, known, out_specs, scale_shapes)[0]
+        for b, (jaxpr, specs), shapes in zip(branches, probes, branch_shapes, strict=True)
     ]
     leaves, _ = flatten_scaled(operands)
     # Every branch returns leaves of one type: the original dtypes, strong scales.
     scale_dtype = get_autoscale_config().scale_dtype
     target: list[Any] = []
-    for aval, scaled in zip(branches[0].out_avals, out_specs, strict=True):
+    for aval, shape in zip(branches[0].out_avals, scale_shapes, strict=True):
         target.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
-        if scaled:
-            target.append(jax.ShapeDtypeStruct((), scale_dtype))
+        if shape is not None:
+            target.append(jax.ShapeDtypeStruct(shape, scale_dtype))
 
     def make_branch(jaxpr: Any) -> Any:
         def branch_fun(*flat: Any) -> list[Any]:
@@ -749,6 +799,23 @@ def scaled_cond(index: Any, *operands: Any, branches: Sequence[Any], **params: A
 
     out_leaves = jax.lax.switch(index, [make_branch(j) for j in traced], *leaves)
     return unflatten_scaled(out_leaves, out_specs)
+
+
+def _out_scale_shapes(out_avals: Sequence[Any], specs: Sequence[bool]) -> list[Any]:
+    """Per output of a jaxpr over leaves: its scale's shape (None where unscaled)."""
+    shapes: list[Any] = []
+    avals = iter(out_avals)
+    for scaled in specs:
+        next(avals)
+        shapes.append(tuple(next(avals).shape) if scaled else None)
+    return shapes
+
+
+# Block-scaled operands and carries keep their layouts through `while` and `cond`: a
+# carry's body output is brought back to its initial layout, and the branches' outputs
+# to one layout per output.
+registry.register_block_rule(_compat.while_p, scaled_while)
+registry.register_block_rule(_compat.cond_p, scaled_cond)
 
 
 # --- callbacks, barriers, names, placement ----------------------------------------------
