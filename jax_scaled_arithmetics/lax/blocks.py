@@ -21,6 +21,23 @@ exactly. Outputs of sums and contractions get one dynamic power-of-two scale per
   the product (as MX hardware applies them per block); blocks of the lhs's batch and free
   axes stay the output's; blocks of the rhs's free axes are applied to the float32
   accumulator (an output scale per (row, column) pair would be as large as the data).
+- conv_general_dilated: scales on axes that are not contracted factor out of a
+  convolution: the lhs's batch blocks (per example) and the rhs's output-feature blocks
+  (per output channel) are the output's, along its batch and feature axes (their outer
+  product). Blocks along contracted axes (input features, spatial window; the lhs batch
+  when `batch_group_count > 1`) are applied to the data in float32 before the conv, as for
+  dot_general: exact, and it keeps small blocks that a per-tensor fallback would flush (at
+  the cost of a float32 copy of that operand). `feature_group_count > 1` needs nothing
+  more: each output feature still uses one rhs output feature;
+- rev: the blocks are reversed with the data;
+- concatenate: the other axes at the common refinement; along the axis, blocks of the gcd
+  of the operands' block sizes when that is the smallest of them (equal block sizes, or
+  one block per operand of sizes that are multiples of the smallest...), so the output's
+  blocks are all of one size and no operand is cut finer than the finest; else one block
+  along the axis (each operand's data brought to the largest scale). Operands that all
+  have one block take the ordinary rule (per-tensor programs are unchanged);
+- control flow (`lax/control_flow.py`): `to_scale_shape` brings a value to a given layout
+  (a loop carry's initial one), `meet_scale_shapes` picks one for a cond's branches.
 """
 
 from __future__ import annotations
