@@ -41,6 +41,8 @@ Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slo
         parameter and Adam moment of rank >= 2.
     gpt-scaled-opt: char GPT, 1 block; scaled: `jsa.optax.scale_optimizer(optax.adam)` and
         `jsa.optax.apply_updates`; plain: the float32 optax.adam step.
+    gpt-scaled-opt-channel: gpt-scaled-opt with every parameter of rank >= 2 (and so its
+        Adam moments) scaled per output channel.
     gpt-unit-fp8: char GPT, 1 block, adam; the "scaled" variant is `U.simulate_fp8(U.unit_scale(
         loss))` on float32 `U.unit_init` parameters (no autoscale).
     nnx: Flax NNX Linear-LayerNorm-Linear (784-512-10), batch 64, SGD step on `nnx.split`'s state.
@@ -48,7 +50,7 @@ Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slo
     gpt2-small-scan: the same with its blocks as a lax.scan over layers.
 
 The data dtype of the scaled variant is `--dtype`, by default float32, except float16 for
-gpt-scaled-opt, gpt2-small and gpt2-small-scan. The header line gives the machine, the git
+gpt-scaled-opt, gpt-scaled-opt-channel, gpt2-small and gpt2-small-scan. The header line gives the machine, the git
 commit and the number of uncommitted changes under jax_scaled_arithmetics/ (the numbers are of
 the working tree).
 """
@@ -379,6 +381,22 @@ def case_gpt_adam_channel(dtype: Any) -> Case:
     )
 
 
+def case_gpt_scaled_opt_channel(dtype: Any) -> Case:
+    """gpt-scaled-opt with every parameter of rank >= 2 scaled per output channel (`(1, N)`):
+    `scale_optimizer` stores their Adam moments with the same block scales."""
+    config = _gpt_config(1)
+    plain = _gpt_adam_case(config, 16, dtype)
+    opt = jsa.optax.scale_optimizer(optax.adam(1e-3))
+    params = jsa.as_scaled_array(plain.plain_args[0], dtype=dtype, scale_shape=_per_channel_layout)
+    tokens, targets = plain.plain_args[2:]
+    return Case(
+        plain.plain_step,
+        plain.plain_args,
+        (params, opt.init(params), tokens, targets),
+        scaled_step=_gpt_step(config, opt, jsa.optax.apply_updates),
+    )
+
+
 # name: (builder, default data dtype of the scaled variant)
 CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "mlp": (case_mlp, "float32"),
@@ -390,6 +408,7 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "gpt8-adam": (case_gpt8_adam, "float32"),
     "gpt8-scan": (case_gpt8_scan, "float32"),
     "gpt-scaled-opt": (case_gpt_scaled_opt, "float16"),
+    "gpt-scaled-opt-channel": (case_gpt_scaled_opt_channel, "float16"),
     "gpt-unit-fp8": (case_gpt_unit_fp8, "float32"),
     "nnx": (case_nnx, "float32"),
     "gpt2-small": (case_gpt2_small, "float16"),
