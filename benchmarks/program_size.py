@@ -50,9 +50,9 @@ Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slo
     gpt2-small-scan: the same with its blocks as a lax.scan over layers.
 
 The data dtype of the scaled variant is `--dtype`, by default float32, except float16 for
-gpt-scaled-opt, gpt-scaled-opt-channel, gpt2-small and gpt2-small-scan. The header line gives the machine, the git
-commit and the number of uncommitted changes under jax_scaled_arithmetics/ (the numbers are of
-the working tree).
+gpt-scaled-opt, gpt-scaled-opt-channel, gpt2-small and gpt2-small-scan. The header line gives
+the machine, the git commit and the number of uncommitted changes under
+jax_scaled_arithmetics/ (the numbers are of the working tree).
 """
 
 from __future__ import annotations
