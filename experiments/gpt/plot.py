@@ -21,7 +21,16 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IMAGES = REPO_ROOT / "docs" / "images"
-GPT_MODES = ("fp32", "bf16", "fp8-plain", "scaled-fp16", "scaled-fp8", "unit-scaled-fp8")
+GPT_MODES = (
+    "fp32",
+    "bf16",
+    "fp8-plain",
+    "scaled-fp16",
+    "scaled-fp8",
+    "scaled-fp8-rowwise",
+    "scaled-mxfp8",
+    "unit-scaled-fp8",
+)
 MNIST_MODES = (
     "fp32",
     "mixed-fp16",
@@ -40,6 +49,8 @@ STYLE = {  # mode -> (colour, line style)
     "scaled-fp16": ("tab:blue", "-"),
     "scaled-bf16": ("tab:cyan", "-"),
     "scaled-fp8": ("tab:green", "-"),
+    "scaled-fp8-rowwise": ("tab:olive", "--"),
+    "scaled-mxfp8": ("tab:pink", "-"),
     "unit-scaled-fp8": ("tab:purple", "-."),
     "plain-bf16": ("tab:olive", ":"),
     "plain-fp16": ("tab:orange", ":"),

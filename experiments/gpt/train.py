@@ -21,7 +21,17 @@ Modes:
                      state (`jsa.optax.scale_optimizer`), the whole step in one
                      `jax.jit(jsa.autoscale(step))`, no loss scaling.
     scaled-fp8       scaled-fp16 plus the FP8 casts after dynamic rescaling: the loss is
-                     `U.simulate_fp8(loss_fn, rescale=True)` inside the autoscaled step.
+                     `U.simulate_fp8(loss_fn, rescale=True)` inside the autoscaled step
+                     (one power of two per matmul operand and per output gradient).
+    scaled-fp8-rowwise
+                     scaled-fp8 with `scale_layout="axis"`: block scales, one power of two
+                     per row of each matmul's lhs (per token of the activations) and per
+                     output channel of its rhs (the weights), and per row of each matmul's
+                     output gradient; kept through the FP8 rounding and the products.
+    scaled-mxfp8     scaled-fp8 with `scale_layout=32`: MX-style blocks of 32 along each
+                     matmul operand's contracting axis (one power of two per 32 values of a
+                     token's features and of a weight column), and along the last axis of
+                     the output gradients.
     unit-scaled-fp8  `U.unit_scale` + `U.simulate_fp8`: parameters `U.unit_init(params)`
                      (unit-variance weights, zero biases), loss
                      `U.simulate_fp8(U.unit_scale(loss_fn))`, float32 Adam, no loss scaling
@@ -34,8 +44,15 @@ computed with the mode's own forward numerics (`final_val_loss_own_numerics`).
 A JSON log per run is written to `--out-dir` as `<mode>.json` (config, mode, learning rate,
 train-loss curve, validation-loss curve, tokens/s, wall time, final validation loss).
 
+Program size and step time, without training (`--step-cost`): the equations of one step's
+jaxpr (sub-jaxprs counted) and its median time, the modes timed in turn.
+
 Run: python experiments/gpt/train.py --data-dir ../shared/data --out-dir runs/gpt
      python experiments/gpt/train.py --mode fp32 scaled-fp8 --steps 100
+     python experiments/gpt/train.py --data-dir ../shared/data \
+         --out-dir experiments/results/gpt --mode scaled-fp8-rowwise scaled-mxfp8
+     python experiments/gpt/train.py --data-dir ../shared/data --step-cost \
+         --mode fp32 scaled-fp8 scaled-fp8-rowwise scaled-mxfp8
 """
 
 from __future__ import annotations
@@ -67,7 +84,22 @@ if str(REPO_ROOT) not in sys.path:  # run as a script, only this folder is on th
 from experiments import data as datasets  # noqa: E402
 from experiments.gpt import model as gpt  # noqa: E402
 
-MODES = ("fp32", "bf16", "fp8-plain", "scaled-fp16", "scaled-fp8", "unit-scaled-fp8")
+MODES = (
+    "fp32",
+    "bf16",
+    "fp8-plain",
+    "scaled-fp16",
+    "scaled-fp8",
+    "scaled-fp8-rowwise",
+    "scaled-mxfp8",
+    "unit-scaled-fp8",
+)
+SCALE_LAYOUTS: dict[str, str | int] = {
+    "scaled-fp8": "tensor",
+    "scaled-fp8-rowwise": "axis",
+    "scaled-mxfp8": 32,
+}
+"""The `simulate_fp8` scale layout of each autoscaled FP8 mode."""
 DEFAULT_LR = 1e-3
 DEFAULT_MODE_LR = {"unit-scaled-fp8": 3e-2}
 """Learning rates that differ from `--lr` by default. Unit-scaled weights have unit variance,
@@ -266,10 +298,12 @@ def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float) -> Mod
             float32_loss,
             float32_loss if name == "fp32" else jax.jit(train_loss),
         )
-    if name in ("scaled-fp16", "scaled-fp8"):
+    if name == "scaled-fp16" or name in SCALE_LAYOUTS:
         train_loss = loss
-        if name == "scaled-fp8":
-            train_loss = _unit_scaling().simulate_fp8(loss, rescale=True)
+        if name in SCALE_LAYOUTS:
+            train_loss = _unit_scaling().simulate_fp8(
+                loss, rescale=True, scale_layout=SCALE_LAYOUTS[name]
+            )
         opt = jsa_optax.scale_optimizer(_adam(lr), state_dtype=jnp.float16)
         params = _to_scaled_fp16(params32)
         return Mode(
@@ -410,6 +444,41 @@ def train(
     return log
 
 
+def step_cost(
+    modes: Sequence[str], text: str, config: TrainConfig | None = None, iters: int = 20
+) -> dict[str, dict[str, float]]:
+    """Program size and step time of one training step of each mode, on the first batch.
+
+    `equations`: the equations of the step's jaxpr (the jitted, autoscaled step for the
+    scaled modes), sub-jaxprs counted (`jsa.analysis.equation_counts`). `step_s`: the
+    median of `iters` timed steps, the modes run in turn (round robin, after one warm-up
+    step each), so that a busy machine slows them alike.
+    """
+    config = TrainConfig() if config is None else config
+    corpus = CharData.from_text(text)
+    model = config.model(len(corpus.vocab))
+    params32 = _init_params(jax.random.PRNGKey(config.seed), model)
+    x, y = windows(corpus.train, train_offsets(len(corpus.train), config)[0], config.block_size)
+    runs = {
+        name: setup_mode(name, params32, model, DEFAULT_MODE_LR.get(name, config.lr))
+        for name in modes
+    }
+    out: dict[str, dict[str, float]] = {}
+    for name, run in runs.items():
+        counts = jsa.analysis.equation_counts(run.step, run.params, run.state, x, y)
+        out[name] = {"equations": float(sum(counts.values()))}
+        jax.block_until_ready(run.step(run.params, run.state, x, y))  # compile, warm up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(iters):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run.step(run.params, run.state, x, y))
+            times[name].append(time.perf_counter() - start)
+    for name in runs:
+        out[name]["step_s"] = float(np.median(times[name]))
+    return out
+
+
 def _json_float(x: float) -> float | None:
     """`x`, or None when it is not finite (JSON has no NaN)."""
     return float(x) if np.isfinite(x) else None
@@ -469,6 +538,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"${datasets.DATA_DIR_ENV}, then the cache, then a download)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--step-cost",
+        action="store_true",
+        help="print each mode's equations per step and median step time (no training)",
+    )
     args = parser.parse_args(argv)
 
     config = TrainConfig(
@@ -486,6 +560,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     mode_lr = _parse_mode_lr(args.mode_lr)
     text = datasets.tinyshakespeare(args.data_dir)
     modes = MODES if "all" in args.mode else tuple(args.mode)
+    if args.step_cost:
+        costs = step_cost(modes, text, config)
+        print(f"{'mode':<20} {'equations':>9} {'step ms':>8}")
+        for name, cost in costs.items():
+            print(f"{name:<20} {cost['equations']:>9.0f} {1e3 * cost['step_s']:>8.1f}")
+        return []
     logs = []
     for mode in modes:
         logs.append(

@@ -113,13 +113,26 @@ def test_same_initialisation_and_batches_in_every_mode(runs):
     # The same float32 model on the same first batch: the first losses agree to the
     # precision of each mode (unit-scaled-fp8 is another model: its own loss function).
     first = {mode: log["train_loss"][0] for mode, log in logs.items()}
-    for mode in ("bf16", "fp8-plain", "scaled-fp16", "scaled-fp8"):
+    scaled = ("scaled-fp16", "scaled-fp8", "scaled-fp8-rowwise", "scaled-mxfp8")
+    for mode in ("bf16", "fp8-plain", *scaled):
         assert abs(first[mode] - first["fp32"]) < 0.05, (mode, first)
     initial_val = {mode: log["val_loss"][0] for mode, log in logs.items()}
     for mode in ("bf16", "fp8-plain"):
         assert initial_val[mode] == initial_val["fp32"]
-    for mode in ("scaled-fp16", "scaled-fp8"):  # float16 values of the same parameters
+    for mode in scaled:  # float16 values of the same parameters
         assert abs(initial_val[mode] - initial_val["fp32"]) < 1e-3
+
+
+def test_block_scaled_fp8_modes_differ_from_per_tensor(runs):
+    """Row-wise and MX block scales change the FP8 rounding: after a few steps the losses
+    differ from per-tensor scaled-fp8's (and stay within its precision)."""
+    logs, _ = runs
+    reference = np.asarray(logs["scaled-fp8"]["val_loss"])
+    for mode in ("scaled-fp8-rowwise", "scaled-mxfp8"):
+        assert train_gpt.SCALE_LAYOUTS[mode] != "tensor"
+        val = np.asarray(logs[mode]["val_loss"])
+        assert not np.array_equal(val, reference), mode
+        np.testing.assert_allclose(val, reference, atol=0.05)
 
 
 def test_batches_are_fixed_by_the_seed(text):
