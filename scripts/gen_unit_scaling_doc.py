@@ -28,7 +28,12 @@ def _description(obj: object) -> str:
     for paragraph in doc.split("\n\n"):
         if paragraph.lstrip().startswith(SECTIONS):
             break
-        kept.append(" ".join(line.strip() for line in paragraph.splitlines()))
+        items: list[list[str]] = []  # a bullet list keeps one line per item
+        for line in paragraph.splitlines():
+            if not items or line.lstrip().startswith("- "):
+                items.append([])
+            items[-1].append(line.strip())
+        kept.append("\n".join(" ".join(item) for item in items))
     return "\n\n".join(kept)
 
 
