@@ -53,6 +53,7 @@ from jax import lax
 from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_floating
 from .base import compute_dtype
+from .indexing import _update_params
 from .scales import static_value
 
 Array = Any
@@ -588,7 +589,9 @@ def _gather(operand: ScaledArray, indices: Array, **params: Any) -> Any:
     mode = lax.GatherScatterMode.from_any(params.get("mode"))
     dnums, sizes = params["dimension_numbers"], tuple(params["slice_sizes"])
     layout = layout_of(operand)
-    indexed = set(dnums.start_index_map) | set(dnums.operand_batching_dims)
+    # An indexed axis sliced whole starts at 0 (clamped; out of bounds with FILL_OR_DROP).
+    indexed = {i for i in dnums.start_index_map if sizes[i] < operand.shape[i]}
+    indexed |= set(dnums.operand_batching_dims)
     misaligned = any(
         s > 1 and i not in indexed and z % (n // s)
         for i, (n, s, z) in enumerate(zip(operand.shape, layout, sizes))
@@ -724,3 +727,67 @@ def _pad(x: Any, value: Any, **params: Any) -> Any:
             scale_config.append((lo, hi, interior))
     scale = lax.pad(_scale_array(x, target), jnp.asarray(value.scale, _F32), scale_config)
     return _scaled(data, scale)
+
+
+# --- scatter ----------------------------------------------------------------------------
+
+
+def _scatter_layout(operand: ScaledArray, updates: ScaledArray, params: dict) -> tuple[int, ...]:
+    """The output layout of a scatter: the operand's, refined by where the updates' blocks
+    land. With blocks along the updates' scatter (non-window) axes (one scale per token of
+    an embedding's cotangent), one scale per element along the operand's indexed axes (one
+    per row of the table); along a window axis, the updates' blocks when the window starts
+    at 0 (one per element when it starts at an index)."""
+    dnums = params["dimension_numbers"]
+    shape, lu = operand.shape, layout_of(updates)
+    inserted = set(dnums.inserted_window_dims) | set(dnums.operand_batching_dims)
+    indexed = set(dnums.scatter_dims_to_operand_dims)
+    window_axes = [i for i in range(operand.ndim) if i not in inserted]
+    window_of = dict(zip(window_axes, dnums.update_window_dims))
+    scatter_dims = [d for d in range(updates.ndim) if d not in set(dnums.update_window_dims)]
+    scattered = any(lu[d] > 1 for d in scatter_dims)
+    from_updates = []
+    for i, n in enumerate(shape):
+        if i in inserted:
+            from_updates.append(n if scattered else 1)
+            continue
+        d = window_of[i]
+        if i in indexed:
+            from_updates.append(n if scattered or lu[d] > 1 else 1)
+        else:
+            from_updates.append(n // math.gcd(n, updates.shape[d] // lu[d]))
+    return blocks.common_layout(shape, layout_of(operand), tuple(from_updates))
+
+
+def _scatter_rule(primitive: Any, combine: Any) -> None:
+    def rule(operand: Any, indices: Any, updates: Any, **params: Any) -> Any:
+        if (
+            not isinstance(operand, ScaledArray)
+            or not isinstance(updates, ScaledArray)
+            or not operand.size
+            or not updates.size
+        ):
+            return _ordinary(primitive, operand, indices, updates, **params)
+        layout = _scatter_layout(operand, updates, params)
+        so, su = jnp.asarray(operand.scale, _F32), jnp.asarray(updates.scale, _F32)
+        top = lax.stop_gradient(lax.max(jnp.max(so), jnp.max(su)))
+        cdtype = blocks.wide_dtype(operand.dtype)
+
+        def value(x: ScaledArray, scale: Array) -> Array:
+            factor = blocks.expand_scale(blocks.ratio(scale, top), x.shape).astype(cdtype)
+            return x.data.astype(cdtype) * factor
+
+        if combine is not None:
+            params = _update_params(params, combine, cdtype)
+        acc = primitive.bind(value(operand, so), indices, value(updates, su), **params)
+        return dynamic_blocks(acc, top, layout, operand.dtype)
+
+    registry.register_block_rule(primitive, rule)
+
+
+for _prim, _combine in (
+    (lax.scatter_add_p, lax.add),
+    (lax.scatter_sub_p, lax.sub),
+    (lax.scatter_p, None),
+):
+    _scatter_rule(_prim, _combine)
