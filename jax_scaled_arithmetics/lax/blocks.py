@@ -36,6 +36,20 @@ exactly. Outputs of sums and contractions get one dynamic power-of-two scale per
   blocks are all of one size and no operand is cut finer than the finest; else one block
   along the axis (each operand's data brought to the largest scale). Operands that all
   have one block take the ordinary rule (per-tensor programs are unchanged);
+- gather: the scale array gathered with the same indices (one entry per element along
+  indexed axes with several blocks; a per-row table gives per-token lookups, a per-column
+  one keeps its columns); fills other than 0 / NaN get scale 1; `one_hot` mode and slices
+  ending inside a block of a non-indexed axis go per tensor;
+- dynamic_slice: axes with one block or sliced whole keep their blocks, others go to one
+  scale per element, sliced at the same start; dynamic_update_slice: nothing rescaled,
+  the region of the scale array replaced by the update's (one scale per element along the
+  partially updated axes); pad: the scale array padded with the padding value's scale
+  (whole blocks added, or one scale per element along axes cut inside a block);
+- scatter, scatter-add, scatter-sub: values in float32 relative to the largest scale, one
+  dynamic scale per block of the operand's layout (one per element along indexed axes when
+  the updates have blocks along their scatter axes: per-row embedding gradients).
+  Bringing updates to the operand's block scales could overflow a small block, one scale
+  per tensor would flush small updates. scatter-mul / min / max go per tensor;
 - control flow (`lax/control_flow.py`): `to_scale_shape` brings a value to a given layout
   (a loop carry's initial one), `meet_scale_shapes` picks one for a cond's branches.
 """
