@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat
-from .scale_primitives import scale_divide_p
+from .scale_primitives import materialize_impl, scale_divide_p
 
 Array = Any
 
@@ -81,6 +81,29 @@ def block_layout(data_shape: Sequence[int], scale_shape: Sequence[int]) -> tuple
 def is_block_scale(scale: Any) -> bool:
     """Whether `scale` is a block scale (any array of rank >= 1) rather than a scalar."""
     return np.ndim(scale) > 0
+
+
+# `scale` unchanged, computed once per element by XLA rather than once per data element of
+# the consumers it is broadcast into (`scale_primitives.materialize_impl`). One equation.
+materialize_p = _compat.new_primitive("materialize_block_scale")
+materialize_p.def_impl(materialize_impl)
+materialize_p.def_abstract_eval(lambda scale: scale)
+_compat.register_lowering(materialize_p, materialize_impl)
+
+
+def _materialize_jvp(primals: Any, tangents: Any) -> Any:
+    return materialize_p.bind(*primals), _compat.instantiate_zeros(tangents[0])
+
+
+_compat.register_jvp(materialize_p, _materialize_jvp)
+_compat.register_batching(materialize_p, lambda args, dims: (materialize_p.bind(*args), dims[0]))
+
+
+def materialize(scale: Array) -> Array:
+    """`scale` unchanged, computed once per block by XLA rather than once per data element
+    of the consumers it is broadcast into (for block scales computed by `lax` operations;
+    `block_dynamic_scale_p` and `scale_divide_p` materialise theirs already)."""
+    return materialize_p.bind(scale)
 
 
 def expand_scale(scale: Array, shape: Sequence[int]) -> Array:
@@ -184,7 +207,7 @@ def _block_dynamic_scale_impl(x: Array, factor: Array, *, layout: tuple[int, ...
     inverse = lax.bitcast_convert_type(
         np.int32(254 << 23) - lax.bitcast_convert_type(scale, np.int32), _F32
     )  # 1 / scale, exactly
-    return [scale, factor.astype(_F32) * inverse]
+    return [materialize_impl(scale), materialize_impl(factor.astype(_F32) * inverse)]
 
 
 # One equation for a block-wise dynamic scale (as `dynamic_scale_p` is for a tensor's):

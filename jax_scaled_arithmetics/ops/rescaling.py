@@ -173,7 +173,8 @@ def scaled_dynamic_rescale(
     data, scale = _reblock(x, target)
     # Block scales stay in [2^-126, 2^127]: a block of zeros is no reason for a zero scale.
     bits = _pow2_bits(_block_norms(data, target, norm), epsilon, lowest=1)
-    data = data * blocks.expand_scale(_inverse_pow2(bits), x.shape).astype(data.dtype)
+    inverse = blocks.materialize(_inverse_pow2(bits))  # once per block (see materialize)
+    data = data * blocks.expand_scale(inverse, x.shape).astype(data.dtype)
     return _scaled(data, scale * _pow2(bits), x.dtype)
 
 
