@@ -733,8 +733,8 @@ def main() -> None:
     parser.add_argument(
         "--dtype",
         choices=["float32", "float16", "bfloat16"],
-        help="data dtype of the scaled variant (default: float32; float16 for gpt-scaled-opt "
-        "and gpt2-small[-scan])",
+        help="data dtype of the scaled variant (default: float32; float16 for "
+        "gpt-scaled-opt[-channel] and gpt2-small[-scan])",
     )
     parser.add_argument("--by-primitive", action="store_true", help="top-10 primitives per case")
     parser.add_argument("--json", metavar="PATH", help="write all the numbers as JSON")
