@@ -13,7 +13,16 @@ from ..core import _compat
 from ..ops.casts import reduce_precision_on_backward, reduce_precision_on_forward
 from ..ops.rescaling import dynamic_rescale_max, dynamic_rescale_max_grad
 from ..quantization import get_format
-from ._rewrite import MATMULS, REWRAP, JaxprRewriter, contains_matmul, trace_flat
+from ._rewrite import (
+    MATMULS,
+    JaxprRewriter,
+    contains_matmul,
+    first_backward_eqn,
+    gradient_error,
+    own_rewrap,
+    recover_gradient,
+    trace_flat,
+)
 
 __all__ = ["simulate_fp8"]
 
@@ -179,9 +188,12 @@ def simulate_fp8(
     custom-derivative functions containing a matmul are rescaled per tensor whatever the
     layout.
 
-    Nests with `jax.jit`, `jax.grad`, `jax.vmap`, `jsa.autoscale` and `unit_scale`. Apply
-    `jax.grad` outside: the function is traced as given, so `simulate_fp8(jax.grad(f))` casts
-    the matmuls of the gradient program as forward matmuls.
+    Nests with `jax.jit`, `jax.grad`, `jax.vmap`, `jsa.autoscale` and `unit_scale`, in
+    either order: `simulate_fp8(jax.grad(f))` is `jax.grad(simulate_fp8(f))` (the function
+    `jax.grad`/`jax.value_and_grad` differentiates is recovered, see `unit_scale`). A
+    function that computes a gradient some other way (inside a training step, through
+    `jax.vjp`) raises a ValueError: its traced program no longer says which matmuls are the
+    backward pass's.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -203,7 +215,7 @@ def simulate_fp8(
         rescale=rescale,
         scale_layout=scale_layout,
     )
-    autoscaled = getattr(fn, REWRAP, None)
+    autoscaled = own_rewrap(fn)
     if autoscaled is not None:  # simulate_fp8(autoscale(f)) is autoscale(simulate_fp8(f))
         inner, rewrap = autoscaled
         return rewrap(simulate_fp8(inner, **options))  # type: ignore[arg-type]
@@ -211,6 +223,12 @@ def simulate_fp8(
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         closed, leaves, out_tree = trace_flat(fn, args, kwargs)
+        if first_backward_eqn(closed.jaxpr) is not None:
+            gradient = recover_gradient(fn, args, kwargs, closed, out_tree)
+            if gradient is None:
+                raise gradient_error("simulate_fp8", fn)
+            # simulate_fp8(jax.grad(f)) is jax.grad(simulate_fp8(f)).
+            return gradient.apply(simulate_fp8(gradient.target, **options))(*args, **kwargs)
         outs = rewriter.run_closed(closed, leaves)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 

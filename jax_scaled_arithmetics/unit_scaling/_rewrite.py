@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,17 @@ import numpy as np
 
 from ..core import _compat
 
-__all__ = ["Group", "JaxprRewriter", "find_calls", "code_of", "trace_flat", "unwrap_outer"]
+__all__ = [
+    "GradientOf",
+    "Group",
+    "JaxprRewriter",
+    "code_of",
+    "find_calls",
+    "gradient_error",
+    "recover_gradient",
+    "trace_flat",
+    "unwrap_outer",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +110,29 @@ def contains_matmul(jaxpr: Any) -> bool:
 REWRAP = "__jsa_rewrap__"
 
 
+def own_rewrap(fn: Any) -> tuple[Any, Callable[[Any], Any]] | None:
+    """`fn`'s own `(inner, rewrap)` declaration, or None. A wrapper made with
+    `functools.wraps` (`jax.grad`, `jax.jit`) copies the attributes of the function it wraps,
+    the declaration included: it is `fn`'s own only when `fn` wraps `inner` directly. A
+    `jax.jit` (a wrapper that can be lowered) is looked through: jitting does not change
+    values, and the re-wrapped function can be jitted again from outside."""
+    entry = getattr(fn, REWRAP, None)
+    if entry is None:
+        return None
+    wrapped = getattr(fn, "__wrapped__", None)
+    if wrapped is entry[0]:
+        return entry
+    if wrapped is not None and callable(getattr(fn, "lower", None)):
+        return own_rewrap(wrapped)
+    return None
+
+
 def unwrap_outer(fn: Any) -> tuple[Any, Callable[[Any], Any]]:
     """`(inner, rewrap)` for a function made by a transform that declares how to re-apply
     itself (`jsa.autoscale`, `simulate_fp8`): `rewrap(inner)` is `fn`. For other functions,
     `(fn, identity)`. A transform applied to `fn` can then act on `inner` and re-wrap it,
     so that it commutes with those transforms."""
-    entry = getattr(fn, REWRAP, None)
+    entry = own_rewrap(fn)
     if entry is None:
         return fn, lambda g: g
     inner, rewrap = entry
@@ -204,6 +232,122 @@ def trace_flat(
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic_leaves)
     out_tree = jax.tree_util.tree_structure(out_shape)
     return closed, dynamic_leaves, out_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientOf:
+    """`jax.grad(target, argnums, has_aux)` (or `jax.value_and_grad` when `with_value`)."""
+
+    target: Callable[..., Any]
+    argnums: int | tuple[int, ...]
+    has_aux: bool
+    with_value: bool
+
+    def apply(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The same gradient transform of another function."""
+        make = jax.value_and_grad if self.with_value else jax.grad
+        return make(fn, argnums=self.argnums, has_aux=self.has_aux)
+
+
+_MAX_GRADIENT_CANDIDATES = 64
+
+
+def _shapes_like(tree: Any, shapes: Any) -> bool:
+    """`shapes` (avals) has the structure of `tree` (arrays) and the same leaf shapes."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    shape_leaves, shape_def = jax.tree_util.tree_flatten(shapes)
+    same_structure: bool = bool(treedef == shape_def)  # type: ignore[operator]
+    return same_structure and all(
+        tuple(np.shape(a)) == tuple(b.shape) for a, b in zip(leaves, shape_leaves)
+    )
+
+
+def _gradient_candidates(args: Sequence[Any], out: Any) -> list[tuple[Any, bool, bool]]:
+    """`(argnums, has_aux, with_value)` whose gradient transform would give outputs shaped
+    like `out` (avals) for these positional arguments: single argument numbers first, then
+    tuples by size."""
+    n = len(args)
+    argnums: list[Any] = list(range(n))
+    for size in range(1, n + 1):
+        argnums.extend(itertools.combinations(range(n), size))
+    found = []
+    for nums in argnums:
+        grads = args[nums] if isinstance(nums, int) else tuple(args[i] for i in nums)
+        pair = isinstance(out, tuple) and len(out) == 2
+        forms = [
+            (False, False, out),
+            (True, False, out[0] if pair else None),
+            (False, True, out[1] if pair else None),
+            (True, True, out[1] if pair else None),
+        ]
+        for has_aux, with_value, part in forms:
+            if part is None or not _shapes_like(grads, part):
+                continue
+            if with_value:
+                value = out[0][0] if has_aux and isinstance(out[0], tuple) else out[0]
+                if getattr(value, "shape", None) != ():
+                    continue
+            found.append((nums, has_aux, with_value))
+        if len(found) >= _MAX_GRADIENT_CANDIDATES:
+            break
+    return found
+
+
+def _program_text(closed: Any) -> str:
+    """The printed program, with an outer `jit` that takes and returns everything removed."""
+    while len(closed.jaxpr.eqns) == 1:
+        eqn = closed.jaxpr.eqns[0]
+        if (
+            eqn.primitive is not _compat.jit_p
+            or list(eqn.invars) != list(closed.jaxpr.invars)
+            or list(eqn.outvars) != list(closed.jaxpr.outvars)
+        ):
+            break
+        closed = eqn.params["jaxpr"]
+    return str(closed)
+
+
+def recover_gradient(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], closed: Any, out_tree: Any
+) -> GradientOf | None:
+    """How `fn` (traced to `closed`, `out_tree` on these arguments) was made by `jax.grad` or
+    `jax.value_and_grad` from a function it wraps, or None.
+
+    The functions these (and `jax.jit`) return name the function they wrap in `__wrapped__`
+    (the `functools.wraps` convention). Each function down that chain, with each `argnums`,
+    `has_aux` and value-or-not whose outputs have the right shapes, is differentiated again
+    and traced on the same arguments: the one giving exactly the same program (printed,
+    outer `jit` aside) and output structure is the answer. A gradient computed inside a larger
+    function (a training step), or through `jax.vjp`, is not recovered.
+    """
+    text = _program_text(closed)
+    out = jax.tree_util.tree_unflatten(out_tree, closed.out_avals)
+    target = getattr(fn, "__wrapped__", None)
+    for _ in range(8):
+        if target is None or not callable(target):
+            return None
+        for argnums, has_aux, with_value in _gradient_candidates(args, out):
+            candidate = GradientOf(target, argnums, has_aux, with_value)
+            try:
+                traced, _, traced_tree = trace_flat(candidate.apply(target), args, kwargs)
+            except Exception:  # noqa: BLE001 - a candidate that does not apply is not the one
+                continue
+            if traced_tree == out_tree and _program_text(traced) == text:
+                return candidate
+        target = getattr(target, "__wrapped__", None)
+    return None
+
+
+def gradient_error(transform: str, fn: Any) -> ValueError:
+    """The error for a function that computes a gradient `recover_gradient` cannot undo."""
+    name = getattr(fn, "__name__", "the function")
+    return ValueError(
+        f"{transform}: {name} computes a gradient that is not `jax.grad`/`jax.value_and_grad` "
+        "of a function (a gradient inside a larger function, or `jax.vjp`). The transform "
+        "gives each op its own forward and backward treatment, which a traced gradient "
+        f"program no longer separates: apply jax.grad outside, `jax.grad({transform}(f))`, "
+        f"or pass {transform} the `jax.grad` of the loss."
+    )
 
 
 class JaxprRewriter:

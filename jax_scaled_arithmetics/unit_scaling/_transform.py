@@ -46,6 +46,8 @@ from ._rewrite import (
     code_of,
     find_calls,
     first_backward_eqn,
+    gradient_error,
+    recover_gradient,
     trace_flat,
     unwrap_outer,
 )
@@ -536,12 +538,17 @@ def unit_scale(
     Raises:
         TypeError: `fn`, a `replace` key or a replacement is not callable.
         ValueError: the function has nothing to unit-scale (no matmul, convolution,
-            recognised function or residual add), or it computes a gradient (see below).
+            recognised function or residual add), or it computes a gradient that is not
+            `jax.grad`/`jax.value_and_grad` of a function (see below).
 
-    Apply `jax.grad` outside: `jax.grad(unit_scale(f))` differentiates the unit-scaled
-    function. `unit_scale(jax.grad(f))` raises: the traced gradient program no longer
-    says which backward equation belongs to which forward op, so no op could get its
-    backward factor (JAX's name stack marks the backward equations, which is how it is
+    Nests with `jax.grad` in both orders. `jax.grad(unit_scale(f))` differentiates the
+    unit-scaled function; `unit_scale(jax.grad(f))` (or `jax.value_and_grad`, any `argnums`
+    and `has_aux`, jitted or not) is the same function: a traced gradient program no longer
+    says which backward equation belongs to which forward op, so the function `jax.grad`
+    differentiates is recovered instead (through `__wrapped__`, checked by differentiating
+    it again and comparing the traced programs) and unit-scaled, then differentiated. A
+    gradient computed inside a larger function (a training step) or with `jax.vjp` cannot
+    be recovered and raises (JAX's name stack marks backward equations, which is how it is
     detected).
 
     Examples:
@@ -566,15 +573,13 @@ def unit_scale(
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         closed, leaves, out_tree = trace_flat(fn, args, kwargs)
-        backward = first_backward_eqn(closed.jaxpr)
-        if backward is not None:
-            raise ValueError(
-                f"unit_scale: {getattr(fn, '__name__', 'the function')} computes a gradient "
-                f"(a `{backward.primitive.name}` of `jax.grad`/`jax.vjp`'s backward pass). "
-                "Unit scaling gives each op its own forward and backward factors, which a "
-                "traced gradient program no longer separates: apply jax.grad outside, "
-                "`jax.grad(U.unit_scale(f))`."
-            )
+        if first_backward_eqn(closed.jaxpr) is not None:
+            gradient = recover_gradient(fn, args, kwargs, closed, out_tree)
+            if gradient is None:
+                raise gradient_error("unit_scale", fn)
+            # unit_scale(jax.grad(f)) is jax.grad(unit_scale(f)).
+            inner = unit_scale(gradient.target, replace, tau=tau, constraint=constraint)
+            return gradient.apply(inner)(*args, **kwargs)
         rewriter = _UnitScaleRewriter(entries, by_code, by_name, tau, constraint)
         outs = rewriter.run_closed(closed, leaves)
         if rewriter.replaced == 0:
