@@ -182,6 +182,19 @@ def is_batched(x: Any) -> bool:
     return bool(_BATCH_TRACER) and isinstance(x, _BATCH_TRACER)
 
 
+def vmap_sizes(x: Any) -> dict[int, int]:
+    """`{id(vmap level): batch size}` of the enclosing `jax.vmap`s that map `x` (nested
+    vmaps from the innermost out; a level that does not map `x` is absent). Empty for a
+    value no vmap maps, or one seen through another transform's tracer."""
+    sizes: dict[int, int] = {}
+    while bool(_BATCH_TRACER) and isinstance(x, _BATCH_TRACER):
+        dim = getattr(x, "batch_dim", None)
+        if isinstance(dim, int):
+            sizes[id(getattr(x, "_trace", None))] = int(x.val.shape[dim])
+        x = x.val
+    return sizes
+
+
 def new_primitive(name: str, multiple_results: bool = False) -> Primitive:
     prim = Primitive(name)
     prim.multiple_results = multiple_results

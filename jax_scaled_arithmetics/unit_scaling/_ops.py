@@ -146,11 +146,16 @@ def dot_general_factors(
     dimension_numbers: Any,
     constraint: Constraint = "gmean",
     constrain_rhs: bool = False,
+    *,
+    lhs_grad_rows: int = 1,
+    rhs_grad_rows: int = 1,
 ) -> tuple[float, float, float]:
     """`(output, lhs grad, rhs grad)` factors of `dot_general` for these shapes.
 
     Output: a sum of K = prod(contracting dims) unit products, so 1/sqrt(K). Gradient of
     `lhs`: a sum over the free dims of `rhs`; gradient of `rhs`: over the free dims of `lhs`.
+    `lhs_grad_rows`/`rhs_grad_rows` multiply those counts by rows the shapes do not show
+    (the examples of an enclosing `jax.vmap` that maps the other operand and not this one).
     """
     check_constraint(constraint)
     (lc, rc), (lb, rb) = dimension_numbers
@@ -159,7 +164,8 @@ def dot_general_factors(
     lhs_free = [d for i, d in enumerate(lhs_shape) if i not in lc + lb]
     rhs_free = [d for i, d in enumerate(rhs_shape) if i not in rc + rb]
     fwd = _inv_sqrt(_size([lhs_shape[i] for i in lc]))
-    lhs_bwd, rhs_bwd = _inv_sqrt(_size(rhs_free)), _inv_sqrt(_size(lhs_free))
+    lhs_bwd = _inv_sqrt(_size(rhs_free) * lhs_grad_rows)
+    rhs_bwd = _inv_sqrt(_size(lhs_free) * rhs_grad_rows)
     if constrain_rhs:
         fwd, (lhs_bwd, rhs_bwd) = apply_constraint(constraint, fwd, lhs_bwd, rhs_bwd)
     else:
@@ -202,8 +208,31 @@ def dot_general(
         >>> round(float(y.std()), 1)
         1.0
     """
+    return dot_general_with_rows(
+        lhs, rhs, dimension_numbers, constraint=constraint, constrain_rhs=constrain_rhs, **params
+    )
+
+
+def dot_general_with_rows(
+    lhs: Array,
+    rhs: Array,
+    dimension_numbers: Any,
+    *,
+    constraint: Constraint = "gmean",
+    constrain_rhs: bool = False,
+    lhs_grad_rows: int = 1,
+    rhs_grad_rows: int = 1,
+    **params: Any,
+) -> Array:
+    """:func:`dot_general` with the extra gradient rows of :func:`dot_general_factors`."""
     fwd, lhs_bwd, rhs_bwd = dot_general_factors(
-        _shape(lhs), _shape(rhs), dimension_numbers, constraint, constrain_rhs
+        _shape(lhs),
+        _shape(rhs),
+        dimension_numbers,
+        constraint,
+        constrain_rhs,
+        lhs_grad_rows=lhs_grad_rows,
+        rhs_grad_rows=rhs_grad_rows,
     )
     f = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers, **params)
     return scaled_call(f, fwd, (lhs, rhs), (lhs_bwd, rhs_bwd))

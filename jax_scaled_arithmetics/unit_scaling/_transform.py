@@ -208,9 +208,10 @@ _CHAIN = {"mul", "div", "neg", "reduce_sum", "reshape", "squeeze", "convert_elem
 
 
 def _output_chain(jaxpr: Any) -> set[int]:
-    """Equations on the single path into a scalar output: walking back from each output
-    through one-operand reductions, reshapes and multiplications by literal constants (the
-    `sum / N` of a mean loss). A constant there scales every gradient by the same factor."""
+    """Equations on the single path into a loss: walking back from each output through
+    one-operand reductions, reshapes and multiplications by literal constants (the `sum / N`
+    of a mean loss). A constant there scales every gradient by the same factor. A loss is a
+    scalar output, or one computed through a sum (one loss per example: `jax.vmap(loss)`)."""
     producer = {
         v: j for j, e in enumerate(jaxpr.eqns) for v in e.outvars if not _compat.is_drop_var(v)
     }
@@ -221,17 +222,20 @@ def _output_chain(jaxpr: Any) -> set[int]:
                 readers[a] = readers.get(a, 0) + 1
     chain: set[int] = set()
     for out in jaxpr.outvars:
-        if isinstance(out, _compat.Literal) or out.aval.shape != ():
+        if isinstance(out, _compat.Literal):
             continue
         var = out
+        path: list[int] = []
         while var in producer and readers.get(var, 0) <= 1:
             j = producer[var]
             eqn = jaxpr.eqns[j]
             operands = [a for a in eqn.invars if not isinstance(a, _compat.Literal)]
             if eqn.primitive.name not in _CHAIN or len(operands) != 1:
                 break
-            chain.add(j)
+            path.append(j)
             var = operands[0]
+        if out.aval.shape == () or any(jaxpr.eqns[j].primitive.name == "reduce_sum" for j in path):
+            chain.update(path)
     return chain
 
 
@@ -356,12 +360,14 @@ class _UnitScaleRewriter(JaxprRewriter):
             rhs = eqn.invars[1]
             rhs_computed = not isinstance(rhs, _compat.Literal) and rhs in context.computed
             lhs, rhs_value = invals
-            out = _ops.dot_general(
+            out = _ops.dot_general_with_rows(
                 lhs,
                 rhs_value,
                 dimension_numbers,
                 constraint=constraint,
                 constrain_rhs=rhs_computed,
+                lhs_grad_rows=_vmapped_rows(rhs_value, lhs),
+                rhs_grad_rows=_vmapped_rows(lhs, rhs_value),
                 **params,
             )
             return [out]
@@ -371,10 +377,13 @@ class _UnitScaleRewriter(JaxprRewriter):
         if prim in ("broadcast_in_dim", "add", "sub", "mul"):
             # A bias or a gain (any parameter) broadcast over rows: its gradient is a sum
             # over the rows, scaled back to unit like a weight gradient.
+            # Under `jax.vmap`, the examples it maps the other operand over are rows too.
             size_out = math.prod(eqn.outvars[0].aval.shape)
             for p, atom in enumerate(eqn.invars):
-                if _is_parameter(atom, context) and 0 < math.prod(atom.aval.shape) < size_out:
-                    factor = math.sqrt(math.prod(atom.aval.shape) / size_out)
+                rows = math.prod(_vmapped_rows(v, invals[p]) for v in invals)
+                size = math.prod(atom.aval.shape)
+                if _is_parameter(atom, context) and 0 < size < size_out * rows:
+                    factor = math.sqrt(size / (size_out * rows))
                     invals[p] = _scale.scale_bwd(invals[p], factor)
         if index in context.residual:
             skip_pos = context.residual[index]
@@ -389,6 +398,16 @@ class _UnitScaleRewriter(JaxprRewriter):
         if index in context.output_chain and prim in ("mul", "div"):
             return _forward_only_constant(eqn, invals)
         return None
+
+
+def _vmapped_rows(value: Any, other: Any) -> int:
+    """How many examples the enclosing `jax.vmap`s map `value` over and not `other` (1 with
+    no vmap): a gradient of `other` summed over rows of `value` sums over those examples
+    too, which the per-example shapes the transform sees do not show. So `jax.vmap(unit_
+    scale(f))` gives a weight shared by the examples the gradient factor of `unit_scale(
+    jax.vmap(f))`."""
+    mine, others = _compat.vmap_sizes(value), _compat.vmap_sizes(other)
+    return math.prod(size for level, size in mine.items() if level not in others)
 
 
 def _is_parameter(atom: Any, context: _Context) -> bool:
@@ -455,7 +474,7 @@ def _unit_conv(eqn: Any, invals: list[Any], constraint: Any) -> Any:
     groups = params.get("feature_group_count", 1)
     fan_in = spatial * kernel_shape[rhs_spec[1]]
     fan_out = spatial * kernel_shape[rhs_spec[0]] // max(groups, 1)
-    kernel_fan = math.prod(out_shape) // out_shape[out_spec[1]]
+    kernel_fan = math.prod(out_shape) // out_shape[out_spec[1]] * _vmapped_rows(lhs, rhs)
     output_scale, (lhs_scale,) = _scale.apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     kernel_scale = kernel_fan**-0.5
     subfuns, bind_params = _compat.get_bind_params(eqn)
@@ -518,7 +537,7 @@ def unit_scale(
     :func:`residual_add` whose branch gets the matching :func:`residual_split` gradient
     weight; a bias or gain broadcast over rows a gradient scaled by 1/sqrt(rows); the ops
     after the final residual add unconstrained, with the constant multiplications on the
-    path to a scalar output (a mean's `1/N`) on the forward pass only. Other primitives
+    path to a loss (a mean's `1/N`) on the forward pass only. Other primitives
     pass through unchanged. Combine with :func:`unit_init` on the parameters.
 
     Args:

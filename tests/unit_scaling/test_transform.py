@@ -352,14 +352,54 @@ def test_a_wrapper_of_a_transform_is_not_taken_for_it(inputs):
 
 
 def test_nests_with_vmap_both_orders(inputs):
+    """`jax.vmap(U.unit_scale(f))` and `U.unit_scale(jax.vmap(f))` give the same values and
+    gradients: the weights the vmap shares between examples get the gradient factor of all
+    the rows (the transform sees one example's shapes and counts the vmap's examples)."""
     x, params = inputs
     xs = jnp.stack([x, -x, 0.5 * x])
+    cotangent = jax.random.normal(jax.random.PRNGKey(7), xs.shape)
     inner = U.unit_scale(lambda v, p: block(v, p))
-    outer = jax.vmap(inner, in_axes=(0, None))(xs, params)
-    both = U.unit_scale(jax.vmap(lambda v, p: block(v, p), in_axes=(0, None)))(xs, params)
-    _close(outer, both)
+    outer = jax.vmap(inner, in_axes=(0, None))
+    both = U.unit_scale(jax.vmap(lambda v, p: block(v, p), in_axes=(0, None)))
+    _close(outer(xs, params), both(xs, params))
     per_example = jnp.stack([inner(v, params) for v in xs])
-    _close(outer, per_example)
+    _close(outer(xs, params), per_example)
+    grads = [
+        jax.grad(lambda v, p, f=f: jnp.sum(f(v, p) * cotangent), argnums=(0, 1))(xs, params)
+        for f in (outer, both)
+    ]
+    _close(grads[0], grads[1])
+    # Not the per-example factor: a shared weight's gradient sums over 3x the rows.
+    per_example_grad = sum(
+        jax.grad(lambda p, v=v, c=c: jnp.sum(inner(v, p) * c))(params)["w1"]
+        for v, c in zip(xs, cotangent)
+    )
+    _close(grads[0][1]["w1"] * math.sqrt(len(xs)), per_example_grad)
+
+
+def test_nests_with_nested_vmaps_of_a_loss_in_every_order(inputs):
+    """Two vmaps of a mean loss, inside, outside and around the transform: same losses,
+    same gradients (the `1/N` of each example's mean acts on the forward pass only)."""
+    x, params = inputs
+    xs = jnp.stack([jnp.stack([x, -x, 0.5 * x]), jnp.stack([2.0 * x, x, -0.5 * x])])
+
+    def over_examples(f):
+        return jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(0, None))
+
+    orders = {
+        "outside": over_examples(U.unit_scale(loss)),
+        "inside": U.unit_scale(over_examples(loss)),
+        "around": jax.vmap(U.unit_scale(jax.vmap(loss, in_axes=(0, None))), in_axes=(0, None)),
+    }
+    results = {
+        name: jax.value_and_grad(lambda v, p, f=f: jnp.sum(f(v, p)), argnums=(0, 1))(xs, params)
+        for name, f in orders.items()
+    }
+    for name in ("inside", "around"):
+        _close(results[name], results["outside"])
+    # The value is the sum of the unit-scaled model's losses, example by example.
+    single = U.unit_scale(loss)
+    _close(results["outside"][0], sum(single(v, params) for row in xs for v in row))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
