@@ -282,17 +282,7 @@ def case_gpt8_scan(dtype: Any) -> Case:
 
 def case_gpt_scaled_opt(dtype: Any) -> Case:
     """Char GPT, 1 block; scaled: jsa.optax.scale_optimizer(adam); plain: optax.adam, float32."""
-    config = _gpt_config(1)
-    plain = _gpt_adam_case(config, 16, dtype)
-    opt = jsa.optax.scale_optimizer(optax.adam(1e-3))
-    params = _scaled(plain.plain_args[0], dtype)
-    tokens, targets = plain.plain_args[2:]
-    return Case(
-        plain.plain_step,
-        plain.plain_args,
-        (params, opt.init(params), tokens, targets),
-        scaled_step=_gpt_step(config, opt, jsa.optax.apply_updates),
-    )
+    return _gpt_scaled_opt_case(dtype, lambda params: _scaled(params, dtype))
 
 
 def case_gpt_unit_fp8(dtype: Any) -> Case:
@@ -384,10 +374,19 @@ def case_gpt_adam_channel(dtype: Any) -> Case:
 def case_gpt_scaled_opt_channel(dtype: Any) -> Case:
     """gpt-scaled-opt with every parameter of rank >= 2 scaled per output channel (`(1, N)`):
     `scale_optimizer` stores their Adam moments with the same block scales."""
+    return _gpt_scaled_opt_case(
+        dtype,
+        lambda params: jsa.as_scaled_array(params, dtype=dtype, scale_shape=_per_channel_layout),
+    )
+
+
+def _gpt_scaled_opt_case(dtype: Any, to_scaled: Callable[[Any], Any]) -> Case:
+    """Char GPT, 1 block: plain optax.adam in float32 vs `scale_optimizer(adam)` on the
+    parameters `to_scaled` gives."""
     config = _gpt_config(1)
     plain = _gpt_adam_case(config, 16, dtype)
     opt = jsa.optax.scale_optimizer(optax.adam(1e-3))
-    params = jsa.as_scaled_array(plain.plain_args[0], dtype=dtype, scale_shape=_per_channel_layout)
+    params = to_scaled(plain.plain_args[0])
     tokens, targets = plain.plain_args[2:]
     return Case(
         plain.plain_step,

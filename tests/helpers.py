@@ -53,9 +53,15 @@ def make_scaled(x: np.ndarray, dtype: Any, scale: float) -> jsa.ScaledArray:
 
 
 def represented(x: Any) -> np.ndarray:
-    """The represented value of a ScaledArray (or a plain array) in float64."""
+    """The represented value of a ScaledArray (or a plain array) in float64; a block scale
+    is repeated over its block."""
     if isinstance(x, jsa.ScaledArray):
-        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
+        data = np.asarray(x.data, np.float64)
+        scale = np.asarray(x.scale, np.float64)
+        scale = scale.reshape((1,) * (data.ndim - scale.ndim) + scale.shape)
+        for axis, (size, blocks) in enumerate(zip(data.shape, scale.shape)):
+            scale = np.repeat(scale, size // blocks, axis=axis)
+        return data * scale
     return np.asarray(x, np.float64)
 
 

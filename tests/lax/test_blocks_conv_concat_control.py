@@ -16,6 +16,8 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics as jsa
+from tests import helpers
+from tests.helpers import represented
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 # Relative to the reference's largest magnitude.
@@ -40,16 +42,9 @@ def far_apart(shape, axis, seed=0, binades=6):
     return (rng.normal(size=shape) * mag).astype(np.float32)
 
 
-def represented(x):
-    return np.asarray(x.to_array(jnp.float32)) if isinstance(x, jsa.ScaledArray) else x
-
-
 def assert_close(out, ref, dtype):
-    out, ref = np.asarray(represented(out), np.float64), np.asarray(ref, np.float64)
-    assert out.shape == ref.shape
-    assert np.isfinite(out).all()
-    err = np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)
-    assert err <= TOL[dtype], err
+    """`out` within TOL[dtype] of `ref`, relative to the largest |ref|."""
+    helpers.assert_close(out, ref, rtol=0.0, atol_rel=TOL[dtype])
 
 
 def scale_shape(x):
