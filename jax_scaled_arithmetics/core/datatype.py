@@ -23,11 +23,15 @@ __all__ = [
     "asarray",
     "is_scaled_leaf",
     "is_floating",
+    "is_array",
 ]
 
 
 def is_floating(x: Any) -> bool:
-    """True when `x` (an array, tracer, scalar or dtype) has a floating-point dtype."""
+    """True when `x` (an array, tracer, scalar or dtype) has a floating-point dtype (`None`,
+    an empty subtree, has none)."""
+    if x is None:
+        return False
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         if isinstance(x, float):
@@ -230,8 +234,19 @@ class ScaledArray:
 jax.tree_util.register_dataclass(ScaledArray, data_fields=["data", "scale"], meta_fields=[])
 
 
+def is_array(x: Any) -> bool:
+    """True for the values JAX treats as arrays: `jax.Array` (tracers included), NumPy arrays
+    and NumPy scalars. Python scalars, `None` and other objects (modules, functions, Flax
+    `Variable` wrappers) are not."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
 def is_scaled_leaf(x: Any) -> bool:
     """`is_leaf` predicate for `jax.tree_util` functions: treats a ScaledArray as one leaf.
+
+    Only ScaledArrays, arrays, scalars and `None` are leaves: a pytree node that merely has a
+    `shape` attribute (an Equinox `LayerNorm`, a Flax NNX `Param`) is descended into, so its
+    arrays are reached and its wrapper kept.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -240,7 +255,7 @@ def is_scaled_leaf(x: Any) -> bool:
         >>> len(jax.tree_util.tree_leaves(tree, is_leaf=jsa.is_scaled_leaf))
         2
     """
-    return isinstance(x, ScaledArray) or x is None or np.isscalar(x) or hasattr(x, "shape")
+    return isinstance(x, ScaledArray) or x is None or np.isscalar(x) or is_array(x)
 
 
 def _is_concrete(x: Any) -> bool:
@@ -304,13 +319,11 @@ def scaled_array(
 def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: Any) -> Any:
     if isinstance(x, ScaledArray):
         return x if dtype is None else x.astype(dtype)
-    if x is None:
-        return x
-    if isinstance(x, (bool, int, np.bool_, np.integer)):
+    if not is_array(x) or not is_floating(x):
+        # Python scalars (a dropout rate, an epsilon), None, functions and other objects of a
+        # model's tree, and integer or boolean arrays, stay as they are.
         return x
     arr = jnp.asarray(x)
-    if not is_floating(arr):
-        return x
     out_dtype = arr.dtype if dtype is None else jnp.dtype(dtype)
     if scale_shape is not None:
         layout = _block_layout_for(arr.shape, scale_shape)
@@ -350,11 +363,15 @@ def _block_layout_for(shape: tuple[int, ...], scale_shape: Any) -> tuple[int, ..
 def as_scaled_array(
     tree: Any, scale: Any = None, dtype: DTypeLike | None = None, scale_shape: Any = None
 ) -> Any:
-    """Convert the floating-point leaves of a pytree to ScaledArrays.
+    """Convert the floating-point arrays of a pytree to ScaledArrays.
 
-    Floating arrays become `ScaledArray(value / scale, scale)` (scale 1 by
-    default), so that the result represents the same values. Integer and
-    boolean leaves, and existing ScaledArrays, pass through unchanged.
+    Floating arrays (JAX or NumPy) become `ScaledArray(value / scale, scale)` (scale 1 by
+    default), so that the result represents the same values. Every other leaf passes
+    through unchanged: integer and boolean arrays, existing ScaledArrays, `None`, Python
+    scalars (a model's dropout rate stays a Python float, static under `autoscale`) and
+    non-array objects. Pytree nodes keep their types and metadata (Flax linen variable
+    dicts, NNX `State` and `Param` wrappers, Equinox modules and their static fields), so
+    `jax.tree.structure(out, is_leaf=jsa.is_scaled_leaf)` is the input's structure.
 
     Args:
         tree: a pytree of arrays.
@@ -389,8 +406,8 @@ def as_scaled_array(
 def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:
     """Convert every ScaledArray of a pytree to the plain array it represents.
 
-    Other leaves are converted with `jnp.asarray` (and cast when `dtype` is
-    given and they are floating point).
+    Floating arrays are cast when `dtype` is given; every other leaf (integer arrays,
+    Python scalars, `None`, non-array objects of an Equinox module) passes through.
 
     Examples:
         >>> import jax_scaled_arithmetics as jsa
@@ -401,7 +418,7 @@ def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:
     def convert(x: Any) -> Any:
         if isinstance(x, ScaledArray):
             return x.to_array(dtype)
-        if x is None:
+        if not is_array(x):
             return x
         arr = jnp.asarray(x)
         if dtype is not None and is_floating(arr):

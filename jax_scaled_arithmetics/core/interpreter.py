@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _compat, blocks, registry
 from .config import get_autoscale_config
-from .datatype import ScaledArray, is_floating
+from .datatype import ScaledArray, is_array, is_floating
 from .promotion import promote_to_scaled
 from .registry import operand_constants
 
@@ -296,6 +296,9 @@ def interpret_jaxpr(
         info = registry._RULES.get(eqn.primitive)
         if any_scaled or (info is not None and info.always_scaled):
             info = registry.get_scaled_rule(eqn.primitive)
+            if any_scaled:
+                for guard in registry.equation_guards(eqn.primitive):
+                    guard(eqn, invals)
             if info.promote and any_scaled:
                 invals = [promote_to_scaled(v, k) for v, k in zip(invals, in_known)]
             rule = info.rule
@@ -430,6 +433,7 @@ def _leaf_signature(leaf: Any) -> Any:
 def _trace_cache_key(
     in_tree: Any,
     leaves: Sequence[Any],
+    static_leaves: tuple[Any, ...],
     static_pos: set[int],
     args: Sequence[Any],
     argnames: Sequence[str],
@@ -437,16 +441,18 @@ def _trace_cache_key(
 ) -> Any:
     """What the traced jaxpr depends on: argument structure, avals and static values.
 
-    None (no caching) when a leaf has no abstract value JAX knows.
+    None (no caching) when a leaf has no abstract value JAX knows, or a static leaf is not
+    hashable.
     """
     try:
         signature = tuple(_leaf_signature(leaf) for leaf in leaves)
+        hash(static_leaves)
     except TypeError:
         return None
     static_args = tuple((i, args[i]) for i in sorted(static_pos))
     static_kwargs = tuple(sorted((k, kwargs[k]) for k in argnames if k in kwargs))
     x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
-    return (in_tree, signature, static_args, static_kwargs, x64)
+    return (in_tree, signature, static_leaves, static_args, static_kwargs, x64)
 
 
 def autoscale(
@@ -506,19 +512,34 @@ def autoscale(
         dyn_args = [a for i, a in enumerate(args) if i not in static_pos]
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in argnames}
 
-        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs), is_leaf=_is_scaled)
+        all_leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs), is_leaf=_is_scaled)
         paths = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs), is_leaf=_is_scaled)[0]
         for path, leaf in paths:
             if isinstance(leaf, ScaledArray):
                 _validate_scaled_input(leaf, jax.tree_util.keystr(path))
+        # Arrays are traced; every other leaf (a Python float such as a dropout rate, a
+        # function, a string) stays a Python value the function sees as it is, as
+        # `eqx.filter_jit` keeps it: `eqx.filter_value_and_grad` then differentiates the
+        # same leaves with and without autoscale.
+        is_dynamic = [isinstance(leaf, ScaledArray) or is_array(leaf) for leaf in all_leaves]
+        leaves = [leaf for leaf, dyn in zip(all_leaves, is_dynamic) if dyn]
+        static_leaves = tuple(
+            (i, type(leaf), leaf) for i, leaf in enumerate(all_leaves) if not is_dynamic[i]
+        )
 
-        cache_key = _trace_cache_key(in_tree, leaves, static_pos, args, argnames, kwargs)
+        cache_key = _trace_cache_key(
+            in_tree, leaves, static_leaves, static_pos, args, argnames, kwargs
+        )
         cached = trace_cache.get(cache_key) if cache_key is not None else None
         if cached is None:
             out_tree_box: list[Any] = []
 
             def flat_fun(*flat: Any) -> list[Any]:
-                dargs, dkwargs = jax.tree_util.tree_unflatten(in_tree, flat)
+                flat_iter = iter(flat)
+                full = [
+                    next(flat_iter) if dyn else leaf for leaf, dyn in zip(all_leaves, is_dynamic)
+                ]
+                dargs, dkwargs = jax.tree_util.tree_unflatten(in_tree, full)
                 dargs_iter = iter(dargs)
                 full_args = [args[i] if i in static_pos else next(dargs_iter) for i in range(nargs)]
                 full_kwargs = {k: (kwargs[k] if k in argnames else dkwargs[k]) for k in kwargs}
@@ -540,12 +561,9 @@ def autoscale(
         values: list[Any] = []
         known: list[Any] = []
         for leaf, aval in zip(leaves, in_avals):
-            if isinstance(leaf, ScaledArray):
-                values.append(leaf)
-                known.append(None)
-            elif isinstance(leaf, (bool, int, float, complex, np.generic)):
+            if isinstance(leaf, np.generic):
                 values.append(np.asarray(leaf, dtype=aval.dtype))
-                known.append(leaf.item() if isinstance(leaf, np.generic) else leaf)
+                known.append(leaf.item())
             else:
                 values.append(leaf)
                 known.append(None)

@@ -20,6 +20,8 @@ __all__ = [
     "coverage",
     "register_block_rule",
     "get_block_rule",
+    "register_equation_guard",
+    "equation_guards",
     "RuleInfo",
     "interpret_closed_jaxpr",
     "set_jaxpr_interpreter",
@@ -155,6 +157,24 @@ def register_block_rule(primitive: Primitive, rule: ScaledRule | None = None) ->
 def get_block_rule(primitive: Primitive) -> ScaledRule | None:
     """The block-scale rule of `primitive`, or None (its operands then go per tensor)."""
     return _BLOCK_RULES.get(primitive)
+
+
+EquationGuard = Callable[[Any, Sequence[Any]], None]
+_GUARDS: dict[Primitive, list[EquationGuard]] = {}
+
+
+def register_equation_guard(primitive: Primitive, guard: EquationGuard) -> EquationGuard:
+    """Register `guard(eqn, operands)`, called by the interpreter before the scaled rule of
+    every `primitive` equation that has a scaled operand. A guard raises, at trace time,
+    where the rule would compute a silently wrong number that the program's source can tell
+    (see `lax/optimizer_guard.py`); it returns None otherwise."""
+    _GUARDS.setdefault(primitive, []).append(guard)
+    return guard
+
+
+def equation_guards(primitive: Primitive) -> Sequence[EquationGuard]:
+    """The guards registered for `primitive` (empty for most)."""
+    return _GUARDS.get(primitive, ())
 
 
 def has_scaled_rule(primitive: Primitive) -> bool:

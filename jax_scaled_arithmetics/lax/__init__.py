@@ -13,6 +13,7 @@ from . import elementwise as elementwise
 from . import indexing as indexing
 from . import linalg as linalg
 from . import linalg_decompositions as linalg_decompositions
+from . import optimizer_guard as optimizer_guard
 from . import reductions as reductions
 from . import shape as shape
 from . import transcendental as transcendental

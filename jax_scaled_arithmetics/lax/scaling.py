@@ -137,6 +137,11 @@ def scaled_stop_scaling(x: Any, *, dtype: Any) -> Array:
     return _stop_scaling_impl(x, dtype=dtype)
 
 
+# A block scale is applied block by block (`to_array` repeats it over its block), without a
+# detour through one scale per tensor, which would flush the blocks far below the largest.
+registry.register_block_rule(stop_scaling_p, scaled_stop_scaling)
+
+
 def stop_scaling(x: Array, dtype: Any = None) -> Array:
     """The plain array `x` represents, optionally cast to `dtype`.
 

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from ..core import _compat, blocks, registry
-from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
+from ..core.datatype import ScaledArray, is_array, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
 from ..lax.scaling import scaled_rebalance
 
@@ -256,9 +256,13 @@ def _target_layout(shape: tuple[int, ...], scale_shape: ScaleShape) -> tuple[int
     return blocks.block_layout(shape, tuple(int(s) for s in wanted))
 
 
+def _is_floating_array(x: Any) -> bool:
+    return (isinstance(x, ScaledArray) or is_array(x)) and is_floating(x)
+
+
 def _rescale_tree(tree: Any, norm: str, epsilon: float, scale_shape: ScaleShape) -> Any:
     def rescale(x: Any) -> Any:
-        if not is_floating(x):
+        if not _is_floating_array(x):  # None (a frozen part's gradient), Python scalars...
             return x
         params = dict(
             norm=norm,
@@ -346,7 +350,7 @@ def _grad_variant(rescale_fn: Callable[..., Any], doc: str) -> Callable[..., Any
         if isinstance(scale_shape, list):
             scale_shape = tuple(scale_shape)  # hashable (a static argument)
         return jax.tree_util.tree_map(
-            lambda x: identity(x, epsilon, scale_shape) if is_floating(x) else x,
+            lambda x: identity(x, epsilon, scale_shape) if _is_floating_array(x) else x,
             tree,
             is_leaf=is_scaled_leaf,
         )

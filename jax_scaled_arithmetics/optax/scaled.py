@@ -83,15 +83,26 @@ def _is_stored_scaled(x: Any) -> bool:
     return x is not None and is_floating(x) and np.ndim(x) >= 1
 
 
-def _cast(tree: Any, dtype: DTypeLike | None) -> Any:
-    """Cast floating leaves (plain or scaled) to `dtype`; no-op for `dtype=None`."""
-    if dtype is None:
-        return tree
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _represented(tree: Any, dtype: DTypeLike) -> Any:
+    """Inside autoscale: every floating array leaf as the plain array it represents, in
+    `dtype` (`data * scale`, one multiply per tensor); other leaves as they are."""
     return jax.tree_util.tree_map(
-        lambda x: x.astype(dtype) if x is not None and is_floating(x) else x,
+        lambda x: stop_scaling(x, dtype=dtype) if x is not None and is_floating(x) else x,
         tree,
         is_leaf=is_scaled_leaf,
     )
+
+
+def _store_update(u: Any, grad: Any, rescale: Rescale | None) -> Any:
+    """An update leaf as a ScaledArray on its gradient's block layout, rescaled."""
+    if u is None or not is_floating(u) or grad is None:
+        return u
+    u = match_layout(u, grad)
+    return u if rescale is None else rescale(u)
 
 
 def _store_leaf(
@@ -254,20 +265,28 @@ def scaled_state(
 
     def _update(updates: Any, state: Any, params: Any, extra_args: dict[str, Any]) -> Any:
         out_dtypes = _outer_dtypes(updates)
-        new_updates, new_state = inner.update(
-            _cast(updates, compute_dtype),
-            _cast(state, compute_dtype),
-            _cast(params, compute_dtype),
-            **extra_args,
-        )
+        if compute_dtype is not None:
+            # The update is elementwise per leaf: it runs as the plain optax update on the
+            # represented values in `compute_dtype` (one multiply per input tensor, no scale
+            # algebra op by op), and each new state leaf and update goes back to a scaled
+            # tensor once, with a dynamic scale.
+            new_updates, new_state = inner.update(
+                _represented(updates, compute_dtype),
+                _represented(state, compute_dtype),
+                _represented(params, compute_dtype),
+                **extra_args,
+            )
+        else:
+            new_updates, new_state = inner.update(updates, state, params, **extra_args)
         new_state = _store_state(new_state, state, state_dtype, rescale, exp)
-        if rescale is not None:
-            new_updates = rescale(new_updates)
+        new_updates = jax.tree_util.tree_map(
+            lambda u, g: _store_update(u, g, rescale), new_updates, updates, is_leaf=_is_none
+        )
         new_updates = jax.tree_util.tree_map(
             lambda u, d: u if d is None or u is None else u.astype(d),
             new_updates,
             out_dtypes,
-            is_leaf=lambda x: x is None,
+            is_leaf=_is_none,
         )
         return new_updates, new_state
 
@@ -307,7 +326,9 @@ def scale_optimizer(
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         def _update(updates: Any, state: Any, params: Any, extra_args: dict[str, Any]) -> Any:
-            if grad_rescale is not None:
+            if grad_rescale is not None and compute_dtype is None:
+                # (With a compute dtype the update reads the represented values: rescaling
+                # the gradients, which keeps their values, would change nothing.)
                 updates = grad_rescale(updates)
             return inner.update(updates, state, params, **extra_args)
 

@@ -147,3 +147,57 @@ def test_python_operators_do_the_scaled_thing():
     np.testing.assert_array_equal(np.asarray(a < b), [True, True])
     np.testing.assert_array_equal(np.asarray(a == a), [True, True])
     np.testing.assert_array_equal(np.asarray(a >= b), [False, False])
+
+
+def test_is_scaled_leaf_descends_into_nodes_that_have_a_shape_attribute():
+    """An Equinox module or a Flax NNX Variable has a `shape` but is a pytree node: it is
+    descended into (the old predicate took it for an array and `as_scaled_array` crashed on
+    Equinox modules and dropped NNX wrappers)."""
+    import equinox as eqx
+    from flax import nnx
+
+    norm = eqx.nn.LayerNorm(4)
+    param = nnx.Param(jnp.ones(3))
+    assert hasattr(norm, "shape") and not jsa.is_scaled_leaf(norm)
+    assert not jsa.is_scaled_leaf(param)
+    assert jsa.is_scaled_leaf(np.ones(2)) and jsa.is_scaled_leaf(np.float32(1.0))
+
+
+def test_as_scaled_array_keeps_equinox_modules_and_their_non_array_leaves():
+    import equinox as eqx
+
+    key = jax.random.PRNGKey(0)
+    model = [eqx.nn.Linear(3, 2, key=key), eqx.nn.LayerNorm(2), eqx.nn.Dropout(0.1), jnp.tanh]
+    out = jsa.as_scaled_array(model, dtype=jnp.float16)
+    is_leaf = lambda x: isinstance(x, jsa.ScaledArray)  # noqa: E731
+    assert jax.tree.structure(out, is_leaf=is_leaf) == jax.tree.structure(model)
+    assert isinstance(out[0].weight, jsa.ScaledArray) and out[0].weight.dtype == jnp.float16
+    assert out[2].p == 0.1 and type(out[2].p) is float and out[3] is jnp.tanh
+    back = jsa.asarray(out, jnp.float32)
+    assert jax.tree.structure(back) == jax.tree.structure(model)
+    np.testing.assert_allclose(back[0].weight, model[0].weight, rtol=1e-3)
+    # The partitioned half (None where a leaf is not an inexact array).
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    scaled_params = jsa.as_scaled_array(params)
+    assert jax.tree.structure(scaled_params, is_leaf=is_leaf) == jax.tree.structure(params)
+    assert eqx.combine(jsa.asarray(scaled_params), static)[2].p == 0.1
+
+
+def test_as_scaled_array_keeps_flax_nnx_variables():
+    from flax import nnx
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    out = jsa.as_scaled_array(state, dtype=jnp.float16)
+    is_leaf = lambda x: isinstance(x, jsa.ScaledArray)  # noqa: E731
+    assert jax.tree.structure(out, is_leaf=is_leaf) == jax.tree.structure(state)
+    assert isinstance(out["kernel"], nnx.Param)
+    assert isinstance(out["kernel"].get_value(), jsa.ScaledArray)
+    merged = nnx.merge(graphdef, jsa.asarray(out, jnp.float32))
+    np.testing.assert_allclose(merged.kernel[...], model.kernel[...], rtol=1e-3)
+
+
+def test_is_floating_of_none_is_false():
+    from jax_scaled_arithmetics.core.datatype import is_floating
+
+    assert not is_floating(None) and is_floating(1.0) and not is_floating(3)

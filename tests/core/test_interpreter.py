@@ -492,3 +492,47 @@ def test_captured_scaled_array_has_a_clear_error():
     # As an argument, it works.
     out = jsa.autoscale(lambda v, c: v * c)(x, captured)
     np.testing.assert_array_equal(out.to_array(), np.full(3, 2.0, np.float32))
+
+
+def test_non_array_leaves_stay_python_values_as_under_filter_jit():
+    """Python scalars, functions and strings in the arguments are passed as they are (not
+    traced): the function sees a Python float, and a new value traces again."""
+    seen = []
+
+    def f(tree):
+        seen.append(type(tree["rate"]))
+        return tree["act"](tree["x"]) * (1.0 - tree["rate"])
+
+    x = jsa.as_scaled_array(jnp.array([1.0, -2.0], jnp.float16))
+    g = jsa.autoscale(f)
+    out = g({"x": x, "rate": 0.25, "act": jnp.tanh, "name": "layer"})
+    np.testing.assert_allclose(represented(out), np.tanh([1.0, -2.0]) * 0.75, rtol=2e-3)
+    assert seen == [float]
+    out = g({"x": x, "rate": 0.5, "act": jnp.tanh, "name": "layer"})  # a new value: retraced
+    np.testing.assert_allclose(represented(out), np.tanh([1.0, -2.0]) * 0.5, rtol=2e-3)
+    g({"x": x, "rate": 0.5, "act": jnp.tanh, "name": "layer"})
+    assert seen == [float, float]
+
+
+def test_equinox_filter_value_and_grad_has_the_same_structure_under_autoscale():
+    """`eqx.filter_value_and_grad` differentiates the inexact arrays only: a Dropout rate (a
+    Python float) must not become a traced, differentiated leaf under autoscale."""
+    import equinox as eqx
+
+    key = jax.random.PRNGKey(0)
+    model = eqx.nn.Sequential([eqx.nn.Linear(4, 4, key=key), eqx.nn.Dropout(0.1)])
+    x = jnp.ones((4,))
+
+    def loss(model, x):
+        return jnp.sum(model(x, key=key) ** 2)
+
+    step = lambda m, x: eqx.filter_value_and_grad(loss)(m, x)  # noqa: E731
+    _, plain_grads = eqx.filter_jit(step)(model, x)
+    scaled = jsa.as_scaled_array(model, dtype=jnp.float16)
+    _, grads = eqx.filter_jit(jsa.autoscale(step))(scaled, x)
+    is_leaf = lambda v: isinstance(v, jsa.ScaledArray)  # noqa: E731
+    assert jax.tree.structure(grads, is_leaf=is_leaf) == jax.tree.structure(plain_grads)
+    assert grads.layers[1].p is None
+    np.testing.assert_allclose(
+        represented(grads.layers[0].weight), plain_grads.layers[0].weight, rtol=2e-2, atol=1e-2
+    )

@@ -131,6 +131,16 @@ def layer_errors(got, ref):
     return np.max(np.abs(got - ref), axis=axes) / np.max(np.abs(ref), axis=axes)
 
 
+def unwrap(tree):
+    """The tree with each `nnx.Variable` wrapper (kept by `as_scaled_array`) replaced by its
+    value, so the checks below index the arrays directly."""
+    return jax.tree_util.tree_map(
+        lambda v: v.get_value() if isinstance(v, nnx.Variable) else v,
+        tree,
+        is_leaf=lambda v: isinstance(v, (nnx.Variable, jsa.ScaledArray)),
+    )
+
+
 def run_step(problem, dtype, layout):
     graphdef, state, x, y = problem
     opt = optax.sgd(LR)
@@ -140,7 +150,7 @@ def run_step(problem, dtype, layout):
     expected = jax.jit(step)(values, opt.init(values), x, y)
     scaled_step = jax.jit(jsa.autoscale(step))
     got = scaled_step(scaled, opt.init(scaled), x, y)
-    return scaled, got, expected, scaled_step
+    return scaled, (*unwrap(got[:2]), got[2]), unwrap(expected), scaled_step
 
 
 # Bounds on the per-layer relative errors: (updates, new parameters).
@@ -154,7 +164,7 @@ TOL = {
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=str)
 def test_one_scale_per_layer_sgd_step(problem, dtype):
     scaled, got, expected, step = run_step(problem, dtype, per_layer)
-    kernel = scaled["blocks"]["linear"]["kernel"]
+    kernel = unwrap(scaled)["blocks"]["linear"]["kernel"]
     assert kernel.scale.shape == (L, 1, 1) and kernel.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(
         np.log2(kernel.scale.ravel()) - LOG2_MAGNITUDES, np.log2(kernel.scale.ravel()[0]) + 10
@@ -222,7 +232,9 @@ def test_scaled_adam_keeps_one_scale_per_layer_in_its_moments(problem, state_dty
     opt_state = opt.init(scaled)
     step = jax.jit(jsa.autoscale(make_step(graphdef, opt)))
     updates, _, new_state = step(scaled, opt_state, x, y)
+    updates, expected = unwrap(updates), unwrap(expected)
     for moments in (opt_state[0].mu, opt_state[0].nu, new_state[0].mu, new_state[0].nu):
+        moments = unwrap(moments)
         kernel = moments["blocks"]["linear"]["kernel"]
         assert kernel.scale.shape == (L, 1, 1) and kernel.dtype == np.dtype(state_dtype)
         assert moments["blocks"]["linear"]["bias"].scale.shape == (L, 1)
@@ -256,7 +268,8 @@ def test_scaled_adam_over_steps_with_bfloat16_moments(problem):
         updates, scaled, opt_state = scaled_step(scaled, opt_state, x, y)
         ref_updates, values, ref_state = plain_step(values, ref_state, x, y)
         got = layer_errors(
-            updates["blocks"]["linear"]["kernel"], ref_updates["blocks"]["linear"]["kernel"]
+            unwrap(updates)["blocks"]["linear"]["kernel"],
+            unwrap(ref_updates)["blocks"]["linear"]["kernel"],
         )
         assert np.all(got <= 5e-2), got
     assert scaled_step._cache_size() == 1

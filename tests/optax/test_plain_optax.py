@@ -1,0 +1,141 @@
+"""Plain optax inside an autoscaled step: right where the data's range holds the update,
+refused at trace time (naming `jsa.optax.scale_optimizer`) where it cannot be, never NaN."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jax_scaled_arithmetics as jsa
+
+RNG = np.random.default_rng(0)
+W = jnp.asarray(RNG.normal(size=(32, 32)) * 0.2, jnp.float32)
+# Inputs whose columns span 2^-4..2^4: the gradients' entries span more than 2^-12 of their
+# largest, where plain optax.adam on float16 data silently produced NaN parameters. (Much
+# wider spreads flush the smallest gradients themselves in float16 data at one scale per
+# tensor; that is the gradient's format, not the optimizer's, and block scales are the fix.)
+X = jnp.asarray(RNG.normal(size=(8, 32)) * np.exp2(np.linspace(-4, 4, 32)), jnp.float32)
+BIAS = jnp.zeros((32,), jnp.float32)
+
+
+def loss(params):
+    return jnp.mean(jnp.tanh(X @ params["w"] + params["b"][None, :]) ** 2)
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=1e-2),
+    "lion": lambda: optax.lion(1e-4),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "clip-decay-adam-schedule": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.add_decayed_weights(1e-4),
+        optax.adam(optax.warmup_cosine_decay_schedule(1e-4, 1e-3, 2, 10)),
+    ),
+}
+# Optimizers that divide by a per-entry statistic: their constants are lost in float16.
+DIVIDING = {"adam", "adamw", "adafactor", "clip-decay-adam-schedule"}
+
+
+def make_step(tx):
+    def step(params, state):
+        grads = jax.grad(loss)(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), updates, state
+
+    return step
+
+
+def run(tx, dtype, steps=3):
+    """`steps` steps of plain float32 and of the autoscaled step on `dtype` data from the
+    same represented values; the first updates of each and the last parameters."""
+    scaled = jsa.as_scaled_array({"w": W, "b": BIAS}, dtype=dtype)
+    values = jsa.asarray(scaled, jnp.float32)
+    plain_step, scaled_step = jax.jit(make_step(tx)), jax.jit(jsa.autoscale(make_step(tx)))
+    plain_state, scaled_state = tx.init(values), tx.init(scaled)
+    first = None
+    for _ in range(steps):
+        values, ref_updates, plain_state = plain_step(values, plain_state)
+        scaled, updates, scaled_state = scaled_step(scaled, scaled_state)
+        first = first or (ref_updates, updates)
+    return values, scaled, first
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bfloat16", "float16"])
+def test_plain_optax_in_an_autoscaled_step(name, dtype):
+    tx = OPTIMIZERS[name]()
+    if dtype == np.float16 and name in DIVIDING:
+        with pytest.raises(ValueError, match=r"jsa\.optax\.scale_optimizer\(tx\)"):
+            run(tx, dtype)
+        return
+    values, scaled, (ref_updates, updates) = run(tx, dtype)
+    for key in ("w", "b"):
+        got = np.asarray(jsa.asarray(scaled[key], jnp.float32))
+        assert np.all(np.isfinite(got)), key
+        # Parameters: within the data format's rounding of float32's (3 steps).
+        eps = float(jnp.finfo(dtype).eps)
+        np.testing.assert_allclose(got, values[key], atol=8 * eps * float(jnp.max(jnp.abs(W))))
+        # The first update's signs agree with float32's wherever float32's is not ~0.
+        ref = np.asarray(ref_updates[key], np.float64)
+        upd = np.asarray(jsa.asarray(updates[key], jnp.float32), np.float64)
+        significant = np.abs(ref) > 1e-2 * np.max(np.abs(ref), initial=0.0)
+        agree = np.mean(np.sign(upd[significant]) == np.sign(ref[significant]))
+        assert agree >= 0.99, (key, agree)
+
+
+def test_the_error_names_the_source_line_and_the_format():
+    tx = optax.adam(1e-3)
+    with pytest.raises(ValueError, match=r"float16 data.*optax.*eps=1e-8 is 0") as err:
+        run(tx, np.float16, steps=1)
+    assert "optax" in str(err.value) and ".py:" in str(err.value)
+
+
+def test_scale_optimizer_is_the_fix_for_float16_adam():
+    tx = jsa.optax.scale_optimizer(optax.adam(1e-3))
+    scaled = jsa.as_scaled_array({"w": W, "b": BIAS}, dtype=np.float16)
+    values = jsa.asarray(scaled, jnp.float32)
+    state = tx.init(scaled)
+
+    @jax.jit
+    @jsa.autoscale
+    def step(params, state):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        return jsa.optax.apply_updates(params, updates), updates, state
+
+    ref_tx = optax.adam(1e-3)
+    _, ref_updates, _ = make_step(ref_tx)(values, ref_tx.init(values))
+    params, updates, state = step(scaled, state)
+    for key in ("w", "b"):
+        upd = np.asarray(jsa.asarray(updates[key], jnp.float32))
+        assert np.all(np.isfinite(upd))
+        np.testing.assert_allclose(upd, ref_updates[key], atol=2e-3 * 1e-3, rtol=2e-3)
+
+
+def test_none_leaves_in_jsa_optax():
+    """Gradients of frozen parts are `None`, as Equinox's filtered gradients and optax's
+    masks make them: `scale_optimizer`, `jsa.optax.apply_updates` and the rescalings keep
+    them, as plain optax does."""
+    params = jsa.as_scaled_array({"w": W, "frozen": None}, dtype=np.float16)
+    tx = jsa.optax.scale_optimizer(optax.adam(1e-3))
+    state = tx.init(params)
+
+    @jax.jit
+    @jsa.autoscale
+    def step(params, state):
+        grads = {"w": jax.grad(lambda w: loss({"w": w, "b": BIAS}))(params["w"]), "frozen": None}
+        updates, state = tx.update(grads, state, params)
+        return jsa.optax.apply_updates(params, updates), optax.apply_updates(params, updates)
+
+    ours, plain = step(params, state)
+    assert ours["frozen"] is None and plain["frozen"] is None
+    assert np.all(np.isfinite(jsa.asarray(ours["w"], jnp.float32)))
+    tree = {"g": jsa.as_scaled_array(W), "none": None, "rate": 0.5}
+    for rescale in (jsa.ops.dynamic_rescale_max, jsa.ops.dynamic_rescale_l2_grad):
+        out = rescale(tree)
+        assert out["none"] is None and out["rate"] == 0.5
