@@ -278,6 +278,19 @@ def eqn_source_summary(eqn: JaxprEqn, exclude: str = "") -> str:
     return ""
 
 
+def eqn_user_frames(eqn: JaxprEqn) -> list[tuple[str, int, str]]:
+    """An equation's source frames outside JAX, innermost first: (file, line, function)."""
+    from jax._src import source_info_util
+
+    traceback = getattr(eqn.source_info, "traceback", None)
+    if traceback is None:
+        return []
+    return [
+        (frame.file_name, frame.start_line, frame.function_name)
+        for frame in source_info_util.user_frames(traceback)
+    ]
+
+
 def eqn_name_stack(eqn: JaxprEqn) -> str:
     """An equation's name stack as text, e.g. 'transpose(jvp(mlp))' in a backward pass."""
     return str(eqn.source_info.name_stack)
