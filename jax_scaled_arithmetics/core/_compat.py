@@ -278,6 +278,15 @@ def eqn_source_summary(eqn: JaxprEqn, exclude: str = "") -> str:
     return ""
 
 
+def dce_closed_jaxpr(closed: Any) -> Any:
+    """`closed` without the equations whose outputs nothing uses (and that have no
+    effects), sub-jaxprs included; its inputs and outputs unchanged."""
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, True, instantiate=True)
+    return ClosedJaxpr(jaxpr, closed.consts)
+
+
 def eqn_user_frames(eqn: JaxprEqn) -> list[tuple[str, int, str]]:
     """An equation's source frames outside JAX, innermost first: (file, line, function)."""
     from jax._src import source_info_util

@@ -550,6 +550,9 @@ def autoscale(
 
             with _tracing_user_function():
                 closed = jax.make_jaxpr(flat_fun)(*[_leaf_aval(leaf) for leaf in leaves])
+            # Equations nothing uses (parameters an optimizer converts but never reads) are
+            # neither interpreted nor handed to XLA in scaled form.
+            closed = _compat.dce_closed_jaxpr(closed)
             cached = (closed, out_tree_box[-1])
             # A jaxpr closing over another trace's tracers is only valid in that trace.
             if cache_key is not None and not any(_compat.is_tracer(c) for c in closed.consts):
