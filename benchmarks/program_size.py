@@ -45,6 +45,10 @@ Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slo
         Adam moments) scaled per output channel.
     gpt-unit-fp8: char GPT, 1 block, adam; the "scaled" variant is `U.simulate_fp8(U.unit_scale(
         loss))` on float32 `U.unit_init` parameters (no autoscale).
+    adam-update: the optimizer alone: optax.adam update + optax.apply_updates on the 1-block
+        char GPT's parameters and given gradients (scaled: bfloat16 data by default).
+    scaled-opt-update: the same with `jsa.optax.scale_optimizer(optax.adam)` and
+        `jsa.optax.apply_updates` (float16 data).
     nnx: Flax NNX Linear-LayerNorm-Linear (784-512-10), batch 64, SGD step on `nnx.split`'s state.
     gpt2-small: 12 blocks, d 768, 12 heads, T 256, batch 4, vocab 50257, optax.adam step.
     gpt2-small-scan: the same with its blocks as a lax.scan over layers.
@@ -396,6 +400,43 @@ def _gpt_scaled_opt_case(dtype: Any, to_scaled: Callable[[Any], Any]) -> Case:
     )
 
 
+def _update_case(opt: Any, apply_updates: Callable[..., Any], dtype: Any) -> Case:
+    """The optimizer update alone on the 1-block char GPT's parameters: `opt.update` and
+    `apply_updates` from given gradients; plain: float32 optax.adam."""
+    config = _gpt_config(1)
+    plain_opt = optax.adam(1e-3)
+    params = gpt.init_params(jax.random.PRNGKey(4), config)
+    grads = jax.tree_util.tree_map(lambda p: 1e-3 * jnp.cos(p), params)
+
+    def make(o: Any, apply: Callable[..., Any]) -> Callable[..., Any]:
+        def update(params, opt_state, grads):
+            updates, opt_state = o.update(grads, opt_state, params)
+            return apply(params, updates), opt_state
+
+        return update
+
+    scaled_params, scaled_grads = _scaled(params, dtype), _scaled(grads, dtype)
+    return Case(
+        make(plain_opt, optax.apply_updates),
+        (params, plain_opt.init(params), grads),
+        (scaled_params, opt.init(scaled_params), scaled_grads),
+        scaled_step=make(opt, apply_updates),
+    )
+
+
+def case_adam_update(dtype: Any) -> Case:
+    """optax.adam update + optax.apply_updates alone on the 1-block char GPT's parameters,
+    plain float32 vs the same under autoscale (`--dtype` data; bfloat16 or float32: plain
+    optax on float16 data is refused)."""
+    return _update_case(optax.adam(1e-3), optax.apply_updates, dtype)
+
+
+def case_scaled_opt_update(dtype: Any) -> Case:
+    """`jsa.optax.scale_optimizer(optax.adam)` + `jsa.optax.apply_updates` alone (float16
+    data) vs the plain float32 optax.adam update."""
+    return _update_case(jsa.optax.scale_optimizer(optax.adam(1e-3)), jsa.optax.apply_updates, dtype)
+
+
 # name: (builder, default data dtype of the scaled variant)
 CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "mlp": (case_mlp, "float32"),
@@ -409,6 +450,8 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "gpt-scaled-opt": (case_gpt_scaled_opt, "float16"),
     "gpt-scaled-opt-channel": (case_gpt_scaled_opt_channel, "float16"),
     "gpt-unit-fp8": (case_gpt_unit_fp8, "float32"),
+    "adam-update": (case_adam_update, "bfloat16"),
+    "scaled-opt-update": (case_scaled_opt_update, "float16"),
     "nnx": (case_nnx, "float32"),
     "gpt2-small": (case_gpt2_small, "float16"),
     "gpt2-small-scan": (case_gpt2_small_scan, "float16"),

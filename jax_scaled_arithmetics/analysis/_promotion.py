@@ -32,7 +32,8 @@ class DtypePromotion:
             of a `param_dtype=float32` layer), or the primitive of an equation that takes
             the low-precision dtype and returns a wider one: `convert_element_type` (e.g.
             Flax's `promote_dtype` when float16 activations meet float32 parameters), a
-            mixed-dtype `dot_general`...
+            mixed-dtype `dot_general`... This library's own float32 work (the update of
+            `jsa.optax.scale_optimizer`) is not listed.
         where: the argument's path, or the source line of the user's code that traced the
             conversion ("file:line (function)": the innermost frame outside installed
             packages, falling back to the innermost frame outside JAX).
@@ -92,10 +93,13 @@ def _frame_text(frame: tuple[str, int, str]) -> str:
     return f"{frame[0]}:{frame[1]} ({frame[2]})"
 
 
-def _sources(eqn: Any) -> tuple[str, str]:
-    frames = [f for f in _compat.eqn_user_frames(eqn) if not f[0].startswith(_PACKAGE_DIR)]
-    if not frames:
-        return "", ""
+def _sources(eqn: Any) -> tuple[str, str] | None:
+    """(user source, library source); None for this library's own conversions (the float32
+    update of `jsa.optax.scale_optimizer`, `stop_scaling`): deliberate, not a promotion."""
+    frames = _compat.eqn_user_frames(eqn)
+    if not frames or frames[0][0].startswith(_PACKAGE_DIR):
+        return None
+    frames = [f for f in frames if not f[0].startswith(_PACKAGE_DIR)]
     user = next((f for f in frames if not f[0].startswith(_LIBRARY_DIRS)), frames[0])
     return _frame_text(user), _frame_text(frames[0])
 
@@ -127,13 +131,29 @@ def _accumulation_only(eqn: Any, consumers: dict[Any, list[Any]], low: np.dtype)
         if not use.primitive.name.startswith(("reduce_", "cum", "argm")):
             return False
         for out in use.outvars:
-            back = consumers.get(out, [])
-            if not back or any(
-                b.primitive.name != "convert_element_type"
-                or np.dtype(b.outvars[0].aval.dtype) != low
-                for b in back
-            ):
+            if not _returns_to(out, consumers, low):
                 return False
+    return True
+
+
+_REDUCED_STEPS = ("div", "mul", "add", "sub", "sqrt", "rsqrt", "max", "min")
+
+
+def _returns_to(var: Any, consumers: dict[Any, list[Any]], low: np.dtype, depth: int = 0) -> bool:
+    """Every use of a reduction's result ends, within a few elementwise steps (`jnp.mean`'s
+    division by the count), in a conversion back to `low`."""
+    uses = consumers.get(var, [])
+    if not uses or depth > 4:
+        return False
+    for use in uses:
+        name = use.primitive.name
+        if name == "convert_element_type":
+            if np.dtype(use.outvars[0].aval.dtype) != low:
+                return False
+        elif name not in _REDUCED_STEPS or not _returns_to(
+            use.outvars[0], consumers, low, depth + 1
+        ):
+            return False
     return True
 
 
@@ -236,7 +256,10 @@ def dtype_promotions(
             shape = tuple(eqn.outvars[0].aval.shape)
             if not shape:
                 continue  # a scalar (a loss, a learning rate): not a tensor the model holds
-            where, library = _sources(eqn)
+            sources = _sources(eqn)
+            if sources is None:
+                continue
+            where, library = sources
             key = (eqn.primitive.name, where, library, shape, src_dtype.name, dst_dtype.name)
             if key in merged:
                 old = promotions[merged[key]]

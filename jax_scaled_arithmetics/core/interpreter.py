@@ -545,8 +545,11 @@ def autoscale(
                 full_kwargs = {k: (kwargs[k] if k in argnames else dkwargs[k]) for k in kwargs}
                 out = fun(*full_args, **full_kwargs)
                 out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-                out_tree_box.append(out_tree)
-                return out_leaves
+                # Non-array outputs (an Equinox model's functions and Python floats) go back
+                # as they are, as `eqx.filter_jit` returns them; only arrays are traced.
+                statics = [None if is_array(o) else (o,) for o in out_leaves]
+                out_tree_box.append((out_tree, statics))
+                return [o for o, st in zip(out_leaves, statics) if st is None]
 
             with _tracing_user_function():
                 closed = jax.make_jaxpr(flat_fun)(*[_leaf_aval(leaf) for leaf in leaves])
@@ -578,7 +581,12 @@ def autoscale(
             for leaf in leaves
             for part in ((leaf.data, leaf.scale) if isinstance(leaf, ScaledArray) else (leaf,))
         )
-        return jax.tree_util.tree_unflatten(out_tree, [_as_output(o, mapped) for o in outs])
+        out_tree, out_statics = out_tree
+        outs_iter = iter(outs)
+        out_leaves = [
+            _as_output(next(outs_iter), mapped) if st is None else st[0] for st in out_statics
+        ]
+        return jax.tree_util.tree_unflatten(out_tree, out_leaves)
 
     trace_cache: dict[Any, tuple[Any, Any]] = {}
     # Lets a transform applied on top (`unit_scale`, `simulate_fp8`) act on `fun` first:

@@ -39,13 +39,20 @@ def is_narrow_range(dtype: Any) -> bool:
 
 
 def traced_from_optax(eqn: Any) -> bool:
-    """Whether optax's code was running when the equation was traced (optax is imported)."""
+    """Whether optax's optimizer code (not its losses) traced the equation (optax imported)."""
     optax = sys.modules.get("optax")
     path = getattr(optax, "__file__", None)
     if not path:
         return False
     root = os.path.dirname(os.path.abspath(path)) + os.sep
-    return any(code.co_filename.startswith(root) for code, _ in _compat.eqn_code_frames(eqn))
+    # optax's losses are part of the model's loss (their backward divides legitimately).
+    losses = root + "losses" + os.sep
+    for code, _ in _compat.eqn_code_frames(eqn):  # innermost first
+        if code.co_filename.startswith(losses):
+            return False
+        if code.co_filename.startswith(root):
+            return True
+    return False
 
 
 def _negative_power(eqn: Any, operands: Sequence[Any]) -> bool:

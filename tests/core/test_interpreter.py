@@ -536,3 +536,13 @@ def test_equinox_filter_value_and_grad_has_the_same_structure_under_autoscale():
     np.testing.assert_allclose(
         represented(grads.layers[0].weight), plain_grads.layers[0].weight, rtol=2e-2, atol=1e-2
     )
+
+
+def test_non_array_outputs_are_returned_as_they_are():
+    """An Equinox step returns the model, functions and Python floats included."""
+    x = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16))
+    out = jsa.autoscale(lambda t: {"f": t["f"], "rate": t["rate"], "y": t["x"] * 2})(
+        {"f": jnp.tanh, "rate": 0.1, "x": x}
+    )
+    assert out["f"] is jnp.tanh and out["rate"] == 0.1
+    np.testing.assert_array_equal(represented(out["y"]), [2.0, 4.0])

@@ -139,3 +139,17 @@ def test_none_leaves_in_jsa_optax():
     for rescale in (jsa.ops.dynamic_rescale_max, jsa.ops.dynamic_rescale_l2_grad):
         out = rescale(tree)
         assert out["none"] is None and out["rate"] == 0.5
+
+
+def test_optax_losses_are_not_taken_for_an_optimizer():
+    """optax's loss functions divide per entry in their backward pass (softmax): that is the
+    model's loss, computed by the scaled rules as any other code, not refused."""
+    logits = jsa.as_scaled_array(jnp.asarray(RNG.normal(size=(4, 10)), jnp.float16))
+    labels = jnp.arange(4)
+
+    def loss(logits):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    grads = jax.jit(jsa.autoscale(jax.grad(loss)))(logits)
+    expected = jax.grad(loss)(jsa.asarray(logits, jnp.float32))
+    np.testing.assert_allclose(jsa.asarray(grads, jnp.float32), expected, atol=2e-3)
