@@ -69,6 +69,7 @@ import json
 import os
 import pickle
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -515,10 +516,43 @@ def measure_variant(
     if memory:
         report("peak_rss_compile_mib", _proc_status_mib("VmHWM"))
         report("ru_maxrss_mib", _ru_maxrss_mib())
+    kernels, instructions = hlo_counts(compiled.as_text())
+    report("hlo_kernels", kernels)
+    report("hlo_instructions", instructions)
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     report("first_exec_s", time.perf_counter() - start)
     return compiled
+
+
+_NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy-start"}
+
+
+def hlo_counts(text: str) -> tuple[int, int]:
+    """XLA's view of a compiled step, from its optimized HLO text: (kernels, instructions).
+
+    Kernels: the instructions of the ENTRY computation other than parameters, constants,
+    tuples and bitcasts (after fusion each is one launched kernel, a fusion, a library call
+    or a copy, on GPU; on CPU one loop nest or call). Instructions: every instruction of
+    every computation (inside fusions too), the size of what XLA compiles.
+    """
+    kernels = instructions = 0
+    in_entry = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("ENTRY"):
+            in_entry = True
+            continue
+        if in_entry and stripped == "}":
+            in_entry = False
+        if " = " not in stripped or stripped.startswith(("HloModule", "//")):
+            continue
+        instructions += 1
+        if in_entry:
+            match = re.search(r"(?:^|\s)([a-z][a-z0-9_-]*)\(", stripped.split(" = ", 1)[1])
+            if match and match.group(1) not in _NOT_KERNELS:
+                kernels += 1
+    return kernels, instructions
 
 
 def _child_main(spec: dict[str, Any]) -> None:
@@ -727,6 +761,21 @@ def print_tables(results: dict[str, dict], by_primitive: bool) -> None:
             _ratio(step.get("plain"), step.get("scaled")),
         ]
         print("| " + " | ".join(cells) + " |")
+    print("\nXLA's view (optimized HLO): kernels (ENTRY instructions other than parameters,")
+    print("constants, tuples, bitcasts) and all instructions, fusions' bodies included.\n")
+    print("| case | kernels plain | kernels scaled | ratio | HLO instr. plain | scaled | ratio |")
+    print("| --- |" + " ---: |" * 6)
+    for name, r in results.items():
+        p, s = r["plain"], r["scaled"]
+        cells = [
+            _cell(p, "hlo_kernels", "d"),
+            _cell(s, "hlo_kernels", "d"),
+            _ratio(p.get("hlo_kernels"), s.get("hlo_kernels")),
+            _cell(p, "hlo_instructions", "d"),
+            _cell(s, "hlo_instructions", "d"),
+            _ratio(p.get("hlo_instructions"), s.get("hlo_instructions")),
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
     variants = [r[v] for r in results.values() for v in VARIANTS]
     if any("peak_rss_compile_mib" in n for n in variants):
         print("\nPeak compile RSS: the subprocess's peak RSS (VmHWM, count restarted just")
