@@ -59,7 +59,9 @@ def _negative_power(eqn: Any, operands: Sequence[Any]) -> bool:
     if eqn.primitive is lax.integer_pow_p:
         return int(eqn.params["y"]) < 0
     exponent = operands[1]  # pow: a literal exponent is a NumPy scalar; unknown counts
-    return isinstance(exponent, ScaledArray) or not np.all(np.asarray(exponent) >= 0)
+    if isinstance(exponent, ScaledArray) or _compat.is_tracer(exponent):
+        return True
+    return not np.all(np.asarray(exponent) >= 0)
 
 
 def _guard(tensor_operand: int, what: str, applies: Any = None) -> Any:
@@ -68,9 +70,9 @@ def _guard(tensor_operand: int, what: str, applies: Any = None) -> Any:
         out_dtype = eqn.outvars[0].aval.dtype
         if not (isinstance(operand, ScaledArray) and np.ndim(operand.data) > 0):
             return
-        if applies is not None and not applies(eqn, operands):
-            return
         if not is_narrow_range(out_dtype) or not traced_from_optax(eqn):
+            return
+        if applies is not None and not applies(eqn, operands):
             return
         where = _compat.eqn_source_summary(eqn) or "an optax update"
         raise ValueError(
