@@ -251,15 +251,28 @@ def _gpt_step(config: Any, opt: Any, apply_updates: Callable[..., Any]) -> Calla
 def _gpt_adam_case(config: Any, batch: int, dtype: Any, scan: bool = False) -> Case:
     """Char GPT training step with optax.adam; params and Adam state scaled alike.
 
-    With `scan`, the blocks are stacked and run as a `lax.scan` over layers."""
+    With `scan`, the blocks are stacked and run as a `lax.scan` over layers. With float16
+    (or FP8) data the scaled variant wraps Adam in `jsa.optax.scale_optimizer` (with
+    `jsa.optax.apply_updates`): plain optax.adam on float16 data is refused at trace time
+    (its eps is 0 in float16)."""
     opt = optax.adam(1e-3)
     params = gpt.init_params(jax.random.PRNGKey(4), config)
     if scan:
         params = gpt.stack_blocks(params)
     state = opt.init(params)
     tokens, targets = _tokens(config, batch)
+    plain_step = _gpt_step(config, opt, optax.apply_updates)
+    if jnp.finfo(jnp.dtype(dtype)).maxexp < 128:
+        scaled_opt = jsa.optax.scale_optimizer(opt)
+        scaled_params = _scaled(params, dtype)
+        return Case(
+            plain_step,
+            (params, state, tokens, targets),
+            (scaled_params, scaled_opt.init(scaled_params), tokens, targets),
+            scaled_step=_gpt_step(config, scaled_opt, jsa.optax.apply_updates),
+        )
     return Case(
-        _gpt_step(config, opt, optax.apply_updates),
+        plain_step,
         (params, state, tokens, targets),
         (_scaled(params, dtype), _scaled(state, dtype), tokens, targets),
     )

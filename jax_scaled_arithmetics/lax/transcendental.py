@@ -128,6 +128,17 @@ for _prim in _SCALE_DYNAMIC:
     )
 
 
+# `1 - x^2` (JAX 0.11 and later write tanh's derivative with it): its own primitive there,
+# `sub` and `mul` in older releases, whose rules cover them.
+_ONE_MINUS_SQUARE = _compat.optional_primitive("one_minus_square_p")
+if _ONE_MINUS_SQUARE is not None:
+    register_unscaled_elementwise(
+        _ONE_MINUS_SQUARE,
+        output_scale="dynamic",
+        remark="1 - x^2 on the value, dynamic scale (JAX >= 0.11)",
+    )
+
+
 REGISTERED = tuple(
     info.primitive for name, info in registry.coverage().items() if name not in _REGISTERED_BEFORE
 )
