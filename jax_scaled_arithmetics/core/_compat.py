@@ -278,6 +278,22 @@ def eqn_source_summary(eqn: JaxprEqn, exclude: str = "") -> str:
     return ""
 
 
+def accumulation_operands(lhs: Any, rhs: Any, acc_dtype: Any) -> tuple[Any, Any]:
+    """Operands of a contraction accumulated in `acc_dtype`, as the backend can run it.
+
+    XLA:CPU (jaxlib 0.10) has no bfloat16 x bfloat16 -> float32 dot for some batched
+    layouts ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32", e.g. an
+    attention score's gradient): there, bfloat16 operands are converted to float32 first,
+    which is what XLA:CPU does with a bfloat16 dot anyway. Other backends get them as they
+    are.
+    """
+    wide = jax.numpy.dtype(acc_dtype) == jax.numpy.dtype(jax.numpy.float32)
+    bf16 = jax.numpy.dtype(jax.numpy.bfloat16)
+    if wide and bf16 in (lhs.dtype, rhs.dtype) and jax.default_backend() == "cpu":
+        return lhs.astype(jax.numpy.float32), rhs.astype(jax.numpy.float32)
+    return lhs, rhs
+
+
 def dce_closed_jaxpr(closed: Any) -> Any:
     """`closed` without the equations whose outputs nothing uses (and that have no
     effects), sub-jaxprs included; its inputs and outputs unchanged."""

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import registry
+from ..core import _compat, registry
 from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.pow2 import static_pow2
@@ -59,8 +59,10 @@ def _scaled_contraction(
 ) -> ScaledArray:
     preferred = params.get("preferred_element_type")
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if preferred is None else preferred
-    bind_params = dict(params, preferred_element_type=_accumulator_dtype(out_dtype, preferred))
-    acc = primitive.bind(lhs.data, rhs.data, *others, **bind_params)
+    acc_dtype = _accumulator_dtype(out_dtype, preferred)
+    bind_params = dict(params, preferred_element_type=acc_dtype)
+    ldata, rdata = _compat.accumulation_operands(lhs.data, rhs.data, acc_dtype)
+    acc = primitive.bind(ldata, rdata, *others, **bind_params)
     return represent_accumulation(acc, [(lhs.scale, 1), (rhs.scale, 1)], out_dtype, fan_in)
 
 

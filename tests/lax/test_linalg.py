@@ -210,3 +210,16 @@ def test_einsum_under_jit_and_vmap():
     value = np.asarray(out.to_array(np.float32), np.float64)
     expected = np.einsum("bij,bjk->bik", represented(a), represented(b))
     np.testing.assert_allclose(value, expected, rtol=4e-3, atol=4e-3 * abs(expected).max())
+
+
+def test_bfloat16_batched_contraction_that_xla_cpu_cannot_accumulate_in_float32():
+    """An attention-gradient-shaped dot_general (batch dims not leading in the rhs): XLA:CPU
+    has no BF16 x BF16 = F32 kernel for it; the rule still runs it, in float32."""
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4, 8, 16)), jnp.bfloat16)
+    b = jnp.asarray(np.random.default_rng(1).normal(size=(4, 16, 4, 8)), jnp.bfloat16)
+    dims = (((2,), (3,)), ((0, 1), (0, 2)))
+    f = lambda x, y: jax.lax.dot_general(x, y, dims)  # noqa: E731
+    out = jax.jit(jsa.autoscale(f))(jsa.as_scaled_array(a), jsa.as_scaled_array(b))
+    expected = f(a.astype(jnp.float32), b.astype(jnp.float32))
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(represented(out), expected, rtol=2e-2, atol=2e-2 * 8)
