@@ -49,6 +49,11 @@ Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slo
         char GPT's parameters and given gradients (scaled: bfloat16 data by default).
     scaled-opt-update: the same with `jsa.optax.scale_optimizer(optax.adam)` and
         `jsa.optax.apply_updates` (float16 data).
+    zoo-linen, zoo-nnx, zoo-equinox: the transformers of tests/integration/zoo.py (a Flax
+        linen GPT with TrainState, a Flax NNX Llama-like LM with split/merge, an Equinox
+        BERT-like classifier with filter_value_and_grad), their own training steps; scaled:
+        float16 data and `scale_optimizer(adam)`, plain: float32 optax.adam.
+        `zoo-*-grad`: their loss and gradient alone.
     nnx: Flax NNX Linear-LayerNorm-Linear (784-512-10), batch 64, SGD step on `nnx.split`'s state.
     gpt2-small: 12 blocks, d 768, 12 heads, T 256, batch 4, vocab 50257, optax.adam step.
     gpt2-small-scan: the same with its blocks as a lax.scan over layers.
@@ -63,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -451,6 +457,122 @@ def case_scaled_opt_update(dtype: Any) -> Case:
     return _update_case(jsa.optax.scale_optimizer(optax.adam(1e-3)), jsa.optax.apply_updates, dtype)
 
 
+def _zoo() -> Any:
+    """tests/integration/zoo.py: the linen, NNX and Equinox transformers as users write them."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.integration import zoo
+
+    return zoo
+
+
+def _zoo_case(model: str, dtype: Any, part: str) -> Case:
+    """A zoo model's step (`part="step"`, plain float32 optax.adam vs scaled data with
+    `scale_optimizer(adam)`) or its gradient alone (`part="grad"`), as the framework's
+    idiom writes it. Equinox modules hold functions: the benchmark jits their array leaves
+    and closes over the rest (what `eqx.filter_jit` does)."""
+    import equinox as eqx
+    from flax.training import train_state
+
+    zoo = _zoo()
+    opt = optax.adam(1e-3)
+    scaled_opt = jsa.optax.scale_optimizer(optax.adam(1e-3))
+    if model == "linen":
+        _, variables = zoo.linen_lm_init()
+        params = variables["params"]
+        sparams = _scaled(params, dtype)
+        plain_model, scaled_model = zoo.linen_lm(dtype=jnp.float32), zoo.linen_lm(dtype=dtype)
+        batch = zoo.lm_batch()
+        if part == "grad":
+            return Case(
+                lambda p, b: zoo.linen_loss_and_grad(plain_model.apply, p, b),
+                (params, batch),
+                (sparams, batch),
+                scaled_step=lambda p, b: zoo.linen_loss_and_grad(scaled_model.apply, p, b),
+            )
+        create = train_state.TrainState.create
+        return Case(
+            zoo.linen_train_step,
+            (create(apply_fn=plain_model.apply, params=params, tx=opt), batch),
+            (create(apply_fn=scaled_model.apply, params=sparams, tx=scaled_opt), batch),
+        )
+    if model == "nnx":
+        graphdef, params, rest = nnx.split(zoo.nnx_init(), nnx.Param, ...)
+        sparams, batch = _scaled(params, dtype), zoo.lm_batch()
+        if part == "grad":
+            grad = functools.partial(zoo.nnx_loss_and_grad, graphdef, rest)
+            return Case(grad, (params, batch), (sparams, batch))
+        return Case(
+            zoo.make_nnx_train_step(graphdef, rest, opt),
+            (params, opt.init(params), batch),
+            (sparams, scaled_opt.init(sparams), batch),
+            scaled_step=zoo.make_nnx_train_step(graphdef, rest, scaled_opt),
+        )
+    module = zoo.equinox_init()
+    arrays, static = eqx.partition(module, eqx.is_array)
+    sarrays = _scaled(arrays, dtype)
+    batch, key = zoo.classification_batch(), jax.random.PRNGKey(2)
+    if part == "grad":
+
+        def grad(arrays, batch, key):
+            loss, grads = eqx.filter_value_and_grad(zoo.equinox_loss)(
+                eqx.combine(static, arrays), batch, key
+            )
+            return loss, eqx.filter(grads, eqx.is_array)
+
+        return Case(grad, (arrays, batch, key), (sarrays, batch, key))
+
+    def stepper(tx: Any) -> Callable[..., Any]:
+        train_step = zoo.make_equinox_train_step(tx)
+
+        def step(arrays, opt_state, batch, key):
+            module, opt_state, loss = train_step(eqx.combine(static, arrays), opt_state, batch, key)
+            return eqx.filter(module, eqx.is_array), opt_state, loss
+
+        return step
+
+    def init(tx: Any, arrays: Any) -> Any:
+        return tx.init(eqx.filter(eqx.combine(static, arrays), eqx.is_inexact_array))
+
+    return Case(
+        stepper(opt),
+        (arrays, init(opt, arrays), batch, key),
+        (sarrays, init(scaled_opt, sarrays), batch, key),
+        scaled_step=stepper(scaled_opt),
+    )
+
+
+def case_zoo_linen(dtype: Any) -> Case:
+    """Flax linen GPT of the zoo (tests/integration/zoo.py), `TrainState.apply_gradients`;
+    scaled: `scale_optimizer(adam)`, plain: float32 `optax.adam`."""
+    return _zoo_case("linen", dtype, "step")
+
+
+def case_zoo_nnx(dtype: Any) -> Case:
+    """Flax NNX Llama-like LM of the zoo, `nnx.split`/`merge` step with optax."""
+    return _zoo_case("nnx", dtype, "step")
+
+
+def case_zoo_equinox(dtype: Any) -> Case:
+    """Equinox BERT-like classifier of the zoo, the Equinox docs' step (filter_value_and_grad)."""
+    return _zoo_case("equinox", dtype, "step")
+
+
+def case_zoo_linen_grad(dtype: Any) -> Case:
+    """The zoo's linen GPT: loss and gradient only (no optimizer)."""
+    return _zoo_case("linen", dtype, "grad")
+
+
+def case_zoo_nnx_grad(dtype: Any) -> Case:
+    """The zoo's NNX LM: loss and gradient only."""
+    return _zoo_case("nnx", dtype, "grad")
+
+
+def case_zoo_equinox_grad(dtype: Any) -> Case:
+    """The zoo's Equinox classifier: loss and gradient only."""
+    return _zoo_case("equinox", dtype, "grad")
+
+
 # name: (builder, default data dtype of the scaled variant)
 CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "mlp": (case_mlp, "float32"),
@@ -465,6 +587,12 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "gpt-scaled-opt-channel": (case_gpt_scaled_opt_channel, "float16"),
     "gpt-unit-fp8": (case_gpt_unit_fp8, "float32"),
     "adam-update": (case_adam_update, "bfloat16"),
+    "zoo-linen": (case_zoo_linen, "float16"),
+    "zoo-nnx": (case_zoo_nnx, "float16"),
+    "zoo-equinox": (case_zoo_equinox, "float16"),
+    "zoo-linen-grad": (case_zoo_linen_grad, "float16"),
+    "zoo-nnx-grad": (case_zoo_nnx_grad, "float16"),
+    "zoo-equinox-grad": (case_zoo_equinox_grad, "float16"),
     "scaled-opt-update": (case_scaled_opt_update, "float16"),
     "nnx": (case_nnx, "float32"),
     "gpt2-small": (case_gpt2_small, "float16"),
