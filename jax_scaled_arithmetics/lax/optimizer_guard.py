@@ -82,8 +82,9 @@ def _guard(tensor_operand: int, what: str, applies: Any = None) -> Any:
             f"squares of small gradients flush, so the update would be inf or NaN where "
             f"float32 gives a finite one. Wrap the optimizer with "
             f"`jsa.optax.scale_optimizer(tx)` (state stored in {jnp.dtype(out_dtype).name}, "
-            f"update computed on the represented values in float32), or keep the parameters "
-            f"and the optimizer state in bfloat16 or float32 data."
+            f"update computed on the represented values in float32; not with "
+            f"`compute_dtype=None`, which computes in the stored dtype), or keep the "
+            f"parameters and the optimizer state in bfloat16 or float32 data."
         )
 
     return guard
