@@ -2,8 +2,9 @@
 
 An optimizer state is stored as ScaledArrays with low-precision data (float16
 by default) and a float32 power-of-two scale per tensor. Each update runs the
-wrapped optax transformation in scaled arithmetic (data upcast to
-`compute_dtype`), then moves a power of two from data to scale
+wrapped optax transformation as its plain update on the represented values in
+`compute_dtype` (float32: one multiply per input tensor, no scale algebra op by
+op), then, per new state leaf, moves a power of two from data to scale
 (:func:`jax_scaled_arithmetics.ops.dynamic_rescale_max`) and casts the data back
 to the storage dtype, so the stored data always sits at the top of its range.
 
@@ -209,10 +210,11 @@ def scaled_state(
     data in `state_dtype`, float32 scale. Integer leaves (Adam's `count`) and
     scalar floating leaves (hyperparameters, loss scales) are kept as they are.
 
-    `update` runs `inner.update` in scaled arithmetic, with the data of the
-    state, gradients and parameters upcast to `compute_dtype` (float32 by
-    default: optax's constants such as Adam's `eps=1e-8` are zero in float16),
-    then applies `rescale` to every new state leaf, shifts its data up by
+    `update` runs `inner.update` as the plain update on the values the state,
+    gradients and parameters represent, in `compute_dtype` (float32 by default:
+    optax's constants such as Adam's `eps=1e-8` are zero in float16; with `None`
+    it runs in scaled arithmetic on the stored dtypes), then applies `rescale` to
+    every new state leaf, shifts its data up by
     `2**data_exponent` and casts it to `state_dtype`. The updates come back with
     the gradients' dtype. `update` wraps itself in :func:`~jax_scaled_arithmetics.autoscale`:
     call it inside an autoscaled step, or directly on ScaledArrays.
