@@ -10,10 +10,11 @@ import jax
 
 from ..core import _compat
 
-__all__ = ["equation_counts", "jaxpr_equation_counts"]
+__all__ = ["equation_counts", "jaxpr_equation_counts", "sub_jaxprs"]
 
 
-def _sub_jaxprs(param: Any) -> list[Any]:
+def sub_jaxprs(param: Any) -> list[Any]:
+    """The jaxprs an equation parameter holds (a Jaxpr, a ClosedJaxpr, or a tuple of them)."""
     subs = param if isinstance(param, (tuple, list)) else (param,)
     out = []
     for sub in subs:
@@ -37,7 +38,7 @@ def jaxpr_equation_counts(jaxpr: Any) -> collections.Counter[str]:
         for eqn in current.eqns:
             counts[eqn.primitive.name] += 1
             for param in eqn.params.values():
-                stack.extend(_sub_jaxprs(param))
+                stack.extend(sub_jaxprs(param))
     return counts
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core import _compat
 from ..core.datatype import ScaledArray, is_array
+from ._program import sub_jaxprs
 
 __all__ = ["DtypePromotion", "PromotionReport", "dtype_promotions"]
 
@@ -107,16 +108,6 @@ def _sources(eqn: Any) -> tuple[str, str] | None:
 def _is_wider_float(dtype: Any, low: np.dtype) -> bool:
     dtype = np.dtype(dtype)
     return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize > low.itemsize
-
-
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    out = []
-    for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-            inner = getattr(sub, "jaxpr", sub)
-            if isinstance(inner, _compat.Jaxpr):
-                out.append(inner)
-    return out
 
 
 def _accumulation_only(eqn: Any, consumers: dict[Any, list[Any]], low: np.dtype) -> bool:
@@ -241,7 +232,8 @@ def dtype_promotions(
                 if isinstance(var, _compat.Var):
                     consumers.setdefault(var, []).append(eqn)
         for eqn in jaxpr.eqns:
-            stack.extend(_sub_jaxprs(eqn))
+            for param in eqn.params.values():
+                stack.extend(sub_jaxprs(param))
             if _accumulation_only(eqn, consumers, low):
                 continue  # e.g. jnp.sum of float16 data accumulating in float32
             for var in eqn.outvars:
