@@ -262,15 +262,37 @@ def _is_concrete(x: Any) -> bool:
     return not _compat.is_tracer(x)
 
 
+def invalid_scale_values(scale: Any) -> str | None:
+    """What is wrong with the values of a concrete scale (None when they are finite and
+    non-negative, or when the scale is traced and its values unknown), as a phrase such as
+    "is -1.0 (negative)" or "has 2 NaN block(s), the first at (0, 1)"."""
+    if not _is_concrete(scale):
+        return None
+    values = np.asarray(scale, dtype=np.float64)
+    for bad, what in (
+        (np.isnan(values), "NaN"),
+        (np.isinf(values), "infinite"),
+        (values < 0, "negative"),
+    ):
+        if not bad.any():
+            continue
+        if values.ndim == 0:
+            return f"is {float(values)!r} ({what})"
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        return f"has {int(bad.sum())} {what} block(s), the first at {first}"
+    return None
+
+
 def _check_scale(data: Array, scale: Array) -> None:
     if not is_floating(scale):
         scale_dtype = getattr(scale, "dtype", type(scale))
         raise TypeError(f"ScaledArray scale must have a floating dtype, got {scale_dtype}.")
     blocks.block_layout(np.shape(data), np.shape(scale))
-    if _is_concrete(scale):
-        scale_np = np.asarray(scale, dtype=np.float64)
-        if np.any(scale_np < 0) or np.any(np.isnan(scale_np)):
-            raise ValueError(f"ScaledArray scale must be non-negative, got {scale!r}.")
+    problem = invalid_scale_values(scale)
+    if problem is not None:
+        raise ValueError(
+            f"ScaledArray scale must be finite and non-negative, but it {problem}: {scale!r}."
+        )
 
 
 def _at_data_rank(data: Array, scale: Array) -> Array:

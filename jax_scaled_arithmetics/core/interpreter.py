@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _compat, blocks, registry
 from .config import get_autoscale_config
-from .datatype import ScaledArray, is_array, is_floating
+from .datatype import ScaledArray, invalid_scale_values, is_array, is_floating
 from .promotion import promote_to_scaled
 from .registry import operand_constants
 
@@ -389,6 +389,23 @@ def _validate_scaled_input(x: ScaledArray, path: str) -> None:
             f"autoscale input {path}: ScaledArray scale must be floating point, got "
             f"{getattr(x.scale, 'dtype', type(x.scale))}."
         )
+    problem = invalid_scale_values(x.scale)
+    if problem is not None:
+        raise ValueError(
+            f"autoscale input {path}: ScaledArray scale {problem}. A scale must be finite and "
+            f"non-negative (zero represents zeros); build ScaledArrays with jsa.scaled_array "
+            f"or jsa.as_scaled_array, which check it."
+        )
+
+
+def _argument_path(path: Sequence[Any], dynamic_positions: Sequence[int]) -> str:
+    """`path` in the `(dynamic args, kwargs)` tree as the user wrote the call:
+    `argument 0['w']` or `argument 'x'[1]`."""
+    which, key = path[0], path[1]
+    rest = jax.tree_util.keystr(tuple(path[2:]))
+    if which.idx == 0:
+        return f"argument {dynamic_positions[key.idx]}{rest}"
+    return f"argument {key.key!r}{rest}"
 
 
 def _is_scaled(x: Any) -> bool:
@@ -416,43 +433,6 @@ def _as_output(value: Any, mapped: bool = False) -> Any:
         # stacked scales form a block scale with one block per example, `(B, 1, ...)`.
         value = ScaledArray(value.data, jnp.reshape(value.scale, (1,) * np.ndim(value.data)))
     return value
-
-
-_TRACE_CACHE_SIZE = 64
-
-
-def _leaf_signature(leaf: Any) -> Any:
-    if isinstance(leaf, ScaledArray):
-        return ("scaled", tuple(np.shape(leaf.data)), jnp.dtype(leaf.data.dtype))
-    if isinstance(leaf, (bool, int, float, complex)):
-        return (type(leaf),)
-    aval = _compat.typeof(leaf)
-    return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
-
-
-def _trace_cache_key(
-    in_tree: Any,
-    leaves: Sequence[Any],
-    static_leaves: tuple[Any, ...],
-    static_pos: set[int],
-    args: Sequence[Any],
-    argnames: Sequence[str],
-    kwargs: dict[str, Any],
-) -> Any:
-    """What the traced jaxpr depends on: argument structure, avals and static values.
-
-    None (no caching) when a leaf has no abstract value JAX knows, or a static leaf is not
-    hashable.
-    """
-    try:
-        signature = tuple(_leaf_signature(leaf) for leaf in leaves)
-        hash(static_leaves)
-    except TypeError:
-        return None
-    static_args = tuple((i, args[i]) for i in sorted(static_pos))
-    static_kwargs = tuple(sorted((k, kwargs[k]) for k in argnames if k in kwargs))
-    x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
-    return (in_tree, signature, static_leaves, static_args, static_kwargs, x64)
 
 
 def autoscale(
@@ -509,60 +489,49 @@ def autoscale(
         for name in argnames:
             if name in kwargs:
                 _check_hashable(kwargs[name], f"'{name}'")
-        dyn_args = [a for i, a in enumerate(args) if i not in static_pos]
+        dynamic_positions = [i for i in range(nargs) if i not in static_pos]
+        dyn_args = [args[i] for i in dynamic_positions]
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in argnames}
 
         all_leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs), is_leaf=_is_scaled)
         paths = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs), is_leaf=_is_scaled)[0]
         for path, leaf in paths:
             if isinstance(leaf, ScaledArray):
-                _validate_scaled_input(leaf, jax.tree_util.keystr(path))
+                _validate_scaled_input(leaf, _argument_path(path, dynamic_positions))
         # Arrays are traced; every other leaf (a Python float such as a dropout rate, a
         # function, a string) stays a Python value the function sees as it is, as
         # `eqx.filter_jit` keeps it: `eqx.filter_value_and_grad` then differentiates the
         # same leaves with and without autoscale.
         is_dynamic = [isinstance(leaf, ScaledArray) or is_array(leaf) for leaf in all_leaves]
         leaves = [leaf for leaf, dyn in zip(all_leaves, is_dynamic) if dyn]
-        static_leaves = tuple(
-            (i, type(leaf), leaf) for i, leaf in enumerate(all_leaves) if not is_dynamic[i]
-        )
+        # Traced at every call, as `jax.grad` and `jax.vmap` trace: what `fun` closes over
+        # (weights in a dict a training loop updates, a Python number) is read when it is
+        # called, never from an earlier trace. Under `jax.jit` this runs once per
+        # compilation; eagerly it adds the trace (a small part of running equations one by
+        # one: docs/design.md, "What autoscale caches").
+        out_tree_box: list[Any] = []
 
-        cache_key = _trace_cache_key(
-            in_tree, leaves, static_leaves, static_pos, args, argnames, kwargs
-        )
-        cached = trace_cache.get(cache_key) if cache_key is not None else None
-        if cached is None:
-            out_tree_box: list[Any] = []
+        def flat_fun(*flat: Any) -> list[Any]:
+            flat_iter = iter(flat)
+            full = [next(flat_iter) if dyn else leaf for leaf, dyn in zip(all_leaves, is_dynamic)]
+            dargs, dkwargs = jax.tree_util.tree_unflatten(in_tree, full)
+            dargs_iter = iter(dargs)
+            full_args = [args[i] if i in static_pos else next(dargs_iter) for i in range(nargs)]
+            full_kwargs = {k: (kwargs[k] if k in argnames else dkwargs[k]) for k in kwargs}
+            out = fun(*full_args, **full_kwargs)
+            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+            # Non-array outputs (an Equinox model's functions and Python floats) go back as
+            # they are, as `eqx.filter_jit` returns them; only arrays are traced.
+            statics = [None if is_array(o) else (o,) for o in out_leaves]
+            out_tree_box.append((out_tree, statics))
+            return [o for o, st in zip(out_leaves, statics) if st is None]
 
-            def flat_fun(*flat: Any) -> list[Any]:
-                flat_iter = iter(flat)
-                full = [
-                    next(flat_iter) if dyn else leaf for leaf, dyn in zip(all_leaves, is_dynamic)
-                ]
-                dargs, dkwargs = jax.tree_util.tree_unflatten(in_tree, full)
-                dargs_iter = iter(dargs)
-                full_args = [args[i] if i in static_pos else next(dargs_iter) for i in range(nargs)]
-                full_kwargs = {k: (kwargs[k] if k in argnames else dkwargs[k]) for k in kwargs}
-                out = fun(*full_args, **full_kwargs)
-                out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-                # Non-array outputs (an Equinox model's functions and Python floats) go back
-                # as they are, as `eqx.filter_jit` returns them; only arrays are traced.
-                statics = [None if is_array(o) else (o,) for o in out_leaves]
-                out_tree_box.append((out_tree, statics))
-                return [o for o, st in zip(out_leaves, statics) if st is None]
-
-            with _tracing_user_function():
-                closed = jax.make_jaxpr(flat_fun)(*[_leaf_aval(leaf) for leaf in leaves])
-            # Equations nothing uses (parameters an optimizer converts but never reads) are
-            # neither interpreted nor handed to XLA in scaled form.
-            closed = _compat.dce_closed_jaxpr(closed)
-            cached = (closed, out_tree_box[-1])
-            # A jaxpr closing over another trace's tracers is only valid in that trace.
-            if cache_key is not None and not any(_compat.is_tracer(c) for c in closed.consts):
-                if len(trace_cache) >= _TRACE_CACHE_SIZE:
-                    trace_cache.pop(next(iter(trace_cache)))
-                trace_cache[cache_key] = cached
-        closed, out_tree = cached
+        with _tracing_user_function():
+            closed = jax.make_jaxpr(flat_fun)(*[_leaf_aval(leaf) for leaf in leaves])
+        # Equations nothing uses (parameters an optimizer converts but never reads) are
+        # neither interpreted nor handed to XLA in scaled form.
+        closed = _compat.dce_closed_jaxpr(closed)
+        out_tree = out_tree_box[-1]
         in_avals = closed.in_avals
         values: list[Any] = []
         known: list[Any] = []
@@ -588,7 +557,6 @@ def autoscale(
         ]
         return jax.tree_util.tree_unflatten(out_tree, out_leaves)
 
-    trace_cache: dict[Any, tuple[Any, Any]] = {}
     # Lets a transform applied on top (`unit_scale`, `simulate_fp8`) act on `fun` first:
     # `unit_scale(autoscale(f))` is `autoscale(unit_scale(f))`.
     scaled_fun.__jsa_rewrap__ = (  # type: ignore[attr-defined]

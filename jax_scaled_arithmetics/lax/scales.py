@@ -154,11 +154,14 @@ def _multiply_static(data: Array, factor: float, cdtype: Any) -> Array:
     out = data.astype(cdtype)
     if factor == 0.0 or not np.isfinite(factor):
         return out * np.asarray(factor, cdtype)
-    while factor > _CHUNK or factor < 1.0 / _CHUNK:
-        chunk = _CHUNK if factor > 1.0 else 1.0 / _CHUNK
+    # On the magnitude: a finite non-zero float64 is within 2^+-1075, at most 9 chunks of
+    # 2^126 from [2^-126, 2^126], so the loop ends for every factor (a negative one too).
+    magnitude = abs(float(factor))
+    while magnitude > _CHUNK or magnitude < 1.0 / _CHUNK:
+        chunk = _CHUNK if magnitude > 1.0 else 1.0 / _CHUNK
         out = out * np.asarray(chunk, cdtype)
-        factor /= chunk
-    return out * np.asarray(factor, cdtype)
+        magnitude /= chunk
+    return out * np.asarray(np.copysign(magnitude, factor), cdtype)
 
 
 def _compute_dtype(dtype: Any) -> Any:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_floating
-from .scales import at_scale, same_scale, scale_div
+from .scales import as_f32, at_scale, same_scale, scale_div, static_value
 
 __all__ = ["set_scaling", "stop_scaling", "get_data_scale", "rebalance", "apply_to_data"]
 
@@ -27,6 +27,24 @@ Array = Any
 
 def _plain(x: Any) -> Any:
     return x.to_array() if isinstance(x, ScaledArray) else x
+
+
+def _usable_factor(value: Any, name: str, what: str, fallback: Any) -> Any:
+    """`value` (a scalar scale or factor) when it is finite and positive. A known bad one (a
+    concrete array, a constant under `jit`) raises a ValueError naming it; a traced one is
+    replaced by `fallback` where it is bad, which leaves the represented value unchanged
+    (NaN, inf, zero and negative scales represent nothing: data * scale loses the value)."""
+    known = static_value(value)
+    if known is not None:
+        if not (np.isfinite(known) and known > 0):
+            raise ValueError(
+                f"{name}: the {what} must be finite and positive, got {known!r}: a zero "
+                f"{what} cannot carry a non-zero value, and NaN, infinite or negative ones "
+                f"represent nothing."
+            )
+        return value
+    valid = jnp.isfinite(value) & (value > 0)
+    return jnp.where(valid, value, jnp.asarray(fallback, value.dtype))
 
 
 def _check_unbatched(dim: Any, what: str, name: str) -> None:
@@ -70,6 +88,9 @@ def scaled_set_scaling(x: Any, scale: Any) -> ScaledArray:
     scale = jnp.asarray(_plain(scale))
     if not isinstance(x, ScaledArray):
         x = ScaledArray(x, np.float32(1.0))
+    # A traced bad scale falls back to x's (largest) scale: the value stays as it was.
+    fallback = x.scale if np.ndim(x.scale) == 0 else jnp.max(jnp.asarray(x.scale))
+    scale = _usable_factor(scale, "set_scaling", "scale", as_f32(fallback))
     if same_scale(x.scale, scale):
         return x
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
@@ -80,6 +101,10 @@ def scaled_set_scaling(x: Any, scale: Any) -> ScaledArray:
 def set_scaling(x: Array, scale: Array) -> Any:
     """Represent `x` with the given `scale` (value unchanged; identity outside autoscale).
 
+    The scale must be finite and positive: a known bad one (NaN, inf, zero, negative)
+    raises a ValueError; inside `jax.jit`, where a computed scale is not known, a bad one
+    leaves `x` at its own scale.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import jax_scaled_arithmetics as jsa
@@ -87,9 +112,14 @@ def set_scaling(x: Array, scale: Array) -> Any:
         >>> y.data, y.scale
         (Array([2.], dtype=float32), Array(4., dtype=float32))
     """
-    scale = jnp.asarray(_plain(scale), jnp.float32) if isinstance(scale, float) else scale
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        scale = jnp.asarray(float(scale), jnp.float32)
     if np.shape(scale) != ():
         raise ValueError(f"set_scaling: the scale must be a scalar, got shape {np.shape(scale)}.")
+    if not is_floating(scale):
+        raise TypeError(
+            f"set_scaling: the scale must be floating point, got {getattr(scale, 'dtype', scale)}."
+        )
     if isinstance(x, ScaledArray) or isinstance(scale, ScaledArray):
         from ..core.interpreter import autoscale
 
@@ -241,7 +271,7 @@ _compat.register_jvp(rebalance_p, _rebalance_jvp)
 def scaled_rebalance(x: Any, factor: Any) -> Any:
     if not isinstance(x, ScaledArray):
         return x
-    factor = jnp.asarray(_plain(factor))
+    factor = _usable_factor(jnp.asarray(_plain(factor)), "rebalance", "factor", 1.0)
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
     data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
     return ScaledArray(data, scale_div(x.scale, factor.astype(jnp.float32)))
@@ -250,7 +280,7 @@ def scaled_rebalance(x: Any, factor: Any) -> Any:
 @registry.register_block_rule(rebalance_p)
 def _block_rebalance(x: Any, factor: Any) -> Any:
     """Every block's data multiplied by `factor`, its scale divided by it."""
-    factor = jnp.asarray(_plain(factor), jnp.float32)
+    factor = _usable_factor(jnp.asarray(_plain(factor), jnp.float32), "rebalance", "factor", 1.0)
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
     data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
     scale = jnp.asarray(x.scale, jnp.float32)
@@ -259,6 +289,9 @@ def _block_rebalance(x: Any, factor: Any) -> Any:
 
 def rebalance(x: Array, factor: Array) -> Any:
     """Multiply the data by `factor` and divide the scale by it (value unchanged).
+
+    The factor must be finite and positive: a known bad one raises a ValueError; inside
+    `jax.jit`, where a computed factor is not known, a bad one is taken as 1.
 
     Examples:
         >>> import jax_scaled_arithmetics as jsa

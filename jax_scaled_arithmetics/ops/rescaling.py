@@ -260,7 +260,24 @@ def _is_floating_array(x: Any) -> bool:
     return (isinstance(x, ScaledArray) or is_array(x)) and is_floating(x)
 
 
+def _check_epsilon(epsilon: Any) -> float:
+    try:
+        value = float(epsilon)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"dynamic_rescale: epsilon must be a Python number, got {type(epsilon).__name__}."
+        ) from None
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(
+            f"dynamic_rescale: epsilon must be finite and positive (it floors the norm, so "
+            f"that all-zero data keeps a usable scale), got {value!r}."
+        )
+    return value
+
+
 def _rescale_tree(tree: Any, norm: str, epsilon: float, scale_shape: ScaleShape) -> Any:
+    epsilon = _check_epsilon(epsilon)
+
     def rescale(x: Any) -> Any:
         if not _is_floating_array(x):  # None (a frozen part's gradient), Python scalars...
             return x
@@ -349,6 +366,7 @@ def _grad_variant(rescale_fn: Callable[..., Any], doc: str) -> Callable[..., Any
     ) -> Any:
         if isinstance(scale_shape, list):
             scale_shape = tuple(scale_shape)  # hashable (a static argument)
+        epsilon = _check_epsilon(epsilon)
         return jax.tree_util.tree_map(
             lambda x: identity(x, epsilon, scale_shape) if _is_floating_array(x) else x,
             tree,

@@ -61,7 +61,7 @@ def test_scaled_array_factory_rejects_non_broadcasting_scale():
 
 
 def test_scaled_array_factory_rejects_negative_and_integer_scales():
-    with pytest.raises(ValueError, match="must be non-negative"):
+    with pytest.raises(ValueError, match=r"must be finite and non-negative, but it is -2.0"):
         jsa.scaled_array([1.0], -2.0)
     with pytest.raises(TypeError, match="scale must have a floating dtype"):
         jsa.scaled_array([1.0], np.int32(2))

@@ -449,7 +449,27 @@ def test_import_prints_no_warning():
 del functools
 
 
-def test_trace_is_cached_per_signature_and_static_values():
+def test_results_are_never_stale_what_the_function_closes_over_is_read_at_each_call():
+    """As `jax.grad` and `jax.vmap` do, autoscale reads a closed-over number, a dict of
+    weights a training loop updates, or a global, when it is called."""
+    factor = 2.0
+    times = jsa.autoscale(lambda a: a * factor)
+    weights = {"w": jnp.array([[1.0, 0.0], [0.0, 1.0]])}
+    predict = jsa.autoscale(lambda a: a @ weights["w"])
+    x = make_scaled(np.ones(2), np.float16, 2.0)
+    np.testing.assert_array_equal(times(x).to_array(), [4.0, 4.0])
+    np.testing.assert_array_equal(predict(x).to_array(), [2.0, 2.0])
+    factor = 3.0
+    weights["w"] = weights["w"] * 5.0
+    np.testing.assert_array_equal(times(x).to_array(), [6.0, 6.0])
+    np.testing.assert_array_equal(predict(x).to_array(), [10.0, 10.0])
+    # Plain `jax.grad` sees the same: autoscale gives what it gives.
+    grad = jax.grad(lambda v: jnp.sum(v @ weights["w"]))(x.to_array(jnp.float32))
+    autoscaled_grad = jsa.autoscale(jax.grad(lambda v: jnp.sum(v @ weights["w"])))(x)
+    np.testing.assert_array_equal(jsa.asarray(autoscaled_grad), grad)
+
+
+def test_static_arguments_and_shapes_trace_again_and_jit_caches_as_for_plain_functions():
     traces = []
 
     def fn(a, n):
@@ -458,13 +478,17 @@ def test_trace_is_cached_per_signature_and_static_values():
 
     scaled = jsa.autoscale(fn, static_argnums=1)
     x = make_scaled(np.ones(2), np.float16, 2.0)
-    scaled(x, 2)
-    scaled(jsa.ScaledArray(x.data * 2, np.float32(4.0)), 2)  # same avals: no re-trace
-    assert len(traces) == 1
-    scaled(x, 3)  # another static value
-    scaled(make_scaled(np.ones(3), np.float16, 2.0), 3)  # another shape
-    assert len(traces) == 3
     np.testing.assert_array_equal(scaled(x, 3).to_array(), [6.0, 6.0])
+    np.testing.assert_array_equal(scaled(x, 5).to_array(), [10.0, 10.0])
+    out = scaled(make_scaled(np.ones(3), np.float16, 1.0), 2)
+    np.testing.assert_array_equal(out.to_array(), [2.0] * 3)
+    assert len(traces) == 3
+    # Under `jax.jit` the autoscaled function is traced once per compilation, as any function.
+    jitted = jax.jit(scaled, static_argnums=1)
+    traces.clear()
+    jitted(x, 3)
+    jitted(jsa.ScaledArray(x.data * 2, np.float32(4.0)), 3)
+    assert len(traces) == 1
 
 
 def test_closures_over_outer_tracers_are_not_cached_across_traces():
@@ -510,7 +534,6 @@ def test_non_array_leaves_stay_python_values_as_under_filter_jit():
     assert seen == [float]
     out = g({"x": x, "rate": 0.5, "act": jnp.tanh, "name": "layer"})  # a new value: retraced
     np.testing.assert_allclose(represented(out), np.tanh([1.0, -2.0]) * 0.5, rtol=2e-3)
-    g({"x": x, "rate": 0.5, "act": jnp.tanh, "name": "layer"})
     assert seen == [float, float]
 
 
