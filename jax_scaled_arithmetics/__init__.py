@@ -8,6 +8,7 @@ Examples:
     Array([2., 4.], dtype=float16)
 """
 
+from . import _flax_registration
 from . import analysis as analysis
 from . import lax as lax
 from . import mp as mp
@@ -32,10 +33,13 @@ from .core.vmap import vmap as vmap
 
 __version__ = "0.1.0"
 
+# ScaledArray and MXArray with `flax.serialization`: now if Flax is imported, else when it is.
+_flax_registration.install()
+
 
 def __getattr__(name: str):
-    # `jsa.optax` needs optax, which the core does not depend on; `jsa.checkpoint` registers
-    # ScaledArray with Flax serialization when Flax is installed: import them on first use.
+    # `jsa.optax` needs optax, which the core does not depend on; `jsa.checkpoint` imports
+    # Flax when it is installed: import them on first use.
     if name in ("checkpoint", "optax"):
         import importlib
 

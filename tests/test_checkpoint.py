@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import doctest
 import functools
+import inspect
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import flax.serialization as fs
 import jax
@@ -216,6 +221,7 @@ def test_check_compatible_lists_at_most_ten_problems():
 def test_lazy_public_module_and_registration():
     assert jsa.checkpoint is jsa_checkpoint and "checkpoint" in jsa.__all__
     assert jsa.checkpoint.FLAX_REGISTERED and fs.is_serializable(jsa.ScaledArray)
+    assert fs.is_serializable(jsa.quantization.MXArray)
 
 
 def test_core_does_not_import_flax_and_checkpoint_works_without_it():
@@ -239,3 +245,258 @@ def test_core_does_not_import_flax_and_checkpoint_works_without_it():
 def test_doctests():
     result = doctest.testmod(jsa_checkpoint, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 10 and result.failed == 0
+
+
+# --- PRNG keys ---------------------------------------------------------------------------
+
+
+def test_orbax_round_trip_of_typed_prng_keys(tmp_path):
+    """Orbax stores a typed key as its key data (uint32[..., 2]); restore gives the key back."""
+    x = {
+        "k": jax.random.key(0),
+        "ks": jax.random.split(jax.random.key(1), 3),
+        "w": jsa.as_scaled_array(jnp.ones(2), dtype=jnp.float16),
+    }
+    jsa.checkpoint.save(tmp_path / "ckpt", x)
+    for template in (x, jax.eval_shape(lambda: x)):
+        y = jsa.checkpoint.restore(tmp_path / "ckpt", template)
+        for name in ("k", "ks"):
+            assert jax.dtypes.issubdtype(y[name].dtype, jax.dtypes.prng_key)
+            assert y[name].dtype == x[name].dtype and y[name].shape == x[name].shape
+            np.testing.assert_array_equal(
+                jax.random.key_data(y[name]), jax.random.key_data(x[name])
+            )
+        np.testing.assert_array_equal(y["w"].data, x["w"].data)
+    # Another implementation stores key data of another shape: refused, not reinterpreted.
+    rbg = dict(x, k=jax.random.key(0, impl="rbg"))
+    with pytest.raises(ValueError, match=re.escape("k: stored uint32[2], template key<rbg>[]")):
+        jsa.checkpoint.restore(tmp_path / "ckpt", rbg)
+    # Keys on both sides (abstract trees) compare by dtype.
+    jsa.checkpoint.check_compatible(x, jax.eval_shape(lambda: x))
+    with pytest.raises(ValueError, match=re.escape("k: stored key<fry>[], template key<rbg>[]")):
+        jsa.checkpoint.check_compatible(rbg, jax.eval_shape(lambda: x))
+
+
+# --- what a failed or interrupted save leaves ----------------------------------------------
+
+
+def versioned(v, size=1 << 16):
+    """A tree whose every leaf holds `v`: float16, int32 and ScaledArray leaves (~1 MB)."""
+    return {
+        "a": jnp.full((size,), v, jnp.float16),
+        "b": jsa.scaled_array(jnp.full((size,), v, jnp.bfloat16), 2.0**-v),
+        "c": {"d": jnp.full((size // 2,), v, jnp.int32), "e": jnp.full((4, size), v, jnp.float16)},
+        "f": jsa.scaled_array(jnp.full((size,), v, jnp.float16), jnp.float32(v)),
+    }
+
+
+def assert_same_bits(restored, original):
+    leaves = [jax.tree_util.tree_leaves(t) for t in (restored, original)]
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(original)
+    for a, b in zip(*leaves):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(
+            a.view(_UINT[a.dtype.itemsize]), b.view(_UINT[b.dtype.itemsize])
+        )
+
+
+def only_the_checkpoint_is_left(path):
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"s": "not an array"}, {"w": jnp.ones(2, jnp.float8_e4m3)}],  # tensorstore has no e4m3
+    ids=["str-leaf", "float8_e4m3-leaf"],
+)
+def test_failed_overwrite_keeps_the_previous_checkpoint(tmp_path, bad):
+    path = tmp_path / "ckpt"
+    jsa.checkpoint.save(path, versioned(1, size=8))
+    with pytest.raises(ValueError):
+        jsa.checkpoint.save(path, bad, force=True)
+    assert_same_bits(jsa.checkpoint.restore(path, versioned(0, size=8)), versioned(1, size=8))
+    only_the_checkpoint_is_left(path)
+
+
+@pytest.mark.parametrize("rollback_fails", [False, True], ids=["rolled-back", "as-if-killed"])
+def test_failure_between_the_two_renames_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, rollback_fails
+):
+    """`save` renames the old checkpoint aside, then the new one into place: make the
+    second rename fail (and the rename back too, as if the process had died there)."""
+    path = tmp_path / "ckpt"
+    jsa.checkpoint.save(path, versioned(1, size=8))
+    rename, failures = os.rename, []
+
+    def failing_rename(src, dst, *args, **kwargs):
+        if os.fspath(dst) == os.fspath(path) and (rollback_fails or not failures):
+            failures.append(src)
+            raise OSError("injected failure")
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    with pytest.raises(OSError, match="injected failure"):
+        jsa.checkpoint.save(path, versioned(2, size=8), force=True)
+    monkeypatch.setattr(os, "rename", rename)
+    assert len(failures) == (2 if rollback_fails else 1)
+    assert path.exists() != rollback_fails  # else only the previous one, set aside, is left
+    assert_same_bits(jsa.checkpoint.restore(path, versioned(0, size=8)), versioned(1, size=8))
+    # The next save puts the previous checkpoint back first, so it needs `force`.
+    with pytest.raises(ValueError, match="already exists"):
+        jsa.checkpoint.save(path, versioned(3, size=8))
+    only_the_checkpoint_is_left(path)
+    jsa.checkpoint.save(path, versioned(3, size=8), force=True)
+    assert_same_bits(jsa.checkpoint.restore(path, versioned(0, size=8)), versioned(3, size=8))
+    only_the_checkpoint_is_left(path)
+
+
+def test_save_cleans_up_after_dead_saves_only(tmp_path):
+    path = tmp_path / "ckpt"
+    jsa.checkpoint.save(path, versioned(1, size=8))
+    command = [sys.executable, "-c", "import os; print(os.getpid())"]
+    dead = subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+    host = socket.gethostname()
+    stale = tmp_path / f".ckpt.jsa-staging-{host}-{dead}-abc123"
+    live = tmp_path / f".ckpt.jsa-staging-{host}-{os.getppid()}-abc123"
+    other_host = tmp_path / f".ckpt.jsa-staging-{host}x-{dead}-abc123"
+    backup = tmp_path / ".ckpt.jsa-previous"
+    for p in (stale, live, other_host, backup):
+        (p / "ckpt").mkdir(parents=True)
+    jsa.checkpoint.save(path, versioned(2, size=8), force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ckpt", live.name, other_host.name]
+    )
+
+
+def test_overwriting_without_force_fails_before_writing(tmp_path):
+    path = tmp_path / "ckpt"
+    jsa.checkpoint.save(path, versioned(1, size=8))
+    with pytest.raises(ValueError, match=f"Destination {re.escape(str(path))} already exists"):
+        jsa.checkpoint.save(path, {"s": "not an array"})
+    only_the_checkpoint_is_left(path)
+
+
+def test_save_refuses_several_processes(tmp_path, monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(NotImplementedError, match="one process only"):
+        jsa.checkpoint.save(tmp_path / "ckpt", versioned(1, size=8))
+    assert not list(tmp_path.iterdir())
+
+
+_SAVE_LOOP = """
+import sys
+import jax.numpy as jnp
+import jax_scaled_arithmetics as jsa
+{versioned}
+for v in range(1, 10**6):
+    jsa.checkpoint.save(sys.argv[1], versioned(v), force=True)
+    print(v, flush=True)
+"""
+
+
+def test_killed_save_leaves_a_whole_checkpoint(tmp_path):
+    """A process saving versions 1, 2, 3, ... is killed at random times: the checkpoint is
+    always one whole version (the last one saved, or the one being saved)."""
+    code = _SAVE_LOOP.format(versioned=inspect.getsource(versioned))
+    rng = np.random.default_rng(0)
+    template = jax.eval_shape(lambda: versioned(0))
+    for i, delay in enumerate(rng.uniform(0.0, 0.4, size=3)):
+        path = tmp_path / f"ckpt{i}"
+        command = [sys.executable, "-c", code, str(path)]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
+            try:
+                assert child.stdout is not None and child.stdout.readline().strip() == "1"
+                time.sleep(delay)
+            finally:
+                os.kill(child.pid, signal.SIGKILL)
+            last = max([1, *(int(line) for line in child.stdout)])
+        restored = jsa.checkpoint.restore(path, template)
+        version = int(np.asarray(restored["a"])[0])
+        assert version in (last, last + 1), (version, last)
+        assert_same_bits(restored, versioned(version))
+        # The next save removes what the killed one left (its staging directory, a backup).
+        jsa.checkpoint.save(path, versioned(0, size=8), force=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"ckpt{j}" for j in range(i + 1)]
+
+
+# --- errors for what is not a checkpoint -------------------------------------------------
+
+
+def test_restore_of_a_missing_checkpoint_or_of_another_directory(tmp_path):
+    template = {"w": jnp.ones(2)}
+    with pytest.raises(FileNotFoundError, match=f"No checkpoint at {re.escape(str(tmp_path))}/no"):
+        jsa.checkpoint.restore(tmp_path / "no", template)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty: it is a directory, but holds no checkpoint"):
+        jsa.checkpoint.restore(tmp_path / "empty", template)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"file: it is a file"):
+        jsa.checkpoint.restore(tmp_path / "file", template)
+
+
+# --- MXArray with Flax, and registration without importing jsa.checkpoint ----------------
+
+
+def test_flax_round_trip_of_mx_arrays():
+    from jax_scaled_arithmetics.quantization import block_quantize
+
+    x = jnp.linspace(-3.0, 5.0, 128).reshape(2, 64)
+    tree = {
+        "e2m1": block_quantize(x, "float4_e2m1fn", block_size=32),
+        "e4m3": block_quantize(x, "float8_e4m3fn", block_size=16, axis=0, pad=True),
+        "e2m3": block_quantize(x, "float6_e2m3fn", block_size=32),  # float32-held elements
+    }
+    state_dict = fs.to_state_dict(tree)
+    assert set(state_dict["e2m1"]) == {"data", "scales"}
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, tree)
+    restored = fs.from_bytes(zeros, fs.to_bytes(tree))
+    for name, mx in tree.items():
+        got = restored[name]
+        assert isinstance(got, type(mx))
+        meta = ("format", "block_size", "axis", "length")
+        assert [getattr(got, f) for f in meta] == [getattr(mx, f) for f in meta]
+        assert_same_bits([got.data, got.scales], [mx.data, mx.scales])
+    other_dtype = dict(tree, e2m1=block_quantize(x, "float8_e5m2", block_size=32))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Cannot restore the MXArray at e2m1: its stored data is float4_e2m1fn[2, 64], the "
+            "template's is float8_e5m2[2, 64]."
+        ),
+    ):
+        fs.from_bytes(other_dtype, fs.to_bytes(tree))
+    other_blocks = dict(tree, e2m1=block_quantize(x, "float4_e2m1fn", block_size=16))
+    with pytest.raises(ValueError, match=r"at e2m1: its stored scales is float8_e8m0fnu\[2, 2\]"):
+        fs.from_bytes(other_blocks, fs.to_bytes(tree))
+    with pytest.raises(ValueError, match=r"MXArray at e2m1: expected a state dict with keys"):
+        fs.from_state_dict(tree, dict(state_dict, e2m1={"data": x}))
+
+
+_FLAX_ROUND_TRIP = """
+import sys
+{first}
+{second}
+import jax.numpy as jnp
+x = jnp.linspace(-3.0, 5.0, 64)
+tree = {{
+    "s": jsa.scaled_array(x.astype(jnp.float16), 2.0**-20),
+    "m": jsa.quantization.block_quantize(x, "float4_e2m1fn", block_size=32),
+}}
+back = flax.serialization.from_bytes(tree, flax.serialization.to_bytes(tree))
+for a, b in [(back["s"].data, tree["s"].data), (back["s"].scale, tree["s"].scale),
+             (back["m"].data, tree["m"].data), (back["m"].scales, tree["m"].scales)]:
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+assert not [f for f in sys.meta_path if type(f).__name__ == "_FlaxSerializationFinder"]
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("flax_first", [True, False], ids=["flax-first", "jsa-first"])
+def test_flax_registration_needs_only_the_package(flax_first):
+    imports = ["import jax_scaled_arithmetics as jsa", "import flax.serialization"]
+    first, second = imports[::-1] if flax_first else imports
+    code = _FLAX_ROUND_TRIP.format(first=first, second=second)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
