@@ -252,3 +252,18 @@ def test_set_scaling_wrong_shape_dtype_and_non_power_of_two():
     y = jsa.lax.set_scaling(x, 3.0)
     assert float(y.scale) == 3.0
     np.testing.assert_allclose(represented(y), [8.0, -2.0], rtol=1e-6)
+
+
+@SETTINGS
+@given(dtype=dtypes, exponent=exponents, bad=st.sampled_from([math.nan, math.inf, -math.inf]))
+def test_computed_block_scales_stay_valid_with_non_finite_or_zero_data(dtype, exponent, bad):
+    """`as_scaled_array(scale_shape=...)` measures each block's largest finite magnitude:
+    inf/NaN elements keep their value in the data, an all-zero block gets scale 1."""
+    values = np.array([[1.0, bad, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]]) * 2.0 ** (exponent % 60)
+    x = jsa.as_scaled_array(values.astype(np.float32), scale_shape=(2, 1), dtype=dtype)
+    scale = np.asarray(x.scale)
+    assert np.all(np.isfinite(scale)) and np.all(scale > 0)
+    np.testing.assert_array_equal(np.isnan(represented(x)), np.isnan(values))
+    np.testing.assert_array_equal(np.isinf(represented(x)), np.isinf(values))
+    out = jsa.autoscale(lambda a: a * 2.0)(x)  # valid scales: accepted by autoscale
+    np.testing.assert_array_equal(np.isfinite(represented(out)), np.isfinite(values))
