@@ -30,11 +30,14 @@ def _plain(x: Any) -> Any:
 
 
 def _usable_factor(value: Any, name: str, what: str, fallback: Any) -> Any:
-    """`value` (a scalar scale or factor) when it is finite and positive. A known bad one (a
-    concrete array, a constant under `jit`) raises a ValueError naming it; a traced one is
-    replaced by `fallback` where it is bad, which leaves the represented value unchanged
-    (NaN, inf, zero and negative scales represent nothing: data * scale loses the value)."""
-    known = static_value(value)
+    """`value` (the scalar scale or factor operand, index 1, of the rule being called) when
+    it is finite and positive. A known bad one (a concrete array, a constant under `jit`)
+    raises a ValueError naming it; a traced one is replaced by `fallback` where it is bad,
+    which leaves the represented value unchanged (NaN, inf, zero and negative scales
+    represent nothing: data * scale loses the value). A known good one costs nothing."""
+    constants = registry.operand_constants()
+    known = constants[1] if len(constants) > 1 and constants[1] is not None else None
+    known = static_value(value) if known is None else float(known)
     if known is not None:
         if not (np.isfinite(known) and known > 0):
             raise ValueError(
@@ -271,7 +274,12 @@ _compat.register_jvp(rebalance_p, _rebalance_jvp)
 def scaled_rebalance(x: Any, factor: Any) -> Any:
     if not isinstance(x, ScaledArray):
         return x
-    factor = _usable_factor(jnp.asarray(_plain(factor)), "rebalance", "factor", 1.0)
+    return rebalance_by(x, _usable_factor(jnp.asarray(_plain(factor)), "rebalance", "factor", 1.0))
+
+
+def rebalance_by(x: ScaledArray, factor: Any) -> ScaledArray:
+    """`x`'s data times `factor`, its scale divided by it, for a factor the caller knows to
+    be finite and positive (dynamic rescaling's powers of two): no check."""
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
     data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
     return ScaledArray(data, scale_div(x.scale, factor.astype(jnp.float32)))

@@ -21,7 +21,7 @@ from jax import lax
 from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_array, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
-from ..lax.scaling import scaled_rebalance
+from ..lax.scaling import rebalance_by
 
 __all__ = [
     "dynamic_rescale_max",
@@ -152,7 +152,7 @@ _compat.register_batching(dynamic_rescale_p, _dynamic_rescale_batch)
 
 def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float) -> ScaledArray:
     magnitude = _NORMS[norm](jnp.asarray(x.data).astype(jnp.float32))
-    return scaled_rebalance(x, _inverse_pow2(_pow2_bits(magnitude, epsilon)))
+    return rebalance_by(x, _inverse_pow2(_pow2_bits(magnitude, epsilon)))
 
 
 @registry.register_scaled_op(
