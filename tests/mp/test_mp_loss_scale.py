@@ -378,7 +378,7 @@ def test_training_step_pattern_under_jit():
         ([scaled_array(jnp.array([1.0, 2.0], jnp.float16), 2.0**-10)], True),
         ([scaled_array(jnp.array([1.0, jnp.inf], jnp.float16), 1.0)], False),
         ([scaled_array(jnp.array([1.0, jnp.nan]), 1.0)], False),
-        ([scaled_array(jnp.array([1.0, 2.0]), jnp.inf)], False),
+        ([ScaledArray(jnp.array([1.0, 2.0]), jnp.float32(jnp.inf))], False),
         ([ScaledArray(jnp.array([1.0, 2.0]), jnp.float32(jnp.nan))], False),
         ([scaled_array(jnp.zeros(2), 0.0)], True),
         ([1.0, 2, None, jnp.array(True)], True),
