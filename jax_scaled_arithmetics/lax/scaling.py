@@ -289,6 +289,11 @@ def rebalance_by(x: ScaledArray, factor: Any) -> ScaledArray:
 def _block_rebalance(x: Any, factor: Any) -> Any:
     """Every block's data multiplied by `factor`, its scale divided by it."""
     factor = _usable_factor(jnp.asarray(_plain(factor), jnp.float32), "rebalance", "factor", 1.0)
+    return block_rebalance_by(x, factor)
+
+
+def block_rebalance_by(x: ScaledArray, factor: Any) -> ScaledArray:
+    """:func:`rebalance_by` for a block-scaled `x`: every block's scale divided by `factor`."""
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
     data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
     scale = jnp.asarray(x.scale, jnp.float32)

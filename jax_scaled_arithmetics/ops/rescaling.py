@@ -21,7 +21,8 @@ from jax import lax
 from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_array, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
-from ..lax.scaling import rebalance_by
+from ..core.scale_primitives import mark_pow2
+from ..lax.scaling import block_rebalance_by, rebalance_by
 
 __all__ = [
     "dynamic_rescale_max",
@@ -150,9 +151,62 @@ _compat.register_jvp(dynamic_rescale_p, _dynamic_rescale_jvp)
 _compat.register_batching(dynamic_rescale_p, _dynamic_rescale_batch)
 
 
-def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float) -> ScaledArray:
-    magnitude = _NORMS[norm](jnp.asarray(x.data).astype(jnp.float32))
-    return rebalance_by(x, _inverse_pow2(_pow2_bits(magnitude, epsilon)))
+# `rescale_factor_p(data; norm, epsilon, shift, axes)`: the power of two `2^(shift - e)`,
+# `2^e` the power of two at or below the `norm` of `data` over `axes` (floored at
+# `epsilon`; 1 where the norm is not finite; at most 2^126). One equation for what would be
+# a dozen (the norm, then the exponent-bit arithmetic): the per-tensor dynamic rescale of
+# every optimizer state leaf and parameter is this, one multiply and one scale division.
+
+
+def _rescale_factor_impl(
+    data: Array, *, norm: str, epsilon: float, shift: int, axes: tuple[int, ...]
+) -> Array:
+    data = data.astype(jnp.float32) if data.dtype != np.float64 else data.astype(np.float32)
+    if norm == "max":
+        magnitude = jnp.max(jnp.abs(data), axis=axes)
+    elif norm == "l1":
+        magnitude = jnp.mean(jnp.abs(data), axis=axes)
+    else:
+        magnitude = jnp.sqrt(jnp.mean(jnp.square(data), axis=axes))
+    bits = _pow2_bits(magnitude, epsilon)
+    # 2^(shift - e), kept a normal float32 (2^-126 .. 2^127) for extreme shifts and epsilons.
+    out = np.int32(254 << 23) - bits + np.int32(shift << 23)
+    return lax.bitcast_convert_type(lax.clamp(np.int32(1 << 23), out, np.int32(254 << 23)), _F32)
+
+
+rescale_factor_p = _compat.new_primitive("rescale_factor")
+rescale_factor_p.def_impl(_rescale_factor_impl)
+rescale_factor_p.def_abstract_eval(
+    lambda data, *, axes, **_: data.update(
+        shape=tuple(d for i, d in enumerate(data.shape) if i not in axes),
+        dtype=_F32,
+        weak_type=False,
+    )
+)
+_compat.register_lowering(rescale_factor_p, _rescale_factor_impl)
+
+
+def _rescale_factor_batch(args: Any, dims: Any, *, axes: tuple[int, ...], **params: Any) -> Any:
+    (data,), (dim,) = args, dims
+    data = jnp.moveaxis(data, dim, 0)
+    axes = tuple(a + 1 if a >= 0 else a for a in axes)  # the batch axis is kept
+    return rescale_factor_p.bind(data, axes=axes, **params), 0
+
+
+def _rescale_factor_jvp(primals: Any, tangents: Any, **params: Any) -> Any:
+    out = rescale_factor_p.bind(*primals, **params)
+    return out, jnp.zeros_like(out)  # a choice of representation: no derivative
+
+
+_compat.register_batching(rescale_factor_p, _rescale_factor_batch)
+_compat.register_jvp(rescale_factor_p, _rescale_factor_jvp)
+
+
+def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float, shift: int) -> ScaledArray:
+    factor = rescale_factor_p.bind(
+        jnp.asarray(x.data), norm=norm, epsilon=epsilon, shift=shift, axes=tuple(range(x.ndim))
+    )
+    return rebalance_by(x, mark_pow2(factor))
 
 
 @registry.register_scaled_op(
@@ -162,20 +216,24 @@ def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float) -> ScaledArra
     remark="a new power-of-two scale per tensor or block, from the data's norm",
 )
 def scaled_dynamic_rescale(
-    x: Any, *, norm: str, epsilon: float, layout: tuple[int, ...] | None
+    x: Any, *, norm: str, epsilon: float, layout: tuple[int, ...] | None, shift: int = 0
 ) -> Any:
     if not isinstance(x, ScaledArray) or x.size == 0:
         return x
     own = _layout_of(x)
     target = own if layout is None else tuple(layout)
     if np.ndim(x.scale) == 0 and all(s == 1 for s in target):
-        return _rescale_per_tensor(x, norm, epsilon)
+        return _rescale_per_tensor(x, norm, epsilon, shift)
     data, scale = _reblock(x, target)
     # Block scales stay in [2^-126, 2^127]: a block of zeros is no reason for a zero scale.
     bits = _pow2_bits(_block_norms(data, target, norm), epsilon, lowest=1)
     inverse = blocks.materialize(_inverse_pow2(bits))  # once per block (see materialize)
     data = data * blocks.expand_scale(inverse, x.shape).astype(data.dtype)
-    return _scaled(data, scale * _pow2(bits), x.dtype)
+    out = _scaled(data, scale * _pow2(bits), x.dtype)
+    if not shift:
+        return out
+    rebalance = rebalance_by if np.ndim(out.scale) == 0 else block_rebalance_by
+    return rebalance(out, jnp.float32(2.0**shift))
 
 
 registry.register_block_rule(dynamic_rescale_p, scaled_dynamic_rescale)
@@ -275,7 +333,11 @@ def _check_epsilon(epsilon: Any) -> float:
     return value
 
 
-def _rescale_tree(tree: Any, norm: str, epsilon: float, scale_shape: ScaleShape) -> Any:
+def _rescale_tree(
+    tree: Any, norm: str, epsilon: float, scale_shape: ScaleShape, shift: int = 0
+) -> Any:
+    """Every floating leaf of `tree` rescaled so that each block's `norm` of the data is in
+    `[2^shift, 2^(shift + 1))`."""
     epsilon = _check_epsilon(epsilon)
 
     def rescale(x: Any) -> Any:
@@ -285,6 +347,7 @@ def _rescale_tree(tree: Any, norm: str, epsilon: float, scale_shape: ScaleShape)
             norm=norm,
             epsilon=float(epsilon),
             layout=_target_layout(tuple(np.shape(x)), scale_shape),
+            shift=int(shift),
         )
         if isinstance(x, ScaledArray):  # outside autoscale: interpret the primitive
             return autoscale(functools.partial(dynamic_rescale_p.bind, **params))(x)

@@ -47,7 +47,14 @@ import optax
 from ..core.datatype import ScaledArray, as_scaled_array, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
 from ..lax.scaling import rebalance, stop_scaling
-from ..ops.rescaling import dynamic_rescale_l2, dynamic_rescale_max, match_layout
+from ..ops.rescaling import (
+    DEFAULT_EPSILON,
+    _rescale_tree,
+    dynamic_rescale_l1,
+    dynamic_rescale_l2,
+    dynamic_rescale_max,
+    match_layout,
+)
 
 __all__ = [
     "default_data_exponent",
@@ -58,6 +65,12 @@ __all__ = [
 
 Rescale = Callable[[Any], Any]
 DTypeLike = Any
+# The library's own rescalings, which can shift the data up in the same step.
+_LIBRARY_RESCALES: dict[Any, str] = {
+    dynamic_rescale_max: "max",
+    dynamic_rescale_l1: "l1",
+    dynamic_rescale_l2: "l2",
+}
 
 
 def default_data_exponent(state_dtype: DTypeLike) -> int:
@@ -119,9 +132,13 @@ def _store_leaf(
     # A plain value becomes a ScaledArray; a scaled one keeps its layout (or takes `like`'s).
     x = match_layout(x, x if like is None else like)
     if rescale is not None:
-        x = rescale(x)
-        if data_exponent:
-            x = rebalance(x, jnp.float32(2.0**data_exponent))
+        norm = _LIBRARY_RESCALES.get(rescale)
+        if norm is not None:  # the shift in the same step: one multiply, one scale division
+            x = _rescale_tree(x, norm, DEFAULT_EPSILON, None, shift=data_exponent)
+        else:
+            x = rescale(x)
+            if data_exponent:
+                x = rebalance(x, jnp.float32(2.0**data_exponent))
     return x.astype(state_dtype)
 
 
