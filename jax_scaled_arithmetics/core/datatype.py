@@ -24,6 +24,8 @@ __all__ = [
     "is_scaled_leaf",
     "is_floating",
     "is_array",
+    "invalid_scale_values",
+    "set_operator_transform",
 ]
 
 
@@ -43,10 +45,24 @@ def is_floating(x: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
-def _autoscaled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    from .interpreter import _STATE, autoscale
+# The transform that runs ScaledArray operators (`autoscale`), and whether it is tracing a
+# user function now: installed by `core.interpreter` when it is imported (the package's
+# `__init__` imports it), so this module imports nothing above it.
+_OPERATOR_TRANSFORM: list[tuple[Callable[..., Any], Callable[[], bool]]] = []
 
-    if _STATE.tracing_depth > 0:
+
+def set_operator_transform(
+    transform: Callable[[Callable[..., Any]], Callable[..., Any]], tracing: Callable[[], bool]
+) -> None:
+    """Install the transform that ScaledArray operators (`x * y`, `x[i]`, ...) run through."""
+    _OPERATOR_TRANSFORM[:] = [(transform, tracing)]
+
+
+def _autoscaled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if not _OPERATOR_TRANSFORM:
+        raise RuntimeError("The autoscale interpreter is not installed.")
+    autoscale, tracing = _OPERATOR_TRANSFORM[0]
+    if tracing():
         # Inside the trace of an autoscaled function every value is a plain stand-in: a
         # ScaledArray met there was captured from outside, and cannot enter the jaxpr.
         raise TypeError(

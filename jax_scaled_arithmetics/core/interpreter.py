@@ -14,7 +14,13 @@ import numpy as np
 
 from . import _compat, blocks, registry
 from .config import get_autoscale_config
-from .datatype import ScaledArray, invalid_scale_values, is_array, is_floating
+from .datatype import (
+    ScaledArray,
+    invalid_scale_values,
+    is_array,
+    is_floating,
+    set_operator_transform,
+)
 from .promotion import promote_to_scaled
 from .registry import operand_constants
 
@@ -216,7 +222,7 @@ def _fold_known_call(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any
     for inner in jaxpr.eqns:
         outs = _fold_known(inner, [read(a) for a in inner.invars])
         for var, k in zip(inner.outvars, outs):
-            if isinstance(var, _compat.Var) and type(var).__name__ != "DropVar":
+            if isinstance(var, _compat.Var) and not _compat.is_drop_var(var):
                 known[var] = k
     return [read(v) for v in jaxpr.outvars]
 
@@ -293,7 +299,7 @@ def interpret_jaxpr(
         invals = [read(a) for a in eqn.invars]
         in_known = [read_known(a) for a in eqn.invars]
         any_scaled = any(isinstance(v, ScaledArray) for v in invals)
-        info = registry._RULES.get(eqn.primitive)
+        info = registry.find_rule(eqn.primitive)
         if any_scaled or (info is not None and info.always_scaled):
             info = registry.get_scaled_rule(eqn.primitive)
             if any_scaled:
@@ -330,7 +336,7 @@ def interpret_jaxpr(
         for observer in _OBSERVERS.stack:
             observer(eqn, invals, outs)
         for var, out, k in zip(eqn.outvars, outs, out_known):
-            if isinstance(var, _compat.Var) and type(var).__name__ != "DropVar":
+            if isinstance(var, _compat.Var) and not _compat.is_drop_var(var):
                 env[var] = out
                 known[var] = k
     return [read(v) for v in jaxpr.outvars], [read_known(v) for v in jaxpr.outvars]
@@ -569,3 +575,5 @@ def autoscale(
 
 
 scalify = autoscale
+
+set_operator_transform(autoscale, lambda: _STATE.tracing_depth > 0)

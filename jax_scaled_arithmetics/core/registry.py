@@ -25,6 +25,7 @@ __all__ = [
     "RuleInfo",
     "interpret_closed_jaxpr",
     "set_jaxpr_interpreter",
+    "find_rule",
     "operand_constants",
     "with_operand_constants",
 ]
@@ -113,6 +114,11 @@ def register_scaled_op(
 def unregister_scaled_op(primitive: Primitive) -> None:
     """Remove a primitive's rule (for tests and for replacing a rule)."""
     _RULES.pop(primitive, None)
+
+
+def find_rule(primitive: Primitive) -> RuleInfo | None:
+    """The rule registered for `primitive`, or None."""
+    return _RULES.get(primitive)
 
 
 def get_scaled_rule(primitive: Primitive) -> RuleInfo:

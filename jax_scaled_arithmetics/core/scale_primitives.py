@@ -37,6 +37,7 @@ __all__ = [
     "scale_root_p",
     "is_pow2",
     "mark_pow2",
+    "materialize_impl",
 ]
 
 F32 = np.dtype(np.float32)

@@ -25,6 +25,10 @@ __all__ = [
     "flatten_compact",
     "unflatten_compact",
     "leaves_per_value",
+    "find_primitive",
+    "abstract_value",
+    "outputs_depending_on",
+    "trace_scaled_leaves",
 ]
 
 

@@ -53,6 +53,11 @@ __all__ = [
     "register_unscaled_unary",
     "register_unscaled_output",
     "dynamic_scale_of",
+    "register_materializing",
+    "register_unscaled_elementwise",
+    "zeros_where_scale_zero",
+    "scaled_output",
+    "Slope",
 ]
 
 

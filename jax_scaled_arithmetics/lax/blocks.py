@@ -67,7 +67,7 @@ from jax import lax
 from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_floating
 from .base import compute_dtype
-from .indexing import _update_params
+from .indexing import scatter_update_params
 from .scales import static_value
 
 Array = Any
@@ -792,7 +792,7 @@ def _scatter_rule(primitive: Any, combine: Any) -> None:
             return x.data.astype(cdtype) * factor
 
         if combine is not None:
-            params = _update_params(params, combine, cdtype)
+            params = scatter_update_params(params, combine, cdtype)
         acc = primitive.bind(value(operand, so), indices, value(updates, su), **params)
         return dynamic_blocks(acc, top, layout, operand.dtype)
 

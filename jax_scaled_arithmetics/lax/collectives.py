@@ -22,7 +22,7 @@ from ..core import _compat, registry
 from ..core.datatype import ScaledArray, is_floating
 from ..core.subjaxpr import coerce_scaledness, find_primitive, flatten_scaled, unflatten_scaled
 from .base import rescale, safe_div
-from .control_flow import _operand_known
+from .control_flow import operand_known
 
 # --- collectives ------------------------------------------------------------------------
 #
@@ -183,7 +183,7 @@ if shard_map_p is not None:
     def scaled_shard_map(
         *args: Any, jaxpr: Any, mesh: Any, in_specs: Any, out_specs: Any, **params: Any
     ) -> list[Any]:
-        known = _operand_known(len(args))
+        known = operand_known(len(args))
         leaves, in_scaled = flatten_scaled(args)
         axes = tuple(params.get("newly_manual_axes", mesh.axis_names))
         closed = _compat.ClosedJaxpr(jaxpr, ())

@@ -398,7 +398,7 @@ def _split(values: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
     return [*groups, list(values[start:])]
 
 
-def _operand_known(n: int) -> list[Any]:
+def operand_known(n: int) -> list[Any]:
     known = list(operand_constants())
     return known if len(known) == n else [None] * n
 
@@ -566,7 +566,7 @@ def scaled_scan(
     sizes = (num_consts, num_carry)
     consts, init, xs = _split(args, sizes)
     xs, sliced = map(list, zip(*[_scan_x(x, length) for x in xs])) if xs else ([], [])
-    k_consts, k_init, k_xs = _split(_operand_known(len(args)), sizes)
+    k_consts, k_init, k_xs = _split(operand_known(len(args)), sizes)
     _, carry_avals, x_avals = _split(jaxpr.in_avals, sizes)
     const_abs = [abstract_value(c) for c in consts]
     x_abs = [
@@ -708,7 +708,7 @@ def scaled_while(
     del params
     sizes = (cond_nconsts, body_nconsts)
     cconsts, bconsts, init = _split(args, sizes)
-    k_cconsts, k_bconsts, k_init = _split(_operand_known(len(args)), sizes)
+    k_cconsts, k_bconsts, k_init = _split(operand_known(len(args)), sizes)
     if cond_jaxpr.out_avals[0].shape:  # a batched predicate (from vmap)
         cond_jaxpr, body_jaxpr = _unbatch_predicate(
             cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts
@@ -764,7 +764,7 @@ def scaled_cond(index: Any, *operands: Any, branches: Sequence[Any], **params: A
     del params
     if isinstance(index, ScaledArray):  # not floating in practice; kept plain
         index = index.to_array()
-    known = _operand_known(len(operands) + 1)[1:]
+    known = operand_known(len(operands) + 1)[1:]
     abstract = [abstract_value(o) for o in operands]
     probes = [trace_scaled_leaves(b, abstract, known) for b in branches]
     out_specs = tuple(any(specs) for specs in zip(*(p[1] for p in probes), strict=True))
@@ -971,7 +971,7 @@ def _interpret_fixed_scales(
 )
 def scaled_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any) -> list[Any]:
     *groups, b = _split(args, tuple(const_lengths))
-    *_, k_b = _split(_operand_known(len(args)), tuple(const_lengths))
+    *_, k_b = _split(operand_known(len(args)), tuple(const_lengths))
     b = [promote_to_scaled(v, k) for v, k in zip(b, k_b, strict=True)]
     matvec_c, _, solve_c, tsolve_c = groups
     matvec_j, _, solve_j, tsolve_j = jaxprs

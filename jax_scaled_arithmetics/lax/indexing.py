@@ -104,7 +104,7 @@ def _update_jaxpr(combine: Any, dtype: Any) -> Any:
     return jax.make_jaxpr(combine)(scalar, scalar)
 
 
-def _update_params(params: dict[str, Any], combine: Any, dtype: Any) -> dict[str, Any]:
+def scatter_update_params(params: dict[str, Any], combine: Any, dtype: Any) -> dict[str, Any]:
     """`params` with the scatter's update computation rebuilt for `dtype` scalars."""
     closed = _update_jaxpr(combine, jnp.dtype(dtype))
     return dict(params, update_jaxpr=closed.jaxpr, update_consts=tuple(closed.consts))
@@ -118,7 +118,7 @@ def _scaled_scatter_add_like(primitive: Any, combine: Any) -> Any:
             data.astype(cdtype),
             indices,
             upd.astype(cdtype),
-            **_update_params(params, combine, cdtype),
+            **scatter_update_params(params, combine, cdtype),
         )
         return ScaledArray(out.astype(operand.dtype), scale)
 
@@ -157,7 +157,7 @@ def scaled_scatter_mul(
         operand.data.astype(cdtype),
         indices,
         factors,
-        **_update_params(params, lax.mul, cdtype),
+        **scatter_update_params(params, lax.mul, cdtype),
     )
     return renormalised(out, operand.scale, operand.dtype)
 

@@ -20,7 +20,15 @@ from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_floating
 from .scales import as_f32, at_scale, same_scale, scale_div, static_value
 
-__all__ = ["set_scaling", "stop_scaling", "get_data_scale", "rebalance", "apply_to_data"]
+__all__ = [
+    "set_scaling",
+    "stop_scaling",
+    "get_data_scale",
+    "rebalance",
+    "apply_to_data",
+    "rebalance_by",
+    "block_rebalance_by",
+]
 
 Array = Any
 

@@ -31,6 +31,10 @@ __all__ = [
     "dynamic_rescale_max_grad",
     "dynamic_rescale_l1_grad",
     "dynamic_rescale_l2_grad",
+    "DEFAULT_EPSILON",
+    "rescale_tree",
+    "match_layout",
+    "rescale_factor_p",
 ]
 
 Array = Any
@@ -333,7 +337,7 @@ def _check_epsilon(epsilon: Any) -> float:
     return value
 
 
-def _rescale_tree(
+def rescale_tree(
     tree: Any, norm: str, epsilon: float, scale_shape: ScaleShape, shift: int = 0
 ) -> Any:
     """Every floating leaf of `tree` rescaled so that each block's `norm` of the data is in
@@ -382,7 +386,7 @@ def dynamic_rescale_max(
         >>> jsa.ops.dynamic_rescale_max(x, scale_shape=(2,)).scale.tolist()  # per element
         [0.0009765625, 0.001953125]
     """
-    return _rescale_tree(tree, "max", epsilon, scale_shape)
+    return rescale_tree(tree, "max", epsilon, scale_shape)
 
 
 def dynamic_rescale_l1(
@@ -395,7 +399,7 @@ def dynamic_rescale_l1(
         >>> float(jsa.ops.dynamic_rescale_l1(jsa.scaled_array([4.0, 4.0], 1.0)).scale)
         4.0
     """
-    return _rescale_tree(tree, "l1", epsilon, scale_shape)
+    return rescale_tree(tree, "l1", epsilon, scale_shape)
 
 
 def dynamic_rescale_l2(
@@ -408,7 +412,7 @@ def dynamic_rescale_l2(
         >>> float(jsa.ops.dynamic_rescale_l2(jsa.scaled_array([3.0, 4.0], 1.0)).scale)
         2.0
     """
-    return _rescale_tree(tree, "l2", epsilon, scale_shape)
+    return rescale_tree(tree, "l2", epsilon, scale_shape)
 
 
 def _grad_variant(rescale_fn: Callable[..., Any], doc: str) -> Callable[..., Any]:

@@ -49,7 +49,7 @@ from ..ops.rescaling import dynamic_rescale_max
 from ..quantization import float_quantize, get_format
 from ..quantization._bits import ROUNDING_MODES, check_rounding
 
-__all__ = ["QuantizeState", "QuantizeSpec", "apply_updates", "quantize"]
+__all__ = ["QuantizeState", "QuantizeSpec", "apply_updates", "quantize", "FormatSpec"]
 
 QuantizeSpec = Any
 """A format (name, dtype or FloatFormat), a `(format, rounding)` pair, or a callable
@@ -61,7 +61,7 @@ Rescale = Callable[[Any], Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class _FormatSpec:
+class FormatSpec:
     """Round to a float format (`float_quantize`); takes raw key data when stochastic."""
 
     format: Any  # what `get_format` returns: a FloatFormat, or another format it knows
@@ -93,7 +93,7 @@ class _CallableSpec:
         return out.astype(x.dtype)
 
 
-Spec = _FormatSpec | _CallableSpec
+Spec = FormatSpec | _CallableSpec
 SpecOf = Callable[[Any], Spec | None]
 """The spec of a leaf, from its path in the tree."""
 
@@ -114,9 +114,9 @@ def _as_spec(spec: Any, what: str) -> Spec | None:
                 f"quantize: unknown rounding {spec[1]!r} in {what}={spec!r}; "
                 f"expected one of {ROUNDING_MODES}"
             )
-        return _FormatSpec(get_format(spec[0]), spec[1])
+        return FormatSpec(get_format(spec[0]), spec[1])
     if _is_format_like(spec):
-        return _FormatSpec(get_format(spec), "nearest")
+        return FormatSpec(get_format(spec), "nearest")
     if callable(spec):
         return _CallableSpec(spec)
     message = (
@@ -126,7 +126,7 @@ def _as_spec(spec: Any, what: str) -> Spec | None:
     if isinstance(spec, Mapping):
         raise TypeError(message + " (a dict of specs is for `state` only)")
     try:  # FloatFormat and any other format object `get_format` knows
-        return _FormatSpec(get_format(spec), "nearest")
+        return FormatSpec(get_format(spec), "nearest")
     except TypeError:
         raise TypeError(message) from None
 
@@ -458,7 +458,7 @@ def apply_updates(
                 new = apply_to_data(_StochasticBfloat16(), new, keys[i])
             elif target != get_format(jnp.float32):  # a float32 sum is already rounded
                 extra = (keys[i],) if keys is not None else ()
-                new = apply_to_data(_FormatSpec(target, mode), new, *extra)
+                new = apply_to_data(FormatSpec(target, mode), new, *extra)
             out.append(new.astype(p.dtype))
         new_params = jax.tree_util.tree_unflatten(treedef, out)
         return new_params if rescale is None else rescale(new_params)

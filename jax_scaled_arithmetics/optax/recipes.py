@@ -33,7 +33,7 @@ from ..lax.scaling import apply_to_data
 from ..ops.casts import quantizer
 from ..quantization import FloatFormat
 from .compensated import kahan_summation
-from .quantized import _FormatSpec, apply_updates, quantize
+from .quantized import FormatSpec, apply_updates, quantize
 
 __all__ = ["FP16_169", "Recipe", "bf16_kahan", "bf16_stochastic", "ibm8_like"]
 
@@ -185,7 +185,7 @@ class _ToFormat:
     format: FloatFormat
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _FormatSpec(self.format, "nearest")(x)
+        return FormatSpec(self.format, "nearest")(x)
 
 
 def ibm8_like(opt: optax.GradientTransformation, *, key: Any = 0) -> Recipe:

@@ -49,11 +49,11 @@ from ..core.interpreter import autoscale
 from ..lax.scaling import rebalance, stop_scaling
 from ..ops.rescaling import (
     DEFAULT_EPSILON,
-    _rescale_tree,
     dynamic_rescale_l1,
     dynamic_rescale_l2,
     dynamic_rescale_max,
     match_layout,
+    rescale_tree,
 )
 
 __all__ = [
@@ -134,7 +134,7 @@ def _store_leaf(
     if rescale is not None:
         norm = _LIBRARY_RESCALES.get(rescale)
         if norm is not None:  # the shift in the same step: one multiply, one scale division
-            x = _rescale_tree(x, norm, DEFAULT_EPSILON, None, shift=data_exponent)
+            x = rescale_tree(x, norm, DEFAULT_EPSILON, None, shift=data_exponent)
         else:
             x = rescale(x)
             if data_exponent:

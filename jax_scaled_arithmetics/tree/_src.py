@@ -32,6 +32,7 @@ __all__ = [
     "all",
     "as_scaled_array",
     "asarray",
+    "astype_leaf",
 ]
 
 

@@ -33,6 +33,12 @@ __all__ = [
     "recover_gradient",
     "trace_flat",
     "unwrap_outer",
+    "MATMULS",
+    "contains_matmul",
+    "first_backward_eqn",
+    "own_rewrap",
+    "multiplies_matrices",
+    "sub_jaxprs",
 ]
 
 
