@@ -21,4 +21,6 @@ def test_readme_set_up_commands_match_ci():
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = "python -m pytest -q -n 2 tests"
     assert test_command in readme and test_command in ci
+    slow_command = "python -m pytest -q -n 2 -m slow tests"
+    assert slow_command in readme and slow_command in ci
     assert 'pip install -e ".[test,dev]"' in readme and 'pip install --quiet -e ".[test,dev]"' in ci

@@ -55,6 +55,7 @@ def test_cnn_shapes():
     assert n_params == 3 * 3 * 16 + 16 + 3 * 3 * 16 * 32 + 32 + 7 * 7 * 32 * 10 + 10 == 20_490
 
 
+@pytest.mark.slow
 def test_every_mode_trains_with_finite_losses(runs):
     results, _ = runs
     for mode, r in results.items():
@@ -64,6 +65,7 @@ def test_every_mode_trains_with_finite_losses(runs):
         assert r.curve[-1][1] == r.accuracy
 
 
+@pytest.mark.slow
 def test_same_initialisation_and_batches(runs):
     """Same parameters at step 0 (same accuracy before training) and the same first batch
     (first losses equal to the precision of each mode)."""
@@ -74,6 +76,7 @@ def test_same_initialisation_and_batches(runs):
         assert abs(r.losses[0] - fp32.losses[0]) < 0.05, (mode, r.losses[0], fp32.losses[0])
 
 
+@pytest.mark.slow
 def test_json_logs_are_written(runs):
     results, out_dir = runs
     for mode, r in results.items():

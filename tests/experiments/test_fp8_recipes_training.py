@@ -45,6 +45,7 @@ def test_modes_and_padding():
         recipes.train("fp16")
 
 
+@pytest.mark.slow
 def test_main_trains_every_mode_and_writes_results(tmp_path, monkeypatch, mnist):
     monkeypatch.setattr(recipes, "load_mnist", lambda data_dir=None: mnist)
     out = tmp_path / "results.json"

@@ -56,6 +56,7 @@ def runs(tmp_path_factory):
     return logs, out
 
 
+@pytest.mark.slow
 def test_every_variant_runs(runs):
     logs, out = runs
     assert set(logs) == set(train_optimizers.VARIANTS)

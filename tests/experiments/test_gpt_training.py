@@ -77,6 +77,7 @@ def test_fixture_is_the_start_of_the_corpus(text):
     assert corpus.vocab == "".join(sorted(set(text)))
 
 
+@pytest.mark.slow
 def test_every_mode_trains_with_finite_losses(runs):
     logs, _ = runs
     assert set(logs) == set(train_gpt.MODES)
@@ -91,6 +92,7 @@ def test_every_mode_trains_with_finite_losses(runs):
             assert log["final_val_loss_own_numerics"] is None
 
 
+@pytest.mark.slow
 def test_json_logs_are_written(runs):
     logs, out_dir = runs
     assert sorted(p.name for p in out_dir.glob("*.json")) == sorted(
@@ -106,6 +108,7 @@ def test_json_logs_are_written(runs):
             assert key in written, key
 
 
+@pytest.mark.slow
 def test_same_initialisation_and_batches_in_every_mode(runs):
     logs, _ = runs
     assert len({log["init_digest"] for log in logs.values()}) == 1
@@ -123,6 +126,7 @@ def test_same_initialisation_and_batches_in_every_mode(runs):
         assert abs(initial_val[mode] - initial_val["fp32"]) < 1e-3
 
 
+@pytest.mark.slow
 def test_block_scaled_fp8_modes_differ_from_per_tensor(runs):
     """Row-wise and MX block scales change the FP8 rounding: after a few steps the losses
     differ from per-tensor scaled-fp8's (and stay within its precision)."""

@@ -58,6 +58,7 @@ def test_fixture_is_the_start_of_mnist_test_split(mnist):
     assert set(labels[:N_TRAIN].tolist()) == set(labels[N_TRAIN:].tolist()) == set(range(10))
 
 
+@pytest.mark.slow
 def test_float32_baseline_learns(results):
     r = results["fp32"]
     assert r.accuracy > 0.87, r.accuracy  # 0.902 measured (seed 0)
@@ -65,6 +66,7 @@ def test_float32_baseline_learns(results):
     assert r.losses[-20:].mean() < 0.1 * r.losses[:20].mean()
 
 
+@pytest.mark.slow
 def test_scaled_fp16_matches_float32(results):
     """FP16 parameters and Adam state, no loss scaling: within 1 point of float32."""
     fp32, scaled = results["fp32"], results["scaled-fp16"]
@@ -73,6 +75,7 @@ def test_scaled_fp16_matches_float32(results):
     np.testing.assert_allclose(scaled.losses[:5], fp32.losses[:5], rtol=2e-2)
 
 
+@pytest.mark.slow
 def test_plain_fp16_adam_is_unstable(results):
     """Plain FP16 Adam: eps=1e-8 is 0 in float16 and most second-moment increments underflow.
 

@@ -54,6 +54,7 @@ def test_quantizers_round_to_the_format():
     np.testing.assert_array_equal(np.asarray(grads), np.full(w.shape, 2.0))
 
 
+@pytest.mark.slow
 def test_main_trains_and_writes_results(tmp_path, monkeypatch, mnist):
     """A few steps of fp32 and posit8_es0, unscaled and scaled (the NF4 quantisers are
     tested above): losses finite and falling, accuracies above chance, the JSON log."""

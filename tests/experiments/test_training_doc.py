@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
@@ -20,6 +22,7 @@ def test_doc_has_the_three_ways():
     assert len(python_blocks(text)) >= 4
 
 
+@pytest.mark.slow
 def test_training_doc_blocks_run(capsys):
     namespace: dict = {"__name__": "training_doc"}
     for i, block in enumerate(python_blocks(DOC.read_text())):

@@ -71,7 +71,13 @@ def test_gradients_match_float32(problem, dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype", [np.float32, np.float16, ml_dtypes.bfloat16], ids=["float32", "float16", "bfloat16"]
+    "dtype",
+    [
+        pytest.param(np.float32, marks=pytest.mark.slow),
+        np.float16,
+        pytest.param(ml_dtypes.bfloat16, marks=pytest.mark.slow),
+    ],
+    ids=["float32", "float16", "bfloat16"],
 )
 def test_scan_over_layers_matches_the_unrolled_model(problem, dtype):
     """Blocks stacked and run as a `lax.scan` (a scaled carry; the scan's stacked outputs,
@@ -199,6 +205,7 @@ def test_scaled_optimizer_float16_step(problem):
         assert np.all(np.abs(new - (old + update)) <= slack), f"{name}: parameters"
 
 
+@pytest.mark.slow
 def test_float16_data_stays_in_range(problem):
     """`jsa.analysis` over the gradient computation (one block): the data of every scaled
     float16 tensor, forward and backward, has its RMS within [2^-10, 2^8] (zeros aside)."""

@@ -271,8 +271,16 @@ OPTIMIZERS = {
     ),
 }
 ON_EVERY_MODEL = ("scaled-adam-f16", "adam-bf16", "sgd-momentum-f16")
+# In the default test run: one training case per framework's idiom that costs seconds; the
+# rest (tens of seconds each, mostly compiling) run in the `slow` step (`-m slow`).
+DEFAULT_RUN = {("linen", "scaled-adam-f16"), ("nnx", "sgd-momentum-f16")}
 TRAINING = [
-    pytest.param(model, opt, id=f"{model}-{opt}")
+    pytest.param(
+        model,
+        opt,
+        id=f"{model}-{opt}",
+        marks=() if (model, opt) in DEFAULT_RUN else pytest.mark.slow,
+    )
     for model in MODELS
     for opt in OPTIMIZERS
     if model == "linen" or opt in ON_EVERY_MODEL
