@@ -22,9 +22,9 @@ import numpy as np
 from jax import lax
 
 from . import _compat
+from .define import batch_along_operand_0, define_primitive, tangent_of_operand_0
 from .scale_primitives import materialize_impl, scale_divide_p
-
-Array = Any
+from .types import Array
 
 __all__ = [
     "block_layout",
@@ -85,18 +85,13 @@ def is_block_scale(scale: Any) -> bool:
 
 # `scale` unchanged, computed once per element by XLA rather than once per data element of
 # the consumers it is broadcast into (`scale_primitives.materialize_impl`). One equation.
-materialize_p = _compat.new_primitive("materialize_block_scale")
-materialize_p.def_impl(materialize_impl)
-materialize_p.def_abstract_eval(lambda scale: scale)
-_compat.register_lowering(materialize_p, materialize_impl)
-
-
-def _materialize_jvp(primals: Any, tangents: Any) -> Any:
-    return materialize_p.bind(*primals), _compat.instantiate_zeros(tangents[0])
-
-
-_compat.register_jvp(materialize_p, _materialize_jvp)
-_compat.register_batching(materialize_p, lambda args, dims: (materialize_p.bind(*args), dims[0]))
+materialize_p = define_primitive(
+    "materialize_block_scale",
+    materialize_impl,
+    lambda scale: scale,
+    batching=batch_along_operand_0,
+    jvp=tangent_of_operand_0,
+)
 
 
 def materialize(scale: Array) -> Array:
@@ -210,24 +205,18 @@ def _block_dynamic_scale_impl(x: Array, factor: Array, *, layout: tuple[int, ...
     return [materialize_impl(scale), materialize_impl(factor.astype(_F32) * inverse)]
 
 
-# One equation for a block-wise dynamic scale (as `dynamic_scale_p` is for a tensor's):
-# (scale, factor / scale), scale the power of two of each block's largest `|x| * factor`.
-block_dynamic_scale_p = _compat.new_primitive("block_dynamic_scale", multiple_results=True)
-block_dynamic_scale_p.def_impl(_block_dynamic_scale_impl)
-block_dynamic_scale_p.def_abstract_eval(
-    lambda x, factor, *, layout: [jax.core.ShapedArray(tuple(layout), _F32)] * 2
-)
-_compat.register_lowering(block_dynamic_scale_p, _block_dynamic_scale_impl, multiple_results=True)
-
-
-def _block_dynamic_scale_jvp(primals: Any, tangents: Any, *, layout: tuple[int, ...]) -> Any:
-    scale, ratio_ = block_dynamic_scale_p.bind(*primals, layout=layout)
+def _block_dynamic_scale_jvp(
+    primitive: Any, primals: Any, tangents: Any, *, layout: tuple[int, ...]
+) -> Any:
+    scale, ratio_ = primitive.bind(*primals, layout=layout)
     dfactor = _compat.instantiate_zeros(tangents[1])
     inverse = ratio(jnp.ones_like(scale), scale)
     return [scale, ratio_], [jnp.zeros_like(scale), dfactor * inverse]
 
 
-def _block_dynamic_scale_batch(args: Any, dims: Any, *, layout: tuple[int, ...]) -> Any:
+def _block_dynamic_scale_batch(
+    primitive: Any, args: Any, dims: Any, *, layout: tuple[int, ...]
+) -> Any:
     # One scale per example and block: the batch axis becomes a leading axis of blocks.
     x, factor = args
     x_dim, f_dim = dims
@@ -238,12 +227,20 @@ def _block_dynamic_scale_batch(args: Any, dims: Any, *, layout: tuple[int, ...])
         factor = jnp.broadcast_to(factor, (size,) + tuple(layout))
     else:
         factor = jnp.broadcast_to(jnp.moveaxis(factor, f_dim, 0), (size,) + tuple(layout))
-    outs = block_dynamic_scale_p.bind(x, factor, layout=(size,) + tuple(layout))
+    outs = primitive.bind(x, factor, layout=(size,) + tuple(layout))
     return outs, [0, 0]
 
 
-_compat.register_jvp(block_dynamic_scale_p, _block_dynamic_scale_jvp)
-_compat.register_batching(block_dynamic_scale_p, _block_dynamic_scale_batch)
+# One equation for a block-wise dynamic scale (as `dynamic_scale_p` is for a tensor's):
+# (scale, factor / scale), scale the power of two of each block's largest `|x| * factor`.
+block_dynamic_scale_p = define_primitive(
+    "block_dynamic_scale",
+    _block_dynamic_scale_impl,
+    lambda x, factor, *, layout: [jax.core.ShapedArray(tuple(layout), _F32)] * 2,
+    multiple_results=True,
+    batching=_block_dynamic_scale_batch,
+    jvp=_block_dynamic_scale_jvp,
+)
 
 
 def block_pow2_scale(x: Array, layout: Sequence[int], factor: Array = 1.0) -> Array:

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, blocks
+from .types import Array
 
-Array = Any
 DTypeLike = Any
 
 __all__ = [

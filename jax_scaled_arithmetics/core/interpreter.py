@@ -32,8 +32,6 @@ __all__ = [
     "observe_equations",
 ]
 
-Array = Any
-
 
 class _State(threading.local):
     def __init__(self) -> None:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .config import Pow2RoundMode, get_autoscale_config
-
-Array = Any
+from .types import Array
 
 __all__ = [
     "pow2_floor",

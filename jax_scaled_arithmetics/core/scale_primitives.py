@@ -22,8 +22,8 @@ import numpy as np
 from jax import lax
 
 from . import _compat
-
-Array = Any
+from .define import batch_along_operand_0, define_primitive, zero_tangents
+from .types import Array
 
 __all__ = [
     "F32",
@@ -122,38 +122,33 @@ def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool =
     return materialize_impl(a * inverse)
 
 
-def _elementwise_batch(primitive: Any) -> Any:
-    def rule(args: Any, dims: Any, **params: Any) -> Any:
-        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-        moved = []
-        for x, d in zip(args, dims):
-            if d is None:
-                moved.append(lax.broadcast(x, (size,)))
-            else:
-                moved.append(jax.numpy.moveaxis(x, d, 0))
-        return primitive.bind(*moved, **params), 0
-
-    return rule
+def _elementwise_batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
+    """Batching of an elementwise primitive: every operand with the batch axis first."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    moved = []
+    for x, d in zip(args, dims):
+        if d is None:
+            moved.append(lax.broadcast(x, (size,)))
+        else:
+            moved.append(jax.numpy.moveaxis(x, d, 0))
+    return primitive.bind(*moved, **params), 0
 
 
-scale_divide_p = _compat.new_primitive("scale_divide")
-scale_divide_p.def_impl(
-    lambda a, b, **params: _scale_divide_impl(jax.numpy.asarray(a), jax.numpy.asarray(b), **params)
-)
-scale_divide_p.def_abstract_eval(lambda a, b, **params: a if a.ndim >= b.ndim else b)
-_compat.register_lowering(scale_divide_p, _scale_divide_impl)
-_compat.register_batching(scale_divide_p, _elementwise_batch(scale_divide_p))
-
-
-def _scale_divide_jvp(primals: Any, tangents: Any, **params: Any) -> Any:
+def _scale_divide_jvp(primitive: Any, primals: Any, tangents: Any, **params: Any) -> Any:
     a, b = primals
     da, db = (_compat.instantiate_zeros(t) for t in tangents)
-    out = scale_divide_p.bind(a, b, **params)
-    inverse = scale_divide_p.bind(lax.full_like(b, 1.0), b, **params)
+    out = primitive.bind(a, b, **params)
+    inverse = primitive.bind(lax.full_like(b, 1.0), b, **params)
     return out, da * inverse - out * inverse * db
 
 
-_compat.register_jvp(scale_divide_p, _scale_divide_jvp)
+scale_divide_p = define_primitive(
+    "scale_divide",
+    lambda a, b, **params: _scale_divide_impl(jax.numpy.asarray(a), jax.numpy.asarray(b), **params),
+    lambda a, b, **params: a if a.ndim >= b.ndim else b,
+    batching=_elementwise_batch,
+    jvp=_scale_divide_jvp,
+)
 
 
 def _scale_root_impl(scale: Array, *, degree: int, round_up: bool) -> Array:
@@ -166,19 +161,12 @@ def _scale_root_impl(scale: Array, *, degree: int, round_up: bool) -> Array:
     return lax.bitcast_convert_type(lax.shift_left(root + np.int32(127), np.int32(23)), F32)
 
 
-scale_root_p = _compat.new_primitive("scale_root")
-scale_root_p.def_impl(_scale_root_impl)
-scale_root_p.def_abstract_eval(lambda scale, **params: scale)
-_compat.register_lowering(scale_root_p, _scale_root_impl)
-_compat.register_batching(
-    scale_root_p, lambda args, dims, **params: (scale_root_p.bind(*args, **params), dims[0])
-)
-_compat.register_jvp(
-    scale_root_p,
-    lambda primals, tangents, **params: (
-        scale_root_p.bind(*primals, **params),
-        lax.full_like(primals[0], 0),
-    ),
+scale_root_p = define_primitive(
+    "scale_root",
+    _scale_root_impl,
+    lambda scale, **params: scale,
+    batching=batch_along_operand_0,
+    jvp=zero_tangents,  # a chosen scale: no derivative
 )
 
 
@@ -196,20 +184,21 @@ def _reciprocal(scale: Array, pow2: bool = False) -> Array:
 
 def _multi_output(name: str, impl: Any, jvp: Any, count: Any) -> Any:
     """A primitive of scalar scales with `count(num_operands, **params)` scalar outputs."""
-    primitive = _compat.new_primitive(name, multiple_results=True)
-    primitive.def_impl(lambda *scales, **params: impl(*map(jax.numpy.asarray, scales), **params))
-    primitive.def_abstract_eval(
-        lambda *scales, **params: [max(scales, key=lambda a: a.ndim)] * count(len(scales), **params)
-    )
-    _compat.register_lowering(primitive, impl, multiple_results=True)
 
-    def batch(args: Any, dims: Any, **params: Any) -> Any:
-        outs, _ = _elementwise_batch(primitive)(args, dims, **params)
+    def batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
+        outs, _ = _elementwise_batch(primitive, args, dims, **params)
         return outs, [0] * len(outs)
 
-    _compat.register_batching(primitive, batch)
-    _compat.register_jvp(primitive, jvp)
-    return primitive
+    return define_primitive(
+        name,
+        lambda *scales, **params: impl(*map(jax.numpy.asarray, scales), **params),
+        lambda *scales, **params: (
+            [max(scales, key=lambda a: a.ndim)] * count(len(scales), **params)
+        ),
+        multiple_results=True,
+        batching=batch,
+        jvp=jvp,
+    )
 
 
 # --- the largest of several scales, and each one's ratio to it ------------------------------
@@ -228,8 +217,10 @@ def _common_scale_impl(*scales: Array, num_wanted: int, pow2: bool) -> list[Arra
     return [common, *(scale * inverse for scale in scales)]
 
 
-def _common_scale_jvp(primals: Any, tangents: Any, *, num_wanted: int, pow2: bool) -> Any:
-    common, *ratios = common_scale_p.bind(*primals, num_wanted=num_wanted, pow2=pow2)
+def _common_scale_jvp(
+    primitive: Any, primals: Any, tangents: Any, *, num_wanted: int, pow2: bool
+) -> Any:
+    common, *ratios = primitive.bind(*primals, num_wanted=num_wanted, pow2=pow2)
     inverse = _reciprocal(common, pow2=True)
     # The common scale is a choice (no derivative); each ratio is linear in its scale.
     out_tangents = [lax.full_like(common, 0)]
@@ -283,8 +274,10 @@ def _scale_product_impl(*scales: Array, powers: tuple[int, ...], pow2: bool) -> 
     return [out, ratio]
 
 
-def _scale_product_jvp(primals: Any, tangents: Any, *, powers: tuple[int, ...], pow2: bool) -> Any:
-    out, ratio = scale_product_p.bind(*primals, powers=powers, pow2=pow2)
+def _scale_product_jvp(
+    primitive: Any, primals: Any, tangents: Any, *, powers: tuple[int, ...], pow2: bool
+) -> Any:
+    out, ratio = primitive.bind(*primals, powers=powers, pow2=pow2)
     inverse = _reciprocal(out, pow2=True)
     # out is a choice (no derivative); ratio = product / out carries d product / out.
     tangent = lax.full_like(ratio, 0)
@@ -334,19 +327,14 @@ _SCALE_MIN_BITS = np.int32((127 - 124) << 23)
 _SCALE_MAX_BITS = np.int32((127 + 126) << 23)
 _ONE_BITS = np.int32(127 << 23)
 
-dynamic_scale_p = _compat.new_primitive("dynamic_scale", multiple_results=True)
-dynamic_scale_p.def_impl(_dynamic_scale_impl)
-dynamic_scale_p.def_abstract_eval(lambda x, factor: [_compat.scalar_aval_like(x, F32)] * 2)
-_compat.register_lowering(dynamic_scale_p, _dynamic_scale_impl, multiple_results=True)
 
-
-def _dynamic_scale_batch(args: Any, dims: Any) -> Any:
+def _dynamic_scale_batch(primitive: Any, args: Any, dims: Any) -> Any:
     # One scale for the whole batch: any positive scale represents the values, and one
     # that stays a scalar keeps `vmap`'s scales unbatched.
     x, factor = args
     x_dim, factor_dim = dims
     if factor_dim is None:
-        return dynamic_scale_p.bind(x, factor), [None, None]
+        return primitive.bind(x, factor), [None, None]
     # One factor per example: applied to its example's values; the ratio is per example.
     factor = jax.numpy.moveaxis(factor, factor_dim, 0)
     if x_dim is None:
@@ -354,19 +342,25 @@ def _dynamic_scale_batch(args: Any, dims: Any) -> Any:
     else:
         x = jax.numpy.moveaxis(x, x_dim, 0)
     scaled = x * factor.reshape(factor.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
-    scale, inverse = dynamic_scale_p.bind(scaled, np.float32(1.0))
+    scale, inverse = primitive.bind(scaled, np.float32(1.0))
     return [scale, factor.astype(F32) * inverse], [None, 0]
 
 
-def _dynamic_scale_jvp(primals: Any, tangents: Any) -> Any:
-    scale, ratio = dynamic_scale_p.bind(*primals)
+def _dynamic_scale_jvp(primitive: Any, primals: Any, tangents: Any) -> Any:
+    scale, ratio = primitive.bind(*primals)
     # The scale is a choice (no derivative); ratio = factor / scale is linear in factor.
     dfactor = _compat.instantiate_zeros(tangents[1])
     return [scale, ratio], [lax.full_like(scale, 0), dfactor * _reciprocal(scale, pow2=True)]
 
 
-_compat.register_batching(dynamic_scale_p, _dynamic_scale_batch)
-_compat.register_jvp(dynamic_scale_p, _dynamic_scale_jvp)
+dynamic_scale_p = define_primitive(
+    "dynamic_scale",
+    _dynamic_scale_impl,
+    lambda x, factor: [_compat.scalar_aval_like(x, F32)] * 2,
+    multiple_results=True,
+    batching=_dynamic_scale_batch,
+    jvp=_dynamic_scale_jvp,
+)
 
 
 def dynamic_scale(y: Array) -> Array:

@@ -25,6 +25,7 @@ from ..core import registry
 from ..core.config import Pow2RoundMode
 from ..core.datatype import ScaledArray, is_floating
 from ..core.pow2 import pow2_round, static_pow2
+from ..core.types import Array
 from .scales import (
     SCALE_MIN,
     apply_ratio,
@@ -38,8 +39,6 @@ from .scales import (
     scale_mul,
     static_value,
 )
-
-Array = Any
 
 __all__ = [
     "compute_dtype",

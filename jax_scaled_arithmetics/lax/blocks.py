@@ -66,11 +66,11 @@ from jax import lax
 
 from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_floating
+from ..core.types import Array
 from .base import compute_dtype
 from .indexing import scatter_update_params
 from .scales import static_value
 
-Array = Any
 _F32 = np.dtype(np.float32)
 
 

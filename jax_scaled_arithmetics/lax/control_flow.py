@@ -36,6 +36,7 @@ the original construct over those leaves:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,11 +78,15 @@ def _expand_per_value(values: Sequence[Any], specs: Sequence[Any], name: str) ->
     return tuple(out)
 
 
-@registry.register_scaled_op(
+# Every higher-order primitive's rule: run for scaled and plain operands alike, operands
+# as they are (the rule interprets the inner jaxprs itself).
+_higher_order = functools.partial(
+    registry.register_scaled_op, always_scaled=True, promote=False, family="higher-order"
+)
+
+
+@_higher_order(
     _compat.jit_p,
-    always_scaled=True,
-    promote=False,
-    family="higher-order",
     remark="kept as a sub-call with its shardings, layouts and donation; static scales kept",
 )
 def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
@@ -100,11 +105,8 @@ def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
     return unflatten_compact(outs, out_specs, scales_of=args)
 
 
-@registry.register_scaled_op(
+@_higher_order(
     _compat.closed_call_p,
-    always_scaled=True,
-    promote=False,
-    family="higher-order",
     remark="inlined (a closed_call has no behaviour of its own)",
 )
 def scaled_closed_call(*args: Any, call_jaxpr: Any, **params: Any) -> list[Any]:
@@ -112,11 +114,8 @@ def scaled_closed_call(*args: Any, call_jaxpr: Any, **params: Any) -> list[Any]:
     return registry.interpret_closed_jaxpr(call_jaxpr, args, operand_constants())
 
 
-@registry.register_scaled_op(
+@_higher_order(
     _compat.remat_p,
-    always_scaled=True,
-    promote=False,
-    family="higher-order",
     remark="checkpoint kept, with its policy",
 )
 def scaled_remat(*args: Any, jaxpr: Any, prevent_cse: Any, **params: Any) -> list[Any]:
@@ -220,11 +219,8 @@ class _ScaledPrimal:
         return self.coerce(registry.interpret_closed_jaxpr(self.call_jaxpr, values, self.known))
 
 
-@registry.register_scaled_op(
+@_higher_order(
     _compat.custom_jvp_call_p,
-    always_scaled=True,
-    promote=False,
-    family="higher-order",
     remark="the user's JVP rule is kept, and run scaled",
 )
 def scaled_custom_jvp_call(
@@ -306,11 +302,8 @@ def _leaf_cotangents(primal_in: Any, value_ct: Any) -> list[Any]:
     return [ct_data, ct_scale]
 
 
-@registry.register_scaled_op(
+@_higher_order(
     _compat.custom_vjp_call_p,
-    always_scaled=True,
-    promote=False,
-    family="higher-order",
     remark="the user's fwd/bwd rules are kept, and run scaled",
 )
 def scaled_custom_vjp_call(
@@ -545,11 +538,8 @@ def _scan_x(x: Any, length: int) -> tuple[Any, bool]:
     return _per_tensor(x), False
 
 
-@registry.register_scaled_op(
+@_higher_order(
     _compat.scan_p,
-    always_scaled=True,
-    promote=False,
-    family="higher-order",
     remark="lax.scan over leaves; carries promoted to a fixed point; stacked outputs and "
     "inputs one scale per iteration",
 )
@@ -690,11 +680,8 @@ def _unbatch_predicate(
     return jax.make_jaxpr(any_cond)(*avals), jax.make_jaxpr(select_body)(*body_avals)
 
 
-@registry.register_scaled_op(
+@_higher_order(
     _compat.while_p,
-    always_scaled=True,
-    promote=False,
-    family="higher-order",
     remark="lax.while_loop over leaves; carries promoted to a fixed point",
 )
 def scaled_while(
@@ -753,11 +740,8 @@ def scaled_while(
     return unflatten_scaled(out_leaves, carry_specs)
 
 
-@registry.register_scaled_op(
+@_higher_order(
     _compat.cond_p,
-    always_scaled=True,
-    promote=False,
-    family="higher-order",
     remark="lax.switch over leaves; an output scaled in one branch is scaled in all",
 )
 def scaled_cond(index: Any, *operands: Any, branches: Sequence[Any], **params: Any) -> list[Any]:

@@ -33,6 +33,7 @@ from ..core.config import Pow2RoundMode, get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.pow2 import pow2_floor, pow2_round_up, static_pow2
 from ..core.registry import operand_constants
+from ..core.types import Array
 from .base import (
     compute_dtype,
     register_common_scale,
@@ -53,8 +54,6 @@ from .scales import (
     scale_sqrt,
     static_value,
 )
-
-Array = Any
 
 _REGISTERED_BEFORE = frozenset(registry.coverage())
 

@@ -17,6 +17,7 @@ from jax import lax
 from ..core import registry
 from ..core.datatype import ScaledArray
 from ..core.pow2 import pow2_round, static_pow2
+from ..core.types import Array
 from .base import (
     compute_dtype,
     register_common_scale,
@@ -26,8 +27,6 @@ from .base import (
     to_common_scale,
     unscaled_value,
 )
-
-Array = Any
 
 
 def masked_data(x: ScaledArray) -> Array:

@@ -45,9 +45,8 @@ from jax import lax
 
 from ..core import _compat, registry
 from ..core.datatype import ScaledArray
+from ..core.types import Array
 from .base import choose_scale, compute_dtype, dynamic_scale_of, safe_div, scaled_output
-
-Array = Any
 
 __all__ = ["packed_scale"]
 

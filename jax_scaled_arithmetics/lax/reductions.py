@@ -30,8 +30,6 @@ from .base import (
 from .indexing import masked_data, renormalised
 from .linalg import represent_accumulation
 
-Array = Any
-
 
 def _sum_rule(primitive: Any, count_of: Any) -> Any:
     """A sum of `count_of(x, params)` values, accumulated in float32, scale times `t`."""

@@ -45,8 +45,8 @@ from ..core.scale_primitives import (
     scale_product_p,
     scale_root_p,
 )
+from ..core.types import Array
 
-Array = Any
 Factor = tuple[Any, int]
 
 __all__ = [

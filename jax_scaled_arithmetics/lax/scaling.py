@@ -18,6 +18,14 @@ import numpy as np
 
 from ..core import _compat, blocks, registry
 from ..core.datatype import ScaledArray, is_floating
+from ..core.define import (
+    batch_along_operand_0,
+    batch_along_operand_0_if_unbatched,
+    define_primitive,
+    identity_on_operand_0,
+    tangent_of_operand_0,
+)
+from ..core.types import Array
 from .scales import as_f32, at_scale, same_scale, scale_div, static_value
 
 __all__ = [
@@ -29,8 +37,6 @@ __all__ = [
     "rebalance_by",
     "block_rebalance_by",
 ]
-
-Array = Any
 
 
 def _plain(x: Any) -> Any:
@@ -58,34 +64,15 @@ def _usable_factor(value: Any, name: str, what: str, fallback: Any) -> Any:
     return jnp.where(valid, value, jnp.asarray(fallback, value.dtype))
 
 
-def _check_unbatched(dim: Any, what: str, name: str) -> None:
-    if dim is not None:
-        raise ValueError(
-            f"{name}: the {what} must be the same for the whole batch (a scalar), but it is "
-            f"batched by vmap."
-        )
-
-
 # --- set_scaling -------------------------------------------------------------------------
 
-set_scaling_p = _compat.new_primitive("set_scaling")
-set_scaling_p.def_impl(lambda x, scale: x)
-set_scaling_p.def_abstract_eval(lambda x, scale: x)
-_compat.register_lowering(set_scaling_p, lambda x, scale: x)
-
-
-def _set_scaling_batch(args: Any, dims: Any) -> Any:
-    _check_unbatched(dims[1], "scale", "set_scaling")
-    return set_scaling_p.bind(*args), dims[0]
-
-
-def _set_scaling_jvp(primals: Any, tangents: Any) -> Any:
-    x_dot = _compat.instantiate_zeros(tangents[0])
-    return set_scaling_p.bind(*primals), x_dot
-
-
-_compat.register_batching(set_scaling_p, _set_scaling_batch)
-_compat.register_jvp(set_scaling_p, _set_scaling_jvp)
+set_scaling_p = define_primitive(
+    "set_scaling",
+    identity_on_operand_0,
+    identity_on_operand_0,
+    batching=batch_along_operand_0_if_unbatched(scale=1),
+    jvp=tangent_of_operand_0,
+)
 
 
 @registry.register_scaled_op(
@@ -140,29 +127,23 @@ def set_scaling(x: Array, scale: Array) -> Any:
 
 # --- stop_scaling ------------------------------------------------------------------------
 
-stop_scaling_p = _compat.new_primitive("stop_scaling")
-
 
 def _stop_scaling_impl(x: Array, *, dtype: Any) -> Array:
     return x if dtype is None else jax.lax.convert_element_type(x, dtype)
 
 
-stop_scaling_p.def_impl(_stop_scaling_impl)
-stop_scaling_p.def_abstract_eval(
-    lambda x, *, dtype: x if dtype is None else x.update(dtype=jnp.dtype(dtype), weak_type=False)
-)
-_compat.register_lowering(stop_scaling_p, _stop_scaling_impl)
-_compat.register_batching(
-    stop_scaling_p, lambda args, dims, *, dtype: (stop_scaling_p.bind(*args, dtype=dtype), dims[0])
-)
-
-
-def _stop_scaling_jvp(primals: Any, tangents: Any, *, dtype: Any) -> Any:
+def _stop_scaling_jvp(primitive: Any, primals: Any, tangents: Any, *, dtype: Any) -> Any:
     x_dot = _compat.instantiate_zeros(tangents[0])
-    return stop_scaling_p.bind(*primals, dtype=dtype), _stop_scaling_impl(x_dot, dtype=dtype)
+    return primitive.bind(*primals, dtype=dtype), _stop_scaling_impl(x_dot, dtype=dtype)
 
 
-_compat.register_jvp(stop_scaling_p, _stop_scaling_jvp)
+stop_scaling_p = define_primitive(
+    "stop_scaling",
+    _stop_scaling_impl,
+    lambda x, *, dtype: x if dtype is None else x.update(dtype=jnp.dtype(dtype), weak_type=False),
+    batching=batch_along_operand_0,
+    jvp=_stop_scaling_jvp,
+)
 
 
 @registry.register_scaled_op(
@@ -200,28 +181,25 @@ def stop_scaling(x: Array, dtype: Any = None) -> Array:
 
 # --- get_data_scale ----------------------------------------------------------------------
 
-get_data_scale_p = _compat.new_primitive("get_data_scale", multiple_results=True)
-
 
 def _get_data_scale_impl(x: Array) -> list[Array]:
     return [x, jnp.ones((), jnp.float32)]
 
 
-get_data_scale_p.def_impl(_get_data_scale_impl)
-get_data_scale_p.def_abstract_eval(lambda x: [x, jax.core.ShapedArray((), jnp.float32)])
-_compat.register_lowering(get_data_scale_p, _get_data_scale_impl, multiple_results=True)
-_compat.register_batching(
-    get_data_scale_p, lambda args, dims: (get_data_scale_p.bind(*args), [dims[0], None])
-)
-
-
-def _get_data_scale_jvp(primals: Any, tangents: Any) -> Any:
-    data, scale = get_data_scale_p.bind(*primals)
+def _get_data_scale_jvp(primitive: Any, primals: Any, tangents: Any) -> Any:
+    data, scale = primitive.bind(*primals)
     x_dot = _compat.instantiate_zeros(tangents[0])
     return [data, scale], [x_dot, jnp.zeros_like(scale)]
 
 
-_compat.register_jvp(get_data_scale_p, _get_data_scale_jvp)
+get_data_scale_p = define_primitive(
+    "get_data_scale",
+    _get_data_scale_impl,
+    lambda x: [x, jax.core.ShapedArray((), jnp.float32)],
+    multiple_results=True,
+    batching=lambda primitive, args, dims: (primitive.bind(*args), [dims[0], None]),
+    jvp=_get_data_scale_jvp,
+)
 
 
 @registry.register_scaled_op(
@@ -253,23 +231,13 @@ def get_data_scale(x: Array) -> tuple[Array, Array]:
 
 # --- rebalance ---------------------------------------------------------------------------
 
-rebalance_p = _compat.new_primitive("rebalance")
-rebalance_p.def_impl(lambda x, factor: x)
-rebalance_p.def_abstract_eval(lambda x, factor: x)
-_compat.register_lowering(rebalance_p, lambda x, factor: x)
-
-
-def _rebalance_batch(args: Any, dims: Any) -> Any:
-    _check_unbatched(dims[1], "factor", "rebalance")
-    return rebalance_p.bind(*args), dims[0]
-
-
-def _rebalance_jvp(primals: Any, tangents: Any) -> Any:
-    return rebalance_p.bind(*primals), _compat.instantiate_zeros(tangents[0])
-
-
-_compat.register_batching(rebalance_p, _rebalance_batch)
-_compat.register_jvp(rebalance_p, _rebalance_jvp)
+rebalance_p = define_primitive(
+    "rebalance",
+    identity_on_operand_0,
+    identity_on_operand_0,
+    batching=batch_along_operand_0_if_unbatched(factor=1),
+    jvp=tangent_of_operand_0,
+)
 
 
 @registry.register_scaled_op(
@@ -337,8 +305,6 @@ def rebalance(x: Array, factor: Array) -> Any:
 # or the array itself when it is plain. Casts to FP8 and format simulation act on the stored
 # data, whose range the scale was chosen for, not on the represented value.
 
-apply_to_data_p = _compat.new_primitive("apply_to_data")
-
 
 def _apply_to_data_impl(x: Array, *extra: Array, fn: Any) -> Array:
     return fn(x, *extra)
@@ -353,11 +319,6 @@ def _apply_to_data_abstract_eval(x: Any, *extra: Any, fn: Any) -> Any:
     return x.update(shape=out.shape, dtype=out.dtype, weak_type=False)
 
 
-apply_to_data_p.def_impl(_apply_to_data_impl)
-apply_to_data_p.def_abstract_eval(_apply_to_data_abstract_eval)
-_compat.register_lowering(apply_to_data_p, _apply_to_data_impl)
-
-
 @dataclasses.dataclass(frozen=True)
 class _MappedOverBatch:
     """`fn` mapped over the leading axis of its operands (`None` in `in_axes`: not mapped)."""
@@ -369,9 +330,9 @@ class _MappedOverBatch:
         return jax.vmap(self.fn, in_axes=self.in_axes)(*args)
 
 
-def _apply_to_data_batch(args: Any, dims: Any, *, fn: Any) -> Any:
+def _apply_to_data_batch(primitive: Any, args: Any, dims: Any, *, fn: Any) -> Any:
     if all(dim is None for dim in dims[1:]):  # `fn` is elementwise in the data
-        return apply_to_data_p.bind(*args, fn=fn), dims[0]
+        return primitive.bind(*args, fn=fn), dims[0]
     # A batched extra operand (one PRNG key per batch element): map `fn` itself over the
     # batch, with the data's batch axis first (broadcast when only the extras are batched).
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
@@ -379,18 +340,23 @@ def _apply_to_data_batch(args: Any, dims: Any, *, fn: Any) -> Any:
     x = jnp.broadcast_to(x, (size, *x.shape)) if dims[0] is None else jnp.moveaxis(x, dims[0], 0)
     extra = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args[1:], dims[1:])]
     in_axes = (0, *(None if d is None else 0 for d in dims[1:]))
-    return apply_to_data_p.bind(x, *extra, fn=_MappedOverBatch(fn, in_axes)), 0
+    return primitive.bind(x, *extra, fn=_MappedOverBatch(fn, in_axes)), 0
 
 
-def _apply_to_data_jvp(primals: Any, tangents: Any, *, fn: Any) -> Any:
-    out = apply_to_data_p.bind(*primals, fn=fn)
+def _apply_to_data_jvp(primitive: Any, primals: Any, tangents: Any, *, fn: Any) -> Any:
+    out = primitive.bind(*primals, fn=fn)
     # Straight-through: the tangent passes unchanged (in the output's dtype).
     x_dot = _compat.instantiate_zeros(tangents[0])
     return out, jax.lax.convert_element_type(x_dot, out.dtype)
 
 
-_compat.register_batching(apply_to_data_p, _apply_to_data_batch)
-_compat.register_jvp(apply_to_data_p, _apply_to_data_jvp)
+apply_to_data_p = define_primitive(
+    "apply_to_data",
+    _apply_to_data_impl,
+    _apply_to_data_abstract_eval,
+    batching=_apply_to_data_batch,
+    jvp=_apply_to_data_jvp,
+)
 
 
 @registry.register_scaled_op(

@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.datatype import ScaledArray, is_floating
+from ..core.types import Array
 from ..tree._src import leaves as _tree_leaves
 from ..tree._src import map as _tree_map
-
-Array = Any
 
 __all__ = [
     "LossScale",

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from ..core.datatype import ScaledArray, is_floating
 from ..core.interpreter import autoscale
+from ..core.types import Array
 from ..lax.scaling import apply_to_data
 from ..quantization import float_quantize, get_format
 
@@ -37,8 +38,6 @@ __all__ = [
     "reduce_precision_on_backward",
     "quantizer",
 ]
-
-Array = Any
 
 
 @dataclasses.dataclass(frozen=True)

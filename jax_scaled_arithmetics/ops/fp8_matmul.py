@@ -51,13 +51,12 @@ from jax import lax
 
 from ..core.datatype import ScaledArray
 from ..core.interpreter import autoscale
+from ..core.types import Array
 from ..quantization import block_fake_quantize, float_quantize, get_format
 from ..quantization.block import mx_element_format
 from ..quantization.formats import FloatFormat
 
 __all__ = ["mx_matmul", "rowwise_fp8_matmul", "tensorwise_fp8_matmul"]
-
-Array = Any
 
 _MIN_SCALE_EXP = -126
 _MAX_SCALE_EXP = 126  # doubled once at most: 2^127

@@ -18,10 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import _compat, blocks, registry
+from ..core import blocks, registry
 from ..core.datatype import ScaledArray, is_array, is_floating, is_scaled_leaf
+from ..core.define import (
+    define_primitive,
+    identity_on_operand_0,
+    tangent_of_operand_0,
+    zero_tangents,
+)
 from ..core.interpreter import autoscale
 from ..core.scale_primitives import mark_pow2
+from ..core.types import Array
 from ..lax.scaling import block_rebalance_by, rebalance_by
 
 __all__ = [
@@ -37,7 +44,6 @@ __all__ = [
     "rescale_factor_p",
 ]
 
-Array = Any
 ScaleShape = Sequence[int] | Callable[[tuple[int, ...]], Sequence[int]] | None
 DEFAULT_EPSILON = 2.0**-60
 _F32 = np.dtype(np.float32)
@@ -134,25 +140,23 @@ def _scaled(data: Array, scale: Array, dtype: Any) -> ScaledArray:
 # a ScaledArray `x` gets one new power-of-two scale per block of `layout` (None: its own
 # layout), so that each block's `norm` of the data is in [1, 2).
 
-dynamic_rescale_p = _compat.new_primitive("dynamic_rescale")
-dynamic_rescale_p.def_impl(lambda x, **_: x)
-dynamic_rescale_p.def_abstract_eval(lambda x, **_: x)
-_compat.register_lowering(dynamic_rescale_p, lambda x, **_: x)
 
-
-def _dynamic_rescale_jvp(primals: Any, tangents: Any, **params: Any) -> Any:
-    return dynamic_rescale_p.bind(*primals, **params), _compat.instantiate_zeros(tangents[0])
-
-
-def _dynamic_rescale_batch(args: Any, dims: Any, *, layout: Any, **params: Any) -> Any:
+def _dynamic_rescale_batch(
+    primitive: Any, args: Any, dims: Any, *, layout: Any, **params: Any
+) -> Any:
     (x,), (dim,) = args, dims
     if layout is not None and dim is not None:  # one block per example along the batch axis
         layout = tuple(layout[:dim]) + (x.shape[dim],) + tuple(layout[dim:])
-    return dynamic_rescale_p.bind(x, layout=layout, **params), dim
+    return primitive.bind(x, layout=layout, **params), dim
 
 
-_compat.register_jvp(dynamic_rescale_p, _dynamic_rescale_jvp)
-_compat.register_batching(dynamic_rescale_p, _dynamic_rescale_batch)
+dynamic_rescale_p = define_primitive(
+    "dynamic_rescale",
+    identity_on_operand_0,
+    identity_on_operand_0,
+    batching=_dynamic_rescale_batch,
+    jvp=tangent_of_operand_0,
+)
 
 
 # `rescale_factor_p(data; norm, epsilon, shift, axes)`: the power of two `2^(shift - e)`,
@@ -178,32 +182,26 @@ def _rescale_factor_impl(
     return lax.bitcast_convert_type(lax.clamp(np.int32(1 << 23), out, np.int32(254 << 23)), _F32)
 
 
-rescale_factor_p = _compat.new_primitive("rescale_factor")
-rescale_factor_p.def_impl(_rescale_factor_impl)
-rescale_factor_p.def_abstract_eval(
+def _rescale_factor_batch(
+    primitive: Any, args: Any, dims: Any, *, axes: tuple[int, ...], **params: Any
+) -> Any:
+    (data,), (dim,) = args, dims
+    data = jnp.moveaxis(data, dim, 0)
+    axes = tuple(a + 1 if a >= 0 else a for a in axes)  # the batch axis is kept
+    return primitive.bind(data, axes=axes, **params), 0
+
+
+rescale_factor_p = define_primitive(
+    "rescale_factor",
+    _rescale_factor_impl,
     lambda data, *, axes, **_: data.update(
         shape=tuple(d for i, d in enumerate(data.shape) if i not in axes),
         dtype=_F32,
         weak_type=False,
-    )
+    ),
+    batching=_rescale_factor_batch,
+    jvp=zero_tangents,  # a choice of representation: no derivative
 )
-_compat.register_lowering(rescale_factor_p, _rescale_factor_impl)
-
-
-def _rescale_factor_batch(args: Any, dims: Any, *, axes: tuple[int, ...], **params: Any) -> Any:
-    (data,), (dim,) = args, dims
-    data = jnp.moveaxis(data, dim, 0)
-    axes = tuple(a + 1 if a >= 0 else a for a in axes)  # the batch axis is kept
-    return rescale_factor_p.bind(data, axes=axes, **params), 0
-
-
-def _rescale_factor_jvp(primals: Any, tangents: Any, **params: Any) -> Any:
-    out = rescale_factor_p.bind(*primals, **params)
-    return out, jnp.zeros_like(out)  # a choice of representation: no derivative
-
-
-_compat.register_batching(rescale_factor_p, _rescale_factor_batch)
-_compat.register_jvp(rescale_factor_p, _rescale_factor_jvp)
 
 
 def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float, shift: int) -> ScaledArray:
@@ -247,17 +245,7 @@ registry.register_block_rule(dynamic_rescale_p, scaled_dynamic_rescale)
 # ScaledArray (a plain `x` gets scale 1) on the block layout of `like`'s scale (per tensor
 # when `like` has a scalar scale or none), each block at the largest of `x`'s scales within
 # it. Optimizer states use it to keep their layout from step to step.
-match_layout_p = _compat.new_primitive("match_layout")
-match_layout_p.def_impl(lambda x, like: x)
-match_layout_p.def_abstract_eval(lambda x, like: x)
-_compat.register_lowering(match_layout_p, lambda x, like: x)
-
-
-def _match_layout_jvp(primals: Any, tangents: Any) -> Any:
-    return match_layout_p.bind(*primals), _compat.instantiate_zeros(tangents[0])
-
-
-def _match_layout_batch(args: Any, dims: Any) -> Any:
+def _match_layout_batch(primitive: Any, args: Any, dims: Any) -> Any:
     x, like = args
     x_dim, like_dim = dims
     if x_dim is None:
@@ -265,11 +253,16 @@ def _match_layout_batch(args: Any, dims: Any) -> Any:
     else:
         x = jnp.moveaxis(x, x_dim, 0)
     like = like if like_dim is None else jnp.moveaxis(like, like_dim, 0)
-    return match_layout_p.bind(x, like), 0
+    return primitive.bind(x, like), 0
 
 
-_compat.register_jvp(match_layout_p, _match_layout_jvp)
-_compat.register_batching(match_layout_p, _match_layout_batch)
+match_layout_p = define_primitive(
+    "match_layout",
+    identity_on_operand_0,
+    identity_on_operand_0,
+    batching=_match_layout_batch,
+    jvp=tangent_of_operand_0,
+)
 
 
 @registry.register_scaled_op(

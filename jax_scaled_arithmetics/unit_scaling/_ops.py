@@ -28,11 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..core.types import Array
 from ._scale import Constraint, apply_constraint, check_constraint, multiply, scaled_call
 from ._scale import scale_bwd as scale_bwd
 from ._scale import scale_fwd as scale_fwd
-
-Array = Any
 
 __all__ = [
     "add",

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Array = Any
+from ..core.types import Array
 
 Constraint: TypeAlias = Literal["gmean", "to_output_scale", "to_grad_input_scale"] | None
 """How an op ties its output factor to the grad factors of its activation operands.
