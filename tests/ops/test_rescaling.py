@@ -226,3 +226,19 @@ def test_rebalance_keeps_block_scales_inside_autoscale():
     assert y.scale.shape == (M, 1)
     np.testing.assert_array_equal(y.scale, x.scale / 4)
     np.testing.assert_array_equal(y.to_array(), x.to_array())
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("norm", ["max", "l1", "l2"])
+def test_dynamic_rescale_under_vmap_of_autoscale(norm, jit):
+    """`jsa.vmap` of an autoscaled rescale: each example gets its own power of two inside
+    (the `rescale_factor` primitive batched), the values are unchanged, and the batch's
+    output has the largest example's scale."""
+    rescale = getattr(jsa.ops, f"dynamic_rescale_{norm}")
+    data = jnp.array([[1.0, -2.0, 0.5], [1e-3, 2e-3, -4e-3], [100.0, 3.0, 0.0]], jnp.float32)
+    x = jsa.ScaledArray(data, jnp.float32(2.0))
+    fn = jsa.vmap(jsa.autoscale(lambda a: rescale(a * 1.0)))
+    out = (jax.jit(fn) if jit else fn)(x)
+    np.testing.assert_array_equal(jsa.asarray(out), data * 2.0)
+    per_example = [rescale(jsa.ScaledArray(row, jnp.float32(2.0))).scale for row in data]
+    assert float(out.scale) == max(float(s) for s in per_example)
