@@ -455,7 +455,14 @@ def autoscale(
 
     It composes with `jit`, `vmap` and `grad` in either order. Inside another
     `autoscale`, it is the identity (the outer transform already scales
-    everything).
+    everything). `autoscale(jax.grad(f))` returns gradients as ScaledArrays;
+    `jax.grad(autoscale(f))` differentiates with respect to the pytree leaves, so the
+    gradient of a ScaledArray argument is `ScaledArray(dL/d data, dL/d scale)`: two
+    cotangents, not a value to call `to_array` on.
+
+    It traces `fun` at every call (nothing is cached, so what `fun` closes over is read
+    when it is called); under `jax.jit` that is once per compilation. A ScaledArray
+    argument with a concrete scale that is NaN, infinite or negative is refused.
 
     Args:
         fun: the function to transform; pytrees in and out.
@@ -465,6 +472,9 @@ def autoscale(
 
     Raises:
         NotImplementedError: an equation with a scaled input has no rule.
+        ValueError: a ScaledArray argument's concrete scale is NaN, infinite or negative,
+            or its shape is not a block layout of its data.
+        TypeError: a ScaledArray argument's data or scale is not floating point.
 
     Examples:
         >>> import jax.numpy as jnp
