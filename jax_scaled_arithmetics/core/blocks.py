@@ -94,6 +94,26 @@ materialize_p = define_primitive(
 )
 
 
+def _materialize_scalar_impl(x: Array) -> Array:
+    one = lax.convert_element_type(lax.eq(x, x), x.dtype)
+    return lax.div(x, one)
+
+
+materialize_scalar_p = define_primitive(
+    "materialize_scalar",
+    _materialize_scalar_impl,
+    lambda x: x,
+    batching=batch_along_operand_0,
+    jvp=tangent_of_operand_0,
+)
+
+
+def materialize_scalar(x: Array) -> Array:
+    """`x` unchanged, computed once by XLA rather than copied into every kernel that reads
+    it (see `scale_primitives.materialize_impl`, which leaves scalars alone)."""
+    return materialize_scalar_p.bind(x)
+
+
 def materialize(scale: Array) -> Array:
     """`scale` unchanged, computed once per block by XLA rather than once per data element
     of the consumers it is broadcast into (for block scales computed by `lax` operations;

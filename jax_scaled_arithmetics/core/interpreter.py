@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -23,6 +24,7 @@ from .datatype import (
 )
 from .promotion import promote_to_scaled
 from .registry import operand_constants
+from .scale_primitives import is_pow2, mark_pow2
 
 __all__ = [
     "autoscale",
@@ -260,6 +262,29 @@ def _per_tensor(value: Any) -> Any:
     return value
 
 
+# A scalar ScaledArray read by this many equations or more is computed once: its data (when
+# it is a scalar) and its traced scale end in a division, which XLA does not copy into each
+# consumer's kernel (it copies cheap scalar chains, such as the scale algebra's exponent-bit
+# arithmetic, into every kernel that reads them: `clip_by_global_norm`'s factor, a chain
+# through every leaf's sum, went into each leaf's kernel).
+_FAN_OUT = 3
+
+
+def _materialized(x: ScaledArray) -> ScaledArray:
+    """A scalar ScaledArray (a global norm, a clipping factor) with its traced data and
+    scale each computed once. Tensors are left alone: their scale is shared by identity with
+    the values it came from (`same_scale`), which a new tracer would hide."""
+    if np.ndim(x.data) != 0 or not _compat.is_tracer(x.data):
+        return x
+    scale = x.scale
+    if np.ndim(scale) == 0 and _compat.is_tracer(scale):
+        pow2 = is_pow2(scale)
+        scale = blocks.materialize_scalar(scale)
+        if pow2:
+            mark_pow2(scale)
+    return ScaledArray(blocks.materialize_scalar(x.data), scale)
+
+
 def interpret_jaxpr(
     jaxpr: _compat.Jaxpr,
     consts: Sequence[Any],
@@ -292,6 +317,9 @@ def interpret_jaxpr(
     for var, arg, k in zip(jaxpr.invars, args, known_args):
         env[var] = arg
         known[var] = k if k is not None else _known_scalar(arg)
+    uses: collections.Counter[Any] = collections.Counter(
+        a for e in jaxpr.eqns for a in e.invars if not isinstance(a, _compat.Literal)
+    )
 
     for eqn in jaxpr.eqns:
         invals = [read(a) for a in eqn.invars]
@@ -335,6 +363,8 @@ def interpret_jaxpr(
             observer(eqn, invals, outs)
         for var, out, k in zip(eqn.outvars, outs, out_known):
             if isinstance(var, _compat.Var) and not _compat.is_drop_var(var):
+                if isinstance(out, ScaledArray) and uses[var] >= _FAN_OUT:
+                    out = _materialized(out)
                 env[var] = out
                 known[var] = k
     return [read(v) for v in jaxpr.outvars], [read_known(v) for v in jaxpr.outvars]
