@@ -49,21 +49,6 @@ DEFAULT_EPSILON = 2.0**-60
 _F32 = np.dtype(np.float32)
 
 
-def _norm_max(data: Array) -> Array:
-    return jnp.max(jnp.abs(data))
-
-
-def _norm_l1(data: Array) -> Array:
-    return jnp.mean(jnp.abs(data))
-
-
-def _norm_l2(data: Array) -> Array:
-    return jnp.sqrt(jnp.mean(jnp.square(data)))
-
-
-_NORMS = {"max": _norm_max, "l1": _norm_l1, "l2": _norm_l2}
-
-
 def _block_norms(data: Array, layout: tuple[int, ...], norm: str) -> Array:
     """The `norm` of each block of `layout` (an array of the layout's shape), float32."""
     data = data.astype(jnp.float32)
@@ -169,7 +154,7 @@ dynamic_rescale_p = define_primitive(
 def _rescale_factor_impl(
     data: Array, *, norm: str, epsilon: float, shift: int, axes: tuple[int, ...]
 ) -> Array:
-    data = data.astype(jnp.float32) if data.dtype != np.float64 else data.astype(np.float32)
+    data = data.astype(jnp.float32)  # float64 data too: the scale is float32
     if norm == "max":
         magnitude = jnp.max(jnp.abs(data), axis=axes)
     elif norm == "l1":
