@@ -284,7 +284,10 @@ def invalid_scale_values(scale: Any) -> str | None:
     "is -1.0 (negative)" or "has 2 NaN block(s), the first at (0, 1)"."""
     if not _is_concrete(scale):
         return None
-    values = np.asarray(scale, dtype=np.float64)
+    try:
+        values = np.asarray(scale, dtype=np.float64)
+    except (TypeError, ValueError):  # an abstract value (`jax.ShapeDtypeStruct`): unknown
+        return None
     for bad, what in (
         (np.isnan(values), "NaN"),
         (np.isinf(values), "infinite"),
