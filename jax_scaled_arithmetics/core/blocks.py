@@ -84,25 +84,12 @@ def is_block_scale(scale: Any) -> bool:
 
 
 # `scale` unchanged, computed once per element by XLA rather than once per data element of
-# the consumers it is broadcast into (`scale_primitives.materialize_impl`). One equation.
+# the consumers it is broadcast into (`scale_primitives.materialize_impl`; with `scalars`, a
+# scalar too, computed once rather than copied into every kernel that reads it). One equation.
 materialize_p = define_primitive(
-    "materialize_block_scale",
+    "materialize",
     materialize_impl,
-    lambda scale: scale,
-    batching=batch_along_operand_0,
-    jvp=tangent_of_operand_0,
-)
-
-
-def _materialize_scalar_impl(x: Array) -> Array:
-    one = lax.convert_element_type(lax.eq(x, x), x.dtype)
-    return lax.div(x, one)
-
-
-materialize_scalar_p = define_primitive(
-    "materialize_scalar",
-    _materialize_scalar_impl,
-    lambda x: x,
+    lambda scale, **_: scale,
     batching=batch_along_operand_0,
     jvp=tangent_of_operand_0,
 )
@@ -110,15 +97,15 @@ materialize_scalar_p = define_primitive(
 
 def materialize_scalar(x: Array) -> Array:
     """`x` unchanged, computed once by XLA rather than copied into every kernel that reads
-    it (see `scale_primitives.materialize_impl`, which leaves scalars alone)."""
-    return materialize_scalar_p.bind(x)
+    it (`materialize` leaves scalars alone)."""
+    return materialize_p.bind(x, scalars=True)
 
 
 def materialize(scale: Array) -> Array:
     """`scale` unchanged, computed once per block by XLA rather than once per data element
     of the consumers it is broadcast into (for block scales computed by `lax` operations;
     `block_dynamic_scale_p` and `scale_divide_p` materialise theirs already)."""
-    return materialize_p.bind(scale)
+    return materialize_p.bind(scale, scalars=False)
 
 
 def expand_scale(scale: Array, shape: Sequence[int]) -> Array:

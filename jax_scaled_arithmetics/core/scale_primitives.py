@@ -89,7 +89,7 @@ def _reciprocal_of_mantissa(mantissa_bits: Array) -> Array:
     return lax.select(mantissa_bits == 0, lax.full_like(x, 1.0), x * np.float32(0.5))
 
 
-def materialize_impl(scale: Array) -> Array:
+def materialize_impl(scale: Array, *, scalars: bool = False) -> Array:
     """`scale` unchanged, ending in a division, so that XLA computes it once per element.
 
     XLA:CPU fuses cheap elementwise producers into their consumers and recomputes them for
@@ -99,9 +99,11 @@ def materialize_impl(scale: Array) -> Array:
     per tensor before this, 1.3x after). A division is one of the "expensive" operations XLA
     does not duplicate into a consumer that reuses its elements, so the scale is
     materialised. Dividing by `scale == scale` (1; 0 for a NaN scale, whose block is NaN
-    anyway) is exact and cannot be simplified away. Scalars need none of it (LLVM hoists
-    them out of the loops)."""
-    if np.ndim(scale) == 0:
+    anyway) is exact and cannot be simplified away. Scalars need none of it for run time
+    (LLVM hoists them out of the loops), and are left alone unless `scalars`: a scalar that
+    many kernels read is materialised so that XLA does not copy its producers into each
+    (the interpreter's fan-out rule)."""
+    if np.ndim(scale) == 0 and not scalars:
         return scale
     one = lax.convert_element_type(lax.eq(scale, scale), scale.dtype)
     return lax.div(scale, one)
