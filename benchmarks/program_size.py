@@ -53,7 +53,9 @@ Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slo
         linen GPT with TrainState, a Flax NNX Llama-like LM with split/merge, an Equinox
         BERT-like classifier with filter_value_and_grad), their own training steps; scaled:
         float16 data and `scale_optimizer(adam)`, plain: float32 optax.adam.
-        `zoo-*-grad`: their loss and gradient alone.
+        `zoo-*-grad`: their loss and gradient alone; `zoo-*-update`: their optimizer update
+        alone, from given gradients, applied as the framework does (`apply_gradients`,
+        `optax.apply_updates`, `eqx.apply_updates`).
     nnx: Flax NNX Linear-LayerNorm-Linear (784-512-10), batch 64, SGD step on `nnx.split`'s state.
     gpt2-small: 12 blocks, d 768, 12 heads, T 256, batch 4, vocab 50257, optax.adam step.
     gpt2-small-scan: the same with its blocks as a lax.scan over layers.
@@ -428,19 +430,12 @@ def _update_case(opt: Any, apply_updates: Callable[..., Any], dtype: Any) -> Cas
     params = gpt.init_params(jax.random.PRNGKey(4), config)
     grads = jax.tree_util.tree_map(lambda p: 1e-3 * jnp.cos(p), params)
 
-    def make(o: Any, apply: Callable[..., Any]) -> Callable[..., Any]:
-        def update(params, opt_state, grads):
-            updates, opt_state = o.update(grads, opt_state, params)
-            return apply(params, updates), opt_state
-
-        return update
-
     scaled_params, scaled_grads = _scaled(params, dtype), _scaled(grads, dtype)
     return Case(
-        make(plain_opt, optax.apply_updates),
+        _optax_update(plain_opt, optax.apply_updates),
         (params, plain_opt.init(params), grads),
         (scaled_params, opt.init(scaled_params), scaled_grads),
-        scaled_step=make(opt, apply_updates),
+        scaled_step=_optax_update(opt, apply_updates),
     )
 
 
@@ -466,11 +461,33 @@ def _zoo() -> Any:
     return zoo
 
 
+def _given_gradients(params: Any, dtype: Any) -> tuple[Any, Any]:
+    """Gradients for an update-only case: float32 leaves of the parameters' shapes (None
+    stays None), and the same as ScaledArrays of `dtype` data."""
+    grads = jax.tree_util.tree_map(lambda p: 1e-3 * jnp.cos(p), params)
+    return grads, _scaled(grads, dtype)
+
+
+def _linen_apply_gradients(state: Any, grads: Any) -> Any:
+    """`TrainState.apply_gradients` alone: the linen idiom's update."""
+    return state.apply_gradients(grads=grads)
+
+
+def _optax_update(tx: Any, apply: Callable[..., Any]) -> Callable[..., Any]:
+    def update(params: Any, opt_state: Any, grads: Any) -> Any:
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return apply(params, updates), opt_state
+
+    return update
+
+
 def _zoo_case(model: str, dtype: Any, part: str) -> Case:
     """A zoo model's step (`part="step"`, plain float32 optax.adam vs scaled data with
-    `scale_optimizer(adam)`) or its gradient alone (`part="grad"`), as the framework's
-    idiom writes it. Equinox modules hold functions: the benchmark jits their array leaves
-    and closes over the rest (what `eqx.filter_jit` does)."""
+    `scale_optimizer(adam)`), its gradient alone (`part="grad"`), or its optimizer update
+    alone from given gradients (`part="update"`: `opt.update` and the framework's way of
+    applying it), as the framework's idiom writes it. Equinox modules hold functions: the
+    benchmark jits their array leaves and closes over the rest (what `eqx.filter_jit`
+    does)."""
     import equinox as eqx
     from flax.training import train_state
 
@@ -491,6 +508,13 @@ def _zoo_case(model: str, dtype: Any, part: str) -> Case:
                 scaled_step=lambda p, b: zoo.linen_loss_and_grad(scaled_model.apply, p, b),
             )
         create = train_state.TrainState.create
+        if part == "update":
+            grads, sgrads = _given_gradients(params, dtype)
+            return Case(
+                _linen_apply_gradients,
+                (create(apply_fn=plain_model.apply, params=params, tx=opt), grads),
+                (create(apply_fn=scaled_model.apply, params=sparams, tx=scaled_opt), sgrads),
+            )
         return Case(
             zoo.linen_train_step,
             (create(apply_fn=plain_model.apply, params=params, tx=opt), batch),
@@ -502,6 +526,14 @@ def _zoo_case(model: str, dtype: Any, part: str) -> Case:
         if part == "grad":
             grad = functools.partial(zoo.nnx_loss_and_grad, graphdef, rest)
             return Case(grad, (params, batch), (sparams, batch))
+        if part == "update":
+            grads, sgrads = _given_gradients(params, dtype)
+            return Case(
+                _optax_update(opt, optax.apply_updates),
+                (params, opt.init(params), grads),
+                (sparams, scaled_opt.init(sparams), sgrads),
+                scaled_step=_optax_update(scaled_opt, optax.apply_updates),
+            )
         return Case(
             zoo.make_nnx_train_step(graphdef, rest, opt),
             (params, opt.init(params), batch),
@@ -521,6 +553,26 @@ def _zoo_case(model: str, dtype: Any, part: str) -> Case:
             return loss, eqx.filter(grads, eqx.is_array)
 
         return Case(grad, (arrays, batch, key), (sarrays, batch, key))
+    if part == "update":
+        inexact = eqx.filter(arrays, eqx.is_inexact_array)
+        grads, sgrads = _given_gradients(inexact, dtype)
+
+        def updater(tx: Any) -> Callable[..., Any]:
+            def update(arrays, opt_state, grads):
+                model = eqx.combine(static, arrays)
+                updates, opt_state = tx.update(
+                    grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+                )
+                return eqx.filter(eqx.apply_updates(model, updates), eqx.is_array), opt_state
+
+            return update
+
+        return Case(
+            updater(opt),
+            (arrays, opt.init(inexact), grads),
+            (sarrays, scaled_opt.init(_scaled(inexact, dtype)), sgrads),
+            scaled_step=updater(scaled_opt),
+        )
 
     def stepper(tx: Any) -> Callable[..., Any]:
         train_step = zoo.make_equinox_train_step(tx)
@@ -573,6 +625,21 @@ def case_zoo_equinox_grad(dtype: Any) -> Case:
     return _zoo_case("equinox", dtype, "grad")
 
 
+def case_zoo_linen_update(dtype: Any) -> Case:
+    """The zoo's linen GPT: the optimizer update alone (`TrainState.apply_gradients`)."""
+    return _zoo_case("linen", dtype, "update")
+
+
+def case_zoo_nnx_update(dtype: Any) -> Case:
+    """The zoo's NNX LM: `opt.update` and `optax.apply_updates` alone."""
+    return _zoo_case("nnx", dtype, "update")
+
+
+def case_zoo_equinox_update(dtype: Any) -> Case:
+    """The zoo's Equinox classifier: `opt.update` and `eqx.apply_updates` alone."""
+    return _zoo_case("equinox", dtype, "update")
+
+
 # name: (builder, default data dtype of the scaled variant)
 CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "mlp": (case_mlp, "float32"),
@@ -593,6 +660,9 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "zoo-linen-grad": (case_zoo_linen_grad, "float16"),
     "zoo-nnx-grad": (case_zoo_nnx_grad, "float16"),
     "zoo-equinox-grad": (case_zoo_equinox_grad, "float16"),
+    "zoo-linen-update": (case_zoo_linen_update, "float16"),
+    "zoo-nnx-update": (case_zoo_nnx_update, "float16"),
+    "zoo-equinox-update": (case_zoo_equinox_update, "float16"),
     "scaled-opt-update": (case_scaled_opt_update, "float16"),
     "nnx": (case_nnx, "float32"),
     "gpt2-small": (case_gpt2_small, "float16"),

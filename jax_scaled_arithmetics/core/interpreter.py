@@ -25,6 +25,14 @@ from .datatype import (
 from .promotion import promote_to_scaled
 from .registry import operand_constants
 from .scale_primitives import is_pow2, mark_pow2
+from .walker import (
+    Frame,
+    JaxprWalker,
+    bind_equation,
+    declare_rewrap,
+    equation_observers,
+    observe_equations,
+)
 
 __all__ = [
     "autoscale",
@@ -41,35 +49,6 @@ class _State(threading.local):
 
 
 _STATE = _State()
-
-
-# --- equation observers (diagnostics: jsa.analysis) -------------------------------------
-
-EquationObserver = Callable[[_compat.JaxprEqn, Sequence[Any], Sequence[Any]], None]
-
-
-class _Observers(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[EquationObserver] = []
-
-
-_OBSERVERS = _Observers()
-
-
-@contextlib.contextmanager
-def observe_equations(observer: EquationObserver) -> Iterator[None]:
-    """Call `observer(eqn, inputs, outputs)` after the interpreter evaluates each equation.
-
-    Inputs and outputs are the values the interpreter holds (ScaledArrays or plain arrays,
-    tracers inside re-traced sub-jaxprs). For diagnostics such as `jsa.analysis`; an
-    observer must not change the values. Observers see the interpretation, which runs at
-    every call of an autoscaled function (only when tracing, under an outer `jax.jit`).
-    """
-    _OBSERVERS.stack.append(observer)
-    try:
-        yield
-    finally:
-        _OBSERVERS.stack.pop()
 
 
 @contextlib.contextmanager
@@ -208,23 +187,23 @@ def _fold_known_call(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any
     consts = getattr(body, "consts", ())
     if len(jaxpr.invars) != len(in_known) or len(jaxpr.outvars) != nout:
         return [None] * nout
-    known: dict[Any, Any] = {}
-    for var, const in zip(jaxpr.constvars, consts):
-        known[var] = _known_scalar(const)
-    for var, k in zip(jaxpr.invars, in_known):
-        known[var] = k
+    return _KNOWN_SCALARS.run(jaxpr, [_known_scalar(c) for c in consts], list(in_known))
 
-    def read(atom: Any) -> Any:
-        if isinstance(atom, _compat.Literal):
-            return _known_scalar(atom.val)
-        return known.get(atom)
 
-    for inner in jaxpr.eqns:
-        outs = _fold_known(inner, [read(a) for a in inner.invars])
-        for var, k in zip(inner.outvars, outs):
-            if isinstance(var, _compat.Var) and not _compat.is_drop_var(var):
-                known[var] = k
-    return [read(v) for v in jaxpr.outvars]
+class _KnownScalars(JaxprWalker):
+    """A walk whose values are what is statically known of each variable: the scalar it
+    is a broadcast of, or None."""
+
+    keep_source_info = False  # nothing is bound
+
+    def literal(self, value: Any) -> Any:
+        return _known_scalar(value)
+
+    def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
+        return _fold_known(eqn, invals)
+
+
+_KNOWN_SCALARS = _KnownScalars()
 
 
 def _check_outputs(eqn: _compat.JaxprEqn, outs: Sequence[Any]) -> None:
@@ -285,6 +264,92 @@ def _materialized(x: ScaledArray) -> ScaledArray:
     return ScaledArray(blocks.materialize_scalar(x.data), scale)
 
 
+class _AutoscaleContext:
+    """Per-jaxpr state of `autoscale`'s walk: what is statically known of each variable
+    (the scalar it is a broadcast of, or None), and how many equations read it."""
+
+    __slots__ = ("known", "uses")
+
+    def __init__(self, known: dict[Any, Any], uses: collections.Counter[Any]) -> None:
+        self.known = known
+        self.uses = uses
+
+    def read(self, atom: Any) -> Any:
+        if isinstance(atom, _compat.Literal):
+            return _known_scalar(atom.val)
+        return self.known.get(atom)
+
+
+class _Autoscale(JaxprWalker):
+    """`autoscale`'s walk: values are ScaledArrays or plain arrays; an equation with a
+    ScaledArray operand (or a primitive that is always scaled) runs its scaled rule, any
+    other is bound again unchanged."""
+
+    def __init__(self, known_args: Sequence[Any]) -> None:
+        self.known_args = known_args
+        self.config = get_autoscale_config()
+
+    def enter(self, frame: Frame, parent: Any) -> _AutoscaleContext:
+        jaxpr = frame.jaxpr
+        known: dict[Any, Any] = {}
+        for var in jaxpr.constvars:
+            known[var] = _known_scalar(frame.read(var))
+        for var, k in zip(jaxpr.invars, self.known_args):
+            known[var] = k if k is not None else _known_scalar(frame.read(var))
+        uses: collections.Counter[Any] = collections.Counter(
+            a for e in jaxpr.eqns for a in e.invars if not isinstance(a, _compat.Literal)
+        )
+        return _AutoscaleContext(known, uses)
+
+    def observers(self) -> Sequence[Any]:
+        return equation_observers()
+
+    def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
+        context: _AutoscaleContext = frame.context
+        in_known = [context.read(a) for a in eqn.invars]
+        any_scaled = any(isinstance(v, ScaledArray) for v in invals)
+        info = registry.find_rule(eqn.primitive)
+        if any_scaled or (info is not None and info.always_scaled):
+            outs = self._scaled(eqn, invals, in_known)
+            # A plain output of a call (jit...) keeps what is statically known of it.
+            out_known: list[Any] = [
+                None if isinstance(out, ScaledArray) else k
+                for out, k in zip(outs, _fold_known_call(eqn, in_known))
+            ]
+        else:
+            outs = bind_equation(eqn, invals)
+            out_known = _fold_known(eqn, in_known)
+        for index, (var, k) in enumerate(zip(eqn.outvars, out_known)):
+            if isinstance(var, _compat.Var) and not _compat.is_drop_var(var):
+                context.known[var] = k
+                out = outs[index]
+                if isinstance(out, ScaledArray) and context.uses[var] >= _FAN_OUT:
+                    outs[index] = _materialized(out)
+        return outs
+
+    def _scaled(self, eqn: Any, invals: list[Any], in_known: list[Any]) -> list[Any]:
+        info = registry.get_scaled_rule(eqn.primitive)
+        any_scaled = any(isinstance(v, ScaledArray) for v in invals)
+        if any_scaled:
+            for guard in registry.equation_guards(eqn.primitive):
+                guard(eqn, invals)
+        if info.promote and any_scaled:
+            invals = [promote_to_scaled(v, k) for v, k in zip(invals, in_known)]
+        rule = info.rule
+        if any(isinstance(v, ScaledArray) and np.ndim(v.scale) for v in invals):
+            block_rule = registry.get_block_rule(eqn.primitive)
+            if block_rule is not None:
+                rule = block_rule
+            else:
+                invals = [_per_tensor(v) for v in invals]
+        with registry.with_operand_constants(in_known):
+            outs = rule(*invals, **eqn.params)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        if self.config.check:
+            _check_outputs(eqn, outs)
+        return outs
+
+
 def interpret_jaxpr(
     jaxpr: _compat.Jaxpr,
     consts: Sequence[Any],
@@ -296,78 +361,11 @@ def interpret_jaxpr(
     Returns the outputs and, for each, the scalar it is statically known to be a
     broadcast of (or None).
     """
-    env: dict[Any, Any] = {}
-    known: dict[Any, Any] = {}
-    config = get_autoscale_config()
     known_args = [None] * len(args) if known_args is None else list(known_args)
-    if len(args) != len(jaxpr.invars):
-        raise TypeError(f"jaxpr takes {len(jaxpr.invars)} arguments, got {len(args)}.")
-
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, _compat.Literal) else env[atom]
-
-    def read_known(atom: Any) -> Any:
-        if isinstance(atom, _compat.Literal):
-            return _known_scalar(atom.val)
-        return known.get(atom)
-
-    for var, const in zip(jaxpr.constvars, consts):
-        env[var] = const
-        known[var] = _known_scalar(const)
-    for var, arg, k in zip(jaxpr.invars, args, known_args):
-        env[var] = arg
-        known[var] = k if k is not None else _known_scalar(arg)
-    uses: collections.Counter[Any] = collections.Counter(
-        a for e in jaxpr.eqns for a in e.invars if not isinstance(a, _compat.Literal)
-    )
-
-    for eqn in jaxpr.eqns:
-        invals = [read(a) for a in eqn.invars]
-        in_known = [read_known(a) for a in eqn.invars]
-        any_scaled = any(isinstance(v, ScaledArray) for v in invals)
-        info = registry.find_rule(eqn.primitive)
-        if any_scaled or (info is not None and info.always_scaled):
-            info = registry.get_scaled_rule(eqn.primitive)
-            if any_scaled:
-                for guard in registry.equation_guards(eqn.primitive):
-                    guard(eqn, invals)
-            if info.promote and any_scaled:
-                invals = [promote_to_scaled(v, k) for v, k in zip(invals, in_known)]
-            rule = info.rule
-            if any(isinstance(v, ScaledArray) and np.ndim(v.scale) for v in invals):
-                block_rule = registry.get_block_rule(eqn.primitive)
-                if block_rule is not None:
-                    rule = block_rule
-                else:
-                    invals = [_per_tensor(v) for v in invals]
-            with registry.with_operand_constants(in_known), _compat.eqn_context(eqn):
-                outs = rule(*invals, **eqn.params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            outs = list(outs)
-            if config.check:
-                _check_outputs(eqn, outs)
-            # A plain output of a call (jit...) keeps what is statically known of it.
-            out_known: list[Any] = [
-                None if isinstance(out, ScaledArray) else k
-                for out, k in zip(outs, _fold_known_call(eqn, in_known))
-            ]
-        else:
-            subfuns, bind_params = _compat.get_bind_params(eqn)
-            with _compat.eqn_context(eqn):
-                outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            out_known = _fold_known(eqn, in_known)
-        for observer in _OBSERVERS.stack:
-            observer(eqn, invals, outs)
-        for var, out, k in zip(eqn.outvars, outs, out_known):
-            if isinstance(var, _compat.Var) and not _compat.is_drop_var(var):
-                if isinstance(out, ScaledArray) and uses[var] >= _FAN_OUT:
-                    out = _materialized(out)
-                env[var] = out
-                known[var] = k
-    return [read(v) for v in jaxpr.outvars], [read_known(v) for v in jaxpr.outvars]
+    walker = _Autoscale(known_args)
+    frame = walker.start(jaxpr, consts, args)
+    walker.walk(frame)
+    return [frame.read(v) for v in jaxpr.outvars], [frame.context.read(v) for v in jaxpr.outvars]
 
 
 def _interpret_closed(
@@ -603,13 +601,13 @@ def autoscale(
 
     # Lets a transform applied on top (`unit_scale`, `simulate_fp8`) act on `fun` first:
     # `unit_scale(autoscale(f))` is `autoscale(unit_scale(f))`.
-    scaled_fun.__jsa_rewrap__ = (  # type: ignore[attr-defined]
+    return declare_rewrap(
+        scaled_fun,
         fun,
         lambda inner: autoscale(
             inner, static_argnums=static_argnums, static_argnames=static_argnames
         ),
     )
-    return scaled_fun
 
 
 scalify = autoscale

@@ -6,23 +6,14 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from ..core import _compat
+from ..core.walker import Frame, JaxprWalker, declare_rewrap, own_rewrap
 from ..ops.casts import reduce_precision_on_backward, reduce_precision_on_forward
 from ..ops.rescaling import dynamic_rescale_max, dynamic_rescale_max_grad
 from ..quantization import get_format
-from ._rewrite import (
-    MATMULS,
-    JaxprRewriter,
-    contains_matmul,
-    first_backward_eqn,
-    gradient_error,
-    own_rewrap,
-    recover_gradient,
-    trace_flat,
-)
+from ._rewrite import MATMULS, contains_matmul, rewrite_call
 
 __all__ = ["simulate_fp8"]
 
@@ -91,7 +82,11 @@ def _gradient_scale_shape(
     return tuple(int(n) for n in shape[:-1]) + (last,)
 
 
-class _Fp8Rewriter(JaxprRewriter):
+class _Fp8Rewriter(JaxprWalker):
+    """`simulate_fp8`'s walk: a matmul (or a custom-derivative function containing one)
+    gets its operands cast to the forward format and its output's gradient to the backward
+    format; every other equation is kept (bodies of jit, scan, while, cond walked too)."""
+
     def __init__(
         self,
         forward_format: Any,
@@ -125,9 +120,7 @@ class _Fp8Rewriter(JaxprRewriter):
             y = dynamic_rescale_max_grad(y, scale_shape=_gradient_scale_shape(jnp.shape(y), layout))
         return y
 
-    def rewrite_eqn(
-        self, eqn: Any, index: int, invals: list[Any], context: Any
-    ) -> list[Any] | None:
+    def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
         prim = eqn.primitive
         is_matmul = prim.name in MATMULS
         if not is_matmul and prim in (_compat.custom_jvp_call_p, _compat.custom_vjp_call_p):
@@ -136,7 +129,7 @@ class _Fp8Rewriter(JaxprRewriter):
             # boundary, and its rule is kept.
             is_matmul = contains_matmul(eqn.params["call_jaxpr"].jaxpr)
         if not is_matmul:
-            return None
+            return self.eval_higher_order(eqn, invals, frame.context)
         subfuns, bind_params = _compat.get_bind_params(eqn)
         if prim.name == "dot_general":  # block scales follow the dimension numbers
             (lhs_contracting, rhs_contracting), _ = eqn.params["dimension_numbers"]
@@ -188,12 +181,11 @@ def simulate_fp8(
     custom-derivative functions containing a matmul are rescaled per tensor whatever the
     layout.
 
-    Nests with `jax.jit`, `jax.grad`, `jax.vmap`, `jsa.autoscale` and `unit_scale`, in
-    either order: `simulate_fp8(jax.grad(f))` is `jax.grad(simulate_fp8(f))` (the function
-    `jax.grad`/`jax.value_and_grad` differentiates is recovered, see `unit_scale`). A
-    function that computes a gradient some other way (inside a training step, through
-    `jax.vjp`) raises a ValueError: its traced program no longer says which matmuls are the
-    backward pass's.
+    Nests with `jax.jit`, `jax.vmap`, `jsa.autoscale` and `unit_scale` in either order, and
+    with `jax.grad` outside: `jax.grad(simulate_fp8(f))`. A function whose program computes
+    a gradient (`simulate_fp8(jax.grad(f))`, a training step, `jax.vjp`) raises a
+    ValueError saying to write `jax.grad(simulate_fp8(f))`: its traced program no longer
+    says which matmuls are the backward pass's.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -222,16 +214,7 @@ def simulate_fp8(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        closed, leaves, out_tree = trace_flat(fn, args, kwargs)
-        if first_backward_eqn(closed.jaxpr) is not None:
-            gradient = recover_gradient(fn, args, kwargs, closed, out_tree)
-            if gradient is None:
-                raise gradient_error("simulate_fp8", fn)
-            # simulate_fp8(jax.grad(f)) is jax.grad(simulate_fp8(f)).
-            return gradient.apply(simulate_fp8(gradient.target, **options))(*args, **kwargs)
-        outs = rewriter.run_closed(closed, leaves)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return rewrite_call("simulate_fp8", fn, rewriter, args, kwargs)
 
     # `unit_scale(simulate_fp8(f))` is `simulate_fp8(unit_scale(f))`.
-    wrapped.__jsa_rewrap__ = (fn, lambda g: simulate_fp8(g, **options))  # type: ignore[attr-defined]
-    return wrapped
+    return declare_rewrap(wrapped, fn, lambda g: simulate_fp8(g, **options))

@@ -36,21 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import _compat
+from ..core.walker import Frame, Group, JaxprWalker, unwrap_outer
 from . import _ops, _scale
 from ._rewrite import (
     MATMULS as _MATMULS,
 )
-from ._rewrite import (
-    Group,
-    JaxprRewriter,
-    code_of,
-    find_calls,
-    first_backward_eqn,
-    gradient_error,
-    recover_gradient,
-    trace_flat,
-    unwrap_outer,
-)
+from ._rewrite import code_of, find_calls, rewrite_call
 from ._rewrite import multiplies_matrices as _multiplies_matrices
 from ._rewrite import sub_jaxprs as _sub_jaxprs
 
@@ -259,7 +250,11 @@ def _literal_scalar(atom: Any) -> float | None:
     return float(value)
 
 
-class _UnitScaleRewriter(JaxprRewriter):
+class _UnitScaleRewriter(JaxprWalker):
+    """`unit_scale`'s walk: recognised functions (groups of equations traced in one call)
+    and matmuls, convolutions, broadcasts of parameters and residual adds get their
+    unit-scaled versions; every other equation is kept (bodies walked too)."""
+
     def __init__(
         self,
         entries: dict[str, Callable[..., Any] | None],
@@ -279,13 +274,10 @@ class _UnitScaleRewriter(JaxprRewriter):
 
     # --- analysis plumbing ---------------------------------------------------------------
 
-    def context_for(self, jaxpr: Any, parent: Any) -> _Context:
-        return _analyse(jaxpr, "search" if parent is None else parent)
+    def enter(self, frame: Frame, parent: Any) -> _Context:
+        return _analyse(frame.jaxpr, "search" if parent is None else parent)
 
-    def sub_context(self, context: _Context, index: int) -> str:
-        return context.child_mode.get(index, "none")
-
-    def groups(self, jaxpr: Any) -> list[Group]:
+    def groups(self, jaxpr: Any, context: Any) -> list[Group]:
         return find_calls(jaxpr, self.by_code)
 
     def constraint_at(self, context: _Context, index: int) -> Any:
@@ -324,7 +316,8 @@ class _UnitScaleRewriter(JaxprRewriter):
         self.replaced += 1
         return list(outs) if isinstance(outs, (tuple, list)) else [outs]
 
-    def rewrite_group(self, group: Group, invals: list[Any], context: Any) -> list[Any] | None:
+    def eval_group(self, group: Group, invals: list[Any], frame: Frame) -> list[Any] | None:
+        context = frame.context
         eqns = context.jaxpr.eqns
         for i, var in enumerate(group.inputs):
             j, p = next(
@@ -339,9 +332,18 @@ class _UnitScaleRewriter(JaxprRewriter):
             group.key, eqns[group.start : group.stop], invals, group.outputs, constraint
         )
 
-    def rewrite_eqn(
+    def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
+        context, index = frame.context, frame.index
+        outs = self.rewrite(eqn, index, invals, context)
+        if outs is None:  # kept (on the operands `rewrite` may have replaced)
+            outs = self.eval_higher_order(eqn, invals, context.child_mode.get(index, "none"))
+        return outs
+
+    def rewrite(
         self, eqn: Any, index: int, invals: list[Any], context: _Context
     ) -> list[Any] | None:
+        """The unit-scaled outputs of equation `index`, or None to keep it (`invals` may
+        be replaced in place: the kept equation is then bound on them)."""
         for p in range(len(invals)):
             invals[p] = self.split(context, index, p, invals[p])
         prim = eqn.primitive.name
@@ -557,18 +559,14 @@ def unit_scale(
     Raises:
         TypeError: `fn`, a `replace` key or a replacement is not callable.
         ValueError: the function has nothing to unit-scale (no matmul, convolution,
-            recognised function or residual add), or it computes a gradient that is not
-            `jax.grad`/`jax.value_and_grad` of a function (see below).
+            recognised function or residual add), or it computes a gradient (see below).
 
-    Nests with `jax.grad` in both orders. `jax.grad(unit_scale(f))` differentiates the
-    unit-scaled function; `unit_scale(jax.grad(f))` (or `jax.value_and_grad`, any `argnums`
-    and `has_aux`, jitted or not) is the same function: a traced gradient program no longer
-    says which backward equation belongs to which forward op, so the function `jax.grad`
-    differentiates is recovered instead (through `__wrapped__`, checked by differentiating
-    it again and comparing the traced programs) and unit-scaled, then differentiated. A
-    gradient computed inside a larger function (a training step) or with `jax.vjp` cannot
-    be recovered and raises (JAX's name stack marks backward equations, which is how it is
-    detected).
+    `jax.grad` goes outside: `jax.grad(unit_scale(f))` (or `jax.value_and_grad`, any
+    `argnums` and `has_aux`, jitted or not) differentiates the unit-scaled function. A
+    function whose program computes a gradient (`unit_scale(jax.grad(f))`, a training step,
+    `jax.vjp`) raises a ValueError saying so: its traced program no longer says which
+    backward equation belongs to which forward op (JAX's name stack marks backward
+    equations, which is how it is detected).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -591,23 +589,15 @@ def unit_scale(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        closed, leaves, out_tree = trace_flat(fn, args, kwargs)
-        if first_backward_eqn(closed.jaxpr) is not None:
-            gradient = recover_gradient(fn, args, kwargs, closed, out_tree)
-            if gradient is None:
-                raise gradient_error("unit_scale", fn)
-            # unit_scale(jax.grad(f)) is jax.grad(unit_scale(f)).
-            inner = unit_scale(gradient.target, replace, tau=tau, constraint=constraint)
-            return gradient.apply(inner)(*args, **kwargs)
         rewriter = _UnitScaleRewriter(entries, by_code, by_name, tau, constraint)
-        outs = rewriter.run_closed(closed, leaves)
+        out = rewrite_call("unit_scale", fn, rewriter, args, kwargs)
         if rewriter.replaced == 0:
             raise ValueError(
                 f"unit_scale: {getattr(fn, '__name__', 'the function')} has nothing to "
                 "unit-scale: no matmul, convolution, recognised function (jax.nn.gelu, silu, "
                 "softmax or a `replace` key) or residual add."
             )
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return out
 
     return wrapped
 
