@@ -30,12 +30,14 @@ Run:
 
     gpt2-small's plain step takes ~20 s on 2 CPU cores: `--cases gpt2-small --warmup 1 --iters 3`.
 
-Cases (`--cases`, default: all but gpt2-small and gpt2-small-scan, which are slow: opt in):
+Cases (`--cases`, default: all but gpt2-small, gpt2-small-scan and gpt12-adam, which are
+slow: opt in):
     mlp: MLP 784-1024x4-10, batch 256, SGD step.
     cnn: 2 conv layers (28x28x1), relu, average and max pooling, dense; batch 64, SGD step.
     block: one pre-norm GPT block (experiments/gpt/model.py; d 128, 4 heads, T 64, batch 16),
         grad of a sum-of-squares loss of its output w.r.t. its params.
-    gpt-adam, gpt2-adam, gpt8-adam: char GPT with 1, 2 or 8 blocks (same shapes), optax.adam step.
+    gpt-adam, gpt2-adam, gpt4-adam, gpt8-adam, gpt12-adam: char GPT with 1, 2, 4, 8 or 12
+        blocks (same shapes, unrolled), optax.adam step.
     gpt8-scan: gpt8-adam with the blocks stacked and run as a lax.scan over layers.
     gpt-adam-channel: gpt-adam with block scales, one per output channel, on every
         parameter and Adam moment of rank >= 2.
@@ -296,9 +298,19 @@ def case_gpt2_adam(dtype: Any) -> Case:
     return _gpt_adam_case(_gpt_config(2), 16, dtype)
 
 
+def case_gpt4_adam(dtype: Any) -> Case:
+    """Char GPT, 4 blocks (unrolled), optax.adam step."""
+    return _gpt_adam_case(_gpt_config(4), 16, dtype)
+
+
 def case_gpt8_adam(dtype: Any) -> Case:
     """Char GPT, 8 blocks (unrolled), optax.adam step."""
     return _gpt_adam_case(_gpt_config(8), 16, dtype)
+
+
+def case_gpt12_adam(dtype: Any) -> Case:
+    """Char GPT, 12 blocks (unrolled), optax.adam step."""
+    return _gpt_adam_case(_gpt_config(12), 16, dtype)
 
 
 def case_gpt8_scan(dtype: Any) -> Case:
@@ -648,7 +660,9 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "gpt-adam": (case_gpt_adam, "float32"),
     "gpt-adam-channel": (case_gpt_adam_channel, "float32"),
     "gpt2-adam": (case_gpt2_adam, "float32"),
+    "gpt4-adam": (case_gpt4_adam, "float32"),
     "gpt8-adam": (case_gpt8_adam, "float32"),
+    "gpt12-adam": (case_gpt12_adam, "float32"),
     "gpt8-scan": (case_gpt8_scan, "float32"),
     "gpt-scaled-opt": (case_gpt_scaled_opt, "float16"),
     "gpt-scaled-opt-channel": (case_gpt_scaled_opt_channel, "float16"),
@@ -668,7 +682,7 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "gpt2-small": (case_gpt2_small, "float16"),
     "gpt2-small-scan": (case_gpt2_small_scan, "float16"),
 }
-OPT_IN = {"gpt2-small", "gpt2-small-scan"}
+OPT_IN = {"gpt2-small", "gpt2-small-scan", "gpt12-adam"}
 
 
 # ----------------------------------------------------------------------------------------------

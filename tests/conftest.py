@@ -4,7 +4,19 @@
 Leaked-tracer checking (`jax.check_tracer_leaks`) makes every trace several times
 slower, so it runs in dedicated tests (tests/core/test_tracer_leaks.py) rather
 than around every test.
+
+Compiled programs are shared through JAX's persistent compilation cache, in
+`.pytest_cache/jax-compilation-cache` (`JSA_TEST_COMPILATION_CACHE=0` turns it off; a
+path puts it there). Tests build fresh `jax.jit(jsa.autoscale(f))` functions for the same
+programs case after case, and the two xdist workers compile the same programs: the cache,
+keyed by the program, the compile options and the JAX version, compiles each once. Even
+cold (CI's fresh clone) it cuts about a quarter of the run; the executables, and so the
+numbers, are the ones a compile gives.
 """
+
+import os
+import shutil
+from pathlib import Path
 
 import jax
 import pytest
@@ -15,6 +27,29 @@ from jax_scaled_arithmetics.core.config import default_config
 # Before any computation initialises the CPU backend (importing the package does not).
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+_CACHE = os.environ.get("JSA_TEST_COMPILATION_CACHE", "")
+if _CACHE != "0":
+    _root = Path(__file__).resolve().parents[1]
+    jax.config.update(
+        "jax_compilation_cache_dir",
+        _CACHE or str(_root / ".pytest_cache" / "jax-compilation-cache"),
+    )
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # (No `jax_compilation_cache_max_size`: its eviction lists the directory at every
+    # write, which made the run slower than no cache. `pytest_configure` bounds it.)
+
+_CACHE_LIMIT = 2 << 30  # bytes: a larger cache is emptied when a run starts
+
+
+def pytest_configure(config):
+    """Empty the compilation cache when it outgrew its limit (controller process only)."""
+    directory = jax.config.jax_compilation_cache_dir
+    if directory is None or hasattr(config, "workerinput") or not os.path.isdir(directory):
+        return
+    size = sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
+    if size > _CACHE_LIMIT:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 import jax_scaled_arithmetics as jsa
 
@@ -168,3 +169,20 @@ def check_grad_matches(
     for g, e in zip(grads, expected):
         # d loss / d data = d loss / d value * scale
         assert_close(np.asarray(g, np.float64), np.asarray(e, np.float64) * scale, rtol)
+
+
+def eager_and_jit(cases: Sequence[Any], eager_in_default_run: Callable[..., bool]) -> list[Any]:
+    """pytest params `(*case, jit)` for each case, jitted and eager.
+
+    The eager variant runs the same rules as the jitted one, operation by operation (each
+    a compile of its own): it stays in the default run for the cases
+    `eager_in_default_run(*case)` chooses, and is marked `slow` for the others, which CI's
+    slow step runs. Nothing is left out; the default run compiles less.
+    """
+    params = []
+    for case in cases:
+        case = case if isinstance(case, tuple) else (case,)
+        params.append(pytest.param(*case, True))
+        marks = () if eager_in_default_run(*case) else (pytest.mark.slow,)
+        params.append(pytest.param(*case, False, marks=marks))
+    return params

@@ -176,12 +176,13 @@ def _inputs(name):
 FP8_FUNCTIONS = ("linear_relu", "elementwise_mix", "reductions", "shapes")
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize(
-    "fn_name, dtype",
-    [(f, d) for f in FUNCTIONS for d in DTYPES]
-    + [(f, ml_dtypes.float8_e4m3fn) for f in FP8_FUNCTIONS],
+    "fn_name, dtype, layout, jit",
+    helpers.eager_and_jit(
+        [(f, d, layout) for f in FUNCTIONS for d in DTYPES for layout in LAYOUTS]
+        + [(f, ml_dtypes.float8_e4m3fn, layout) for f in FP8_FUNCTIONS for layout in LAYOUTS],
+        lambda f, d, layout: layout == "tile",
+    ),
 )
 def test_autoscale_matches_plain_on_block_layouts(fn_name, dtype, layout, jit):
     fn = FUNCTIONS[fn_name]
@@ -298,9 +299,13 @@ def _tile_loss(x, w):
     return jnp.sum(jnp.tanh(x @ w) * (x @ w)) / T
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("dtype", TILE_DTYPES, ids=str)
-@pytest.mark.parametrize("pair", list(TILE_PAIRS))
+@pytest.mark.parametrize(
+    "pair, dtype, jit",
+    helpers.eager_and_jit(
+        [(pair, dtype) for pair in TILE_PAIRS for dtype in TILE_DTYPES],
+        lambda pair, dtype: pair == "1x128 x 128x128",
+    ),
+)
 def test_tiles_of_fp8_training_through_a_matmul_with_gradients(pair, dtype, jit):
     """x (256, 256) @ w (256, 256) with the layouts of FP8 training recipes (per tensor,
     row x column, 1x128 activation tiles x 128x128 weight tiles): the autoscaled value and
@@ -353,9 +358,13 @@ STACKED_FUNCTIONS = {
 }
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fn_name", list(STACKED_FUNCTIONS))
+@pytest.mark.parametrize(
+    "fn_name, dtype, jit",
+    helpers.eager_and_jit(
+        [(fn_name, dtype) for fn_name in STACKED_FUNCTIONS for dtype in DTYPES],
+        lambda fn_name, dtype: fn_name == "elementwise_reduce" and dtype is np.float16,
+    ),
+)
 def test_stacked_layer_scales_with_gradients(fn_name, dtype, jit):
     """Stacked layers with one scale each, `(L, 1, 1)`, layers 2^18 apart: value and
     gradient (which keeps the per-layer layout) match the plain ones per layer."""

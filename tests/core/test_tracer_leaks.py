@@ -16,7 +16,9 @@ def model(params, x):
     return jnp.mean(jax.nn.softplus(h) ** 2)
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize(
+    "use_jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "jit"]
+)
 def test_no_tracer_leak_forward_and_grads(use_jit):
     rng = np.random.default_rng(0)
     params = (

@@ -50,7 +50,11 @@ def _leaves(tree):
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=jsa.is_scaled_leaf)[0]
 
 
-@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float16, pytest.param(ml_dtypes.bfloat16, marks=pytest.mark.slow)],
+    ids=["float16", "bfloat16"],
+)
 def test_gradients_match_float32(problem, dtype):
     """Every gradient tensor within 2e-2 (max abs error / max abs) of the float32 gradient
     at the same parameter values, with at most 1% of its nonzero entries flushed to zero."""
@@ -149,6 +153,7 @@ def _check_updates(new_params, reference, before, grads, tol, floor):
         assert error < tol, f"{jax.tree_util.keystr(path)}: update error {error:.2e}"
 
 
+@pytest.mark.slow  # a training step (plain optax on scaled float32 data: also test_zoo.py)
 def test_adam_step_matches_float32(problem):
     """`optax.adam` on float32 ScaledArrays: the updated parameters are those of float32."""
     params, tokens, targets = problem
@@ -164,6 +169,7 @@ def test_adam_step_matches_float32(problem):
     assert isinstance(state[0].mu["wte"], jsa.ScaledArray)
 
 
+@pytest.mark.slow  # a training step; scale_optimizer's steps: tests/optax/test_scaled.py
 def test_scaled_optimizer_float16_step(problem):
     """`jsa.optax.scale_optimizer(optax.adam)` with float16 parameters and state: updates
     within 2e-2 of float32 Adam's, for entries whose gradient is above float16's precision

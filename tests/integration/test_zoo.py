@@ -36,6 +36,11 @@ from tests.integration import zoo
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 MODELS = tuple(zoo.CASES)
+# The tests that compile a model's autoscaled gradient program: the Equinox one takes ~10 s
+# to compile (20 s on a loaded machine), so its tests are `slow` (CI's second step); the
+# default run keeps Equinox's structure tests, and trains an Equinox model in
+# tests/docs/test_frameworks_doc.py.
+PROGRAM_MODELS = [pytest.param(m, marks=pytest.mark.slow) if m == "equinox" else m for m in MODELS]
 STEPS = 3
 GRAD_TOL = 2e-2
 
@@ -217,7 +222,7 @@ def _gradients(programs, model, dtype):
     return _loss_and_grad(scaled), _loss_and_grad(ref)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", PROGRAM_MODELS)
 def test_float16_gradients_match_float32(programs, model):
     """Every gradient leaf within 2e-2 of float32's (relative to its largest entry), at the
     same parameter values. Measured (largest over the leaves): linen 3.3e-3, NNX 3.8e-4,
@@ -231,6 +236,7 @@ def test_float16_gradients_match_float32(programs, model):
     assert not bad, bad
 
 
+@pytest.mark.slow  # compiles the Equinox gradient program (see PROGRAM_MODELS)
 def test_equinox_filter_value_and_grad_keeps_the_tree(programs):
     """`eqx.filter_value_and_grad` under autoscale differentiates the same leaves as without:
     the gradients have the structure of `eqx.filter(model, eqx.is_inexact_array)` (None
@@ -271,15 +277,15 @@ OPTIMIZERS = {
     ),
 }
 ON_EVERY_MODEL = ("scaled-adam-f16", "adam-bf16", "sgd-momentum-f16")
-# In the default test run: one training case per framework's idiom that costs seconds; the
-# rest (tens of seconds each, mostly compiling) run in the `slow` step (`-m slow`).
-DEFAULT_RUN = {("linen", "scaled-adam-f16"), ("nnx", "sgd-momentum-f16")}
+# Every training run is a `slow` test (tens of seconds each, mostly compiling; CI's second
+# step, `-m slow`); the default run checks the gradients and the refusal of plain Adam on
+# float16 data.
 TRAINING = [
     pytest.param(
         model,
         opt,
         id=f"{model}-{opt}",
-        marks=() if (model, opt) in DEFAULT_RUN else pytest.mark.slow,
+        marks=pytest.mark.slow,
     )
     for model in MODELS
     for opt in OPTIMIZERS
@@ -407,7 +413,7 @@ def test_training_steps_match_float32(programs, model, opt):
         assert not bad, bad
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", PROGRAM_MODELS)
 def test_plain_adam_on_float16_data_is_refused(programs, model):
     """Plain `optax.adam` on float16 ScaledArrays would divide by `sqrt(nu) + eps` with
     `eps` rounded to 0 in float16 (NaN parameters): the step, and the optimizer's update on

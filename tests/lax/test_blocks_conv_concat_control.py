@@ -31,6 +31,10 @@ DTYPE_JIT = [
     pytest.param(np.float16, True, id="float16-jit"),
     pytest.param(ml_dtypes.bfloat16, True, id="bfloat16-jit"),
 ]
+# The eager variants in the default run (the others are marked slow: the same rules, each
+# operation compiled on its own).
+EAGER_CONV = ("spatial_blocks",)
+EAGER_CONCAT = ("tiles_and_rows",)
 
 
 def far_apart(shape, axis, seed=0, binades=6):
@@ -116,8 +120,19 @@ def _scaled(x, shape, dtype):
     return jsa.as_scaled_array(x, scale_shape=shape, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype, jit", DTYPE_JIT)
-@pytest.mark.parametrize("layout", list(CONV_LAYOUTS))
+@pytest.mark.parametrize(
+    "layout, dtype, jit",
+    [
+        pytest.param(
+            layout,
+            *p.values,
+            marks=pytest.mark.slow if not p.values[1] and layout not in EAGER_CONV else (),
+            id=f"{layout}-{p.id}",
+        )
+        for layout in CONV_LAYOUTS
+        for p in DTYPE_JIT
+    ],
+)
 def test_conv_block_layouts(layout, dtype, jit):
     x_shape, w_shape, out_shape = CONV_LAYOUTS[layout]
     x_plain, w_plain = _conv_inputs()
@@ -228,8 +243,19 @@ CONCAT_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype, jit", DTYPE_JIT[::2])  # the data is only moved
-@pytest.mark.parametrize("case", list(CONCAT_CASES))
+@pytest.mark.parametrize(
+    "case, dtype, jit",
+    [  # float32 eager and float16 jitted: the data is only moved
+        pytest.param(
+            case,
+            *p.values,
+            marks=pytest.mark.slow if not p.values[1] and case not in EAGER_CONCAT else (),
+            id=f"{case}-{p.id}",
+        )
+        for case in CONCAT_CASES
+        for p in DTYPE_JIT[::2]
+    ],
+)
 def test_concatenate_block_layouts(case, dtype, jit):
     a_shape, a_scale, b_shape, b_scale, axis, out_shape = CONCAT_CASES[case]
     a = _scaled(far_apart(a_shape, axis=0, seed=1), a_scale, dtype)

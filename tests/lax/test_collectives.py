@@ -239,12 +239,28 @@ def test_collective_matches_plain_over_wide_scales(case, dtype):
         assert_close(out, _reference(case, args), RTOL[dtype])
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_collective_without_jit_and_zero_scale(case):
+# The collectives run eagerly in the default run (an eager `shard_map` dispatches each
+# collective on its own, seconds a call: the others are marked slow).
+EAGER_CASES = ("psum", "all_gather", "ragged_all_to_all")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(case, marks=() if case.name in EAGER_CASES else pytest.mark.slow)
+        for case in CASES
+    ],
+    ids=_case_id,
+)
+def test_collective_without_jit(case):
     dtype = FLOAT_DTYPES[1]
     args = _scaled(case, dtype, 2.0**-30)
     assert_close(jsa.autoscale(case.fn)(*args), _reference(case, args), RTOL[dtype])
-    # (Jitted: an eager `shard_map` dispatches each collective on its own, seconds a call.)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_collective_of_zero_scales(case):
+    args = _scaled(case, FLOAT_DTYPES[1], 2.0**-30)
     zeros = [jsa.ScaledArray(a.data, np.float32(0)) for a in args]
     np.testing.assert_array_equal(represented(jax.jit(jsa.autoscale(case.fn))(*zeros)), 0)
 

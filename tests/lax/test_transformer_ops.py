@@ -94,8 +94,24 @@ def _assert_data_in_range(x, what):
     assert 2.0**-6 <= rms <= 2.0**4, message
 
 
-@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("name", sorted(OPS))
+# The eager variants in the default run (the others are marked slow: the same rules, each
+# operation compiled on its own).
+EAGER_OPS = ("layer_norm",)
+
+
+@pytest.mark.parametrize(
+    "name, use_jit",
+    [
+        pytest.param(
+            name,
+            use_jit,
+            marks=pytest.mark.slow if not use_jit and name not in EAGER_OPS else (),
+            id=f"{name}-{'jit' if use_jit else 'eager'}",
+        )
+        for name in sorted(OPS)
+        for use_jit in (False, True)
+    ],
+)
 def test_forward_and_backward_scales_follow_the_data(name, use_jit):
     fn, shapes, scales = OPS[name]
     args = _operands(shapes, scales)
