@@ -186,3 +186,12 @@ def test_transforms_commute_through_their_declarations():
     assert inner is f
     # A gradient of a transformed function is not the transformed function.
     assert unwrap_outer(jax.grad(jsa.autoscale(f)))[0] is not f
+
+
+def test_the_module_examples_run():
+    import doctest
+
+    from jax_scaled_arithmetics.core import walker
+
+    result = doctest.testmod(walker)
+    assert result.attempted >= 10 and result.failed == 0, result
