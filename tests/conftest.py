@@ -37,7 +37,9 @@ if _CACHE != "0":
     )
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     # (No `jax_compilation_cache_max_size`: its eviction lists the directory at every
-    # write, which made the run slower than no cache. `pytest_configure` bounds it.)
+    # write, which made the run slower than no cache. `pytest_configure` bounds it.) The
+    # workers share it without a lock: an entry read while another writes it fails to load
+    # and is compiled again (pyproject.toml lets that warning through).
 
 _CACHE_LIMIT = 2 << 30  # bytes: a larger cache is emptied when a run starts
 
