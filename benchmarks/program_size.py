@@ -606,50 +606,9 @@ def _zoo_case(model: str, dtype: Any, part: str) -> Case:
     )
 
 
-def case_zoo_linen(dtype: Any) -> Case:
-    """Flax linen GPT of the zoo (tests/integration/zoo.py), `TrainState.apply_gradients`;
-    scaled: `scale_optimizer(adam)`, plain: float32 `optax.adam`."""
-    return _zoo_case("linen", dtype, "step")
-
-
-def case_zoo_nnx(dtype: Any) -> Case:
-    """Flax NNX Llama-like LM of the zoo, `nnx.split`/`merge` step with optax."""
-    return _zoo_case("nnx", dtype, "step")
-
-
-def case_zoo_equinox(dtype: Any) -> Case:
-    """Equinox BERT-like classifier of the zoo, the Equinox docs' step (filter_value_and_grad)."""
-    return _zoo_case("equinox", dtype, "step")
-
-
-def case_zoo_linen_grad(dtype: Any) -> Case:
-    """The zoo's linen GPT: loss and gradient only (no optimizer)."""
-    return _zoo_case("linen", dtype, "grad")
-
-
-def case_zoo_nnx_grad(dtype: Any) -> Case:
-    """The zoo's NNX LM: loss and gradient only."""
-    return _zoo_case("nnx", dtype, "grad")
-
-
-def case_zoo_equinox_grad(dtype: Any) -> Case:
-    """The zoo's Equinox classifier: loss and gradient only."""
-    return _zoo_case("equinox", dtype, "grad")
-
-
-def case_zoo_linen_update(dtype: Any) -> Case:
-    """The zoo's linen GPT: the optimizer update alone (`TrainState.apply_gradients`)."""
-    return _zoo_case("linen", dtype, "update")
-
-
-def case_zoo_nnx_update(dtype: Any) -> Case:
-    """The zoo's NNX LM: `opt.update` and `optax.apply_updates` alone."""
-    return _zoo_case("nnx", dtype, "update")
-
-
-def case_zoo_equinox_update(dtype: Any) -> Case:
-    """The zoo's Equinox classifier: `opt.update` and `eqx.apply_updates` alone."""
-    return _zoo_case("equinox", dtype, "update")
+def _zoo_builder(model: str, part: str) -> Callable[[Any], Case]:
+    """The builder of case `zoo-<model>[-<part>]` (the module docstring describes them)."""
+    return lambda dtype: _zoo_case(model, dtype, part)
 
 
 # name: (builder, default data dtype of the scaled variant)
@@ -668,15 +627,14 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "gpt-scaled-opt-channel": (case_gpt_scaled_opt_channel, "float16"),
     "gpt-unit-fp8": (case_gpt_unit_fp8, "float32"),
     "adam-update": (case_adam_update, "bfloat16"),
-    "zoo-linen": (case_zoo_linen, "float16"),
-    "zoo-nnx": (case_zoo_nnx, "float16"),
-    "zoo-equinox": (case_zoo_equinox, "float16"),
-    "zoo-linen-grad": (case_zoo_linen_grad, "float16"),
-    "zoo-nnx-grad": (case_zoo_nnx_grad, "float16"),
-    "zoo-equinox-grad": (case_zoo_equinox_grad, "float16"),
-    "zoo-linen-update": (case_zoo_linen_update, "float16"),
-    "zoo-nnx-update": (case_zoo_nnx_update, "float16"),
-    "zoo-equinox-update": (case_zoo_equinox_update, "float16"),
+    **{
+        f"zoo-{model}" + ("" if part == "step" else f"-{part}"): (
+            _zoo_builder(model, part),
+            "float16",
+        )
+        for part in ("step", "grad", "update")
+        for model in ("linen", "nnx", "equinox")
+    },
     "scaled-opt-update": (case_scaled_opt_update, "float16"),
     "nnx": (case_nnx, "float32"),
     "gpt2-small": (case_gpt2_small, "float16"),
