@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, blocks
+from . import _compat, block_scales
 from .types import Array
 
 DTypeLike = Any
@@ -146,7 +146,7 @@ class ScaledArray:
         data = jnp.asarray(self.data)
         scale = jnp.asarray(self.scale)
         if scale.ndim:  # a block scale: each entry repeated over its block
-            scale = blocks.expand_scale(scale, data.shape)
+            scale = block_scales.expand_scale(scale, data.shape)
         value = data.astype(compute_dtype) * scale.astype(compute_dtype)
         return value.astype(out_dtype)
 
@@ -306,7 +306,7 @@ def _check_scale(data: Array, scale: Array) -> None:
     if not is_floating(scale):
         scale_dtype = getattr(scale, "dtype", type(scale))
         raise TypeError(f"ScaledArray scale must have a floating dtype, got {scale_dtype}.")
-    blocks.block_layout(np.shape(data), np.shape(scale))
+    block_scales.block_layout(np.shape(data), np.shape(scale))
     problem = invalid_scale_values(scale)
     if problem is not None:
         raise ValueError(
@@ -318,7 +318,7 @@ def _at_data_rank(data: Array, scale: Array) -> Array:
     """A block scale reshaped to the data's rank (a lower-rank one gets leading 1s)."""
     if np.ndim(scale) == 0 or np.ndim(scale) == np.ndim(data):
         return scale
-    return scale.reshape(blocks.block_layout(np.shape(data), np.shape(scale)))
+    return scale.reshape(block_scales.block_layout(np.shape(data), np.shape(scale)))
 
 
 def scaled_array(
@@ -368,7 +368,7 @@ def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: An
     out_dtype = arr.dtype if dtype is None else jnp.dtype(dtype)
     if scale_shape is not None:
         layout = _block_layout_for(arr.shape, scale_shape)
-        scale = blocks.block_pow2_scale(arr, layout)
+        scale = block_scales.block_pow2_scale(arr, layout)
     if scale is None:
         return scaled_array(arr.astype(out_dtype), np.float32(1.0))
     scale_arr = jnp.asarray(scale, dtype=jnp.float32) if isinstance(scale, float) else scale
@@ -380,7 +380,7 @@ def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: An
     wide = jnp.dtype(jnp.float64) in (jnp.dtype(arr.dtype), jnp.dtype(scale_arr.dtype))
     compute = jnp.float64 if wide else jnp.float32
     # data = value / scale, with 0 / 0 defined as 0 (a zero scale represents zeros).
-    full_scale = blocks.expand_scale(scale_arr, arr.shape)
+    full_scale = block_scales.expand_scale(scale_arr, arr.shape)
     safe_scale = jnp.where(full_scale == 0, 1, full_scale).astype(compute)
     data = jnp.where(full_scale == 0, 0, arr.astype(compute) / safe_scale)
     return ScaledArray(data.astype(out_dtype), scale_arr)
@@ -398,7 +398,7 @@ def _block_layout_for(shape: tuple[int, ...], scale_shape: Any) -> tuple[int, ..
             f"as_scaled_array scale_shape must be a tuple of ints (or a callable returning "
             f"one), got {scale_shape!r}."
         )
-    return blocks.block_layout(shape, tuple(int(d) for d in scale_shape))
+    return block_scales.block_layout(shape, tuple(int(d) for d in scale_shape))
 
 
 def as_scaled_array(

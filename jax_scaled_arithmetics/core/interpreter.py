@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, blocks, registry
+from . import _compat, block_scales, registry
 from .config import get_autoscale_config
 from .datatype import (
     ScaledArray,
@@ -24,7 +24,7 @@ from .datatype import (
 )
 from .promotion import promote_to_scaled
 from .registry import operand_constants
-from .scale_primitives import is_pow2, mark_pow2
+from .scale_arithmetic import is_pow2, mark_pow2
 from .walker import (
     Frame,
     JaxprWalker,
@@ -237,7 +237,7 @@ def _check_outputs(eqn: _compat.JaxprEqn, outs: Sequence[Any]) -> None:
 def _per_tensor(value: Any) -> Any:
     """A block-scaled operand in per-tensor form, for rules that do not keep blocks."""
     if isinstance(value, ScaledArray) and np.ndim(value.scale):
-        return ScaledArray(*blocks.to_per_tensor(value.data, value.scale))
+        return ScaledArray(*block_scales.to_per_tensor(value.data, value.scale))
     return value
 
 
@@ -258,10 +258,10 @@ def _materialized(x: ScaledArray) -> ScaledArray:
     scale = x.scale
     if np.ndim(scale) == 0 and _compat.is_tracer(scale):
         pow2 = is_pow2(scale)
-        scale = blocks.materialize_scalar(scale)
+        scale = block_scales.materialize_scalar(scale)
         if pow2:
             mark_pow2(scale)
-    return ScaledArray(blocks.materialize_scalar(x.data), scale)
+    return ScaledArray(block_scales.materialize_scalar(x.data), scale)
 
 
 class _AutoscaleContext:

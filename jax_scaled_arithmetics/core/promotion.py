@@ -10,7 +10,7 @@ import numpy as np
 from .config import Pow2RoundMode, ScalePolicy, get_autoscale_config
 from .datatype import ScaledArray, is_floating
 from .pow2 import static_pow2
-from .scale_primitives import dynamic_scale_p, mark_pow2
+from .scale_arithmetic import dynamic_scale_p, mark_pow2
 
 __all__ = ["promote_to_scaled"]
 

@@ -5,7 +5,8 @@ operations `set_scaling`, `stop_scaling`, `get_data_scale`, `rebalance`, and
 `apply_to_data` (an elementwise function of the stored data).
 """
 
-from . import blocks as blocks
+from .. import _renamed
+from . import block_rules as block_rules
 from . import collectives as collectives
 from . import complex_values as complex_values
 from . import control_flow as control_flow
@@ -17,10 +18,13 @@ from . import optimizer_guard as optimizer_guard
 from . import reductions as reductions
 from . import shape as shape
 from . import transcendental as transcendental
-from .scaling import apply_to_data as apply_to_data
-from .scaling import get_data_scale as get_data_scale
-from .scaling import rebalance as rebalance
-from .scaling import set_scaling as set_scaling
-from .scaling import stop_scaling as stop_scaling
+from .scaling_primitives import apply_to_data as apply_to_data
+from .scaling_primitives import get_data_scale as get_data_scale
+from .scaling_primitives import rebalance as rebalance
+from .scaling_primitives import set_scaling as set_scaling
+from .scaling_primitives import stop_scaling as stop_scaling
 
 __all__ = ["apply_to_data", "get_data_scale", "rebalance", "set_scaling", "stop_scaling"]
+
+# Old module names (see `jax_scaled_arithmetics._renamed`): `jsa.lax.blocks` still resolves.
+__getattr__ = _renamed.package_getattr(__name__)

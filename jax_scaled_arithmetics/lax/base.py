@@ -26,7 +26,7 @@ from ..core.config import Pow2RoundMode
 from ..core.datatype import ScaledArray, is_floating
 from ..core.pow2 import pow2_round, static_pow2
 from ..core.types import Array
-from .scales import (
+from .scale_algebra import (
     SCALE_MIN,
     apply_ratio,
     as_f32,
@@ -110,7 +110,7 @@ def static_scale(scale: Any) -> float | None:
 def scale_product(data: Array, factors: Sequence[tuple[Any, int]], dtype: Any) -> ScaledArray:
     """`data` at the scale `prod(scale ** power for scale, power in factors)`.
 
-    See :func:`jax_scaled_arithmetics.lax.scales.represent`: the product is clamped to
+    See :func:`jax_scaled_arithmetics.lax.scale_algebra.represent`: the product is clamped to
     float32's range only where it could leave it, the rest multiplying the data, so that
     values beyond float32's range become +-inf (or 0) elementwise as in plain float32.
     """

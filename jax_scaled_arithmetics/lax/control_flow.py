@@ -20,7 +20,7 @@ the original construct over those leaves:
   A scaled stacked output of `scan` keeps one scale per iteration, as a block
   scale `(L, 1, ...)` (or its loop-invariant scale), and a scanned input with such
   a scale gives each iteration its own: stacked layers keep their own scales.
-- Block scales (`lax/blocks.py`): a carry of `scan` or `while` keeps its initial value's
+- Block scales (`lax/block_rules.py`): a carry of `scan` or `while` keeps its initial value's
   layout, per tensor or blocks: the body's output is brought back to it (exactly where
   the layout is finer than the body's, else each block at the largest scale it holds).
 - A `cond` output scaled in one branch is scaled (promoted) in all; the index
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from ..core import _compat, blocks, registry
+from ..core import _compat, block_scales, registry
 from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray, is_floating
 from ..core.promotion import promote_to_scaled
@@ -65,7 +65,7 @@ from ..core.subjaxpr import (
     unflatten_scaled,
 )
 from .base import register_materializing, rescale, safe_div
-from .blocks import meet_scale_shapes, to_scale_shape
+from .block_rules import meet_scale_shapes, to_scale_shape
 
 
 def _expand_per_value(values: Sequence[Any], specs: Sequence[Any], name: str) -> tuple[Any, ...]:
@@ -148,7 +148,7 @@ def _value_tangent(primal: Any, tangent_leaves: Sequence[Any]) -> Any:
         return tangent_leaves[0]
     t_data, t_scale = tangent_leaves
     scale = jnp.asarray(primal.scale)
-    ratio = blocks.expand_scale(safe_div(t_scale, scale), primal.shape).astype(primal.dtype)
+    ratio = block_scales.expand_scale(safe_div(t_scale, scale), primal.shape).astype(primal.dtype)
     data = t_data + primal.data * ratio
     return ScaledArray(data, jax.lax.stop_gradient(scale))
 
@@ -165,10 +165,10 @@ def _leaf_tangents(primal_out: Any, value_tangent: Any) -> list[Any]:
         if t_scale.ndim and t_scale.shape != scale.shape:  # another block layout
             value_tangent = _per_tensor(value_tangent)
             t_scale = jnp.asarray(value_tangent.scale)
-        ratio = blocks.expand_scale(safe_div(t_scale, scale), primal_out.shape)
+        ratio = block_scales.expand_scale(safe_div(t_scale, scale), primal_out.shape)
         t_data = (value_tangent.data.astype(jnp.float32) * ratio).astype(primal_out.dtype)
     else:
-        full = blocks.expand_scale(scale, primal_out.shape)
+        full = block_scales.expand_scale(scale, primal_out.shape)
         t_data = safe_div(value_tangent.astype(jnp.float32), full).astype(primal_out.dtype)
     return [t_data, jnp.zeros_like(scale)]
 
@@ -288,15 +288,17 @@ def _leaf_cotangents(primal_in: Any, value_ct: Any) -> list[Any]:
         return [value_ct.astype(primal_in.dtype)]
     scale = jnp.asarray(primal_in.scale)
     if isinstance(value_ct, ScaledArray):
-        ct_scale_in = blocks.expand_scale(jnp.asarray(value_ct.scale, jnp.float32), value_ct.shape)
+        ct_scale_in = block_scales.expand_scale(
+            jnp.asarray(value_ct.scale, jnp.float32), value_ct.shape
+        )
         ct_value = value_ct.data.astype(jnp.float32) * ct_scale_in
     else:
         ct_value = value_ct.astype(jnp.float32)
-    full = blocks.expand_scale(scale.astype(jnp.float32), primal_in.shape)
+    full = block_scales.expand_scale(scale.astype(jnp.float32), primal_in.shape)
     ct_data = (ct_value * full).astype(primal_in.dtype)
     products = ct_value * primal_in.data.astype(jnp.float32)
     if scale.ndim:  # dL/dscale of each block: the sum over its block
-        ct_scale = blocks.block_sum(products, scale.shape).astype(scale.dtype)
+        ct_scale = block_scales.block_sum(products, scale.shape).astype(scale.dtype)
     else:
         ct_scale = jnp.sum(products).astype(scale.dtype)
     return [ct_data, ct_scale]
@@ -514,7 +516,7 @@ def _stacked_scale(y: ScaledArray, invariant: bool) -> ScaledArray:
 
 def _per_tensor(value: Any) -> Any:
     if isinstance(value, ScaledArray) and np.ndim(value.scale):
-        return ScaledArray(*blocks.to_per_tensor(value.data, value.scale))
+        return ScaledArray(*block_scales.to_per_tensor(value.data, value.scale))
     return value
 
 
@@ -525,7 +527,7 @@ def _scan_x(x: Any, length: int) -> tuple[Any, bool]:
     without that axis; any other layout goes per tensor."""
     if not isinstance(x, ScaledArray) or np.ndim(x.scale) == 0:
         return x, False
-    layout = blocks.block_layout(x.shape, np.shape(x.scale))
+    layout = block_scales.block_layout(x.shape, np.shape(x.scale))
     scale = jnp.asarray(x.scale).reshape(layout)
     if layout[0] == length and length > 1:
         rest = layout[1:]

@@ -41,7 +41,7 @@ from .base import (
     register_unscaled_elementwise,
     zeros_where_scale_zero,
 )
-from .scales import (
+from .scale_algebra import (
     SCALE_MIN,
     apply_ratio,
     as_f32,

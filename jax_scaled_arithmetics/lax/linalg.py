@@ -25,7 +25,7 @@ from ..core import _compat, registry
 from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.pow2 import static_pow2
-from .scales import represent, represent_dynamic
+from .scale_algebra import represent, represent_dynamic
 
 
 def fan_in_factor(fan_in: int) -> float:

@@ -1,22 +1,23 @@
 """User-facing operations on scaled arrays: dynamic rescaling, low-precision casts, quantisers,
 posit activation shortcuts, FP8 / MX matmul recipes."""
 
+from .. import _renamed
 from .casts import cast_on_backward as cast_on_backward
 from .casts import cast_on_forward as cast_on_forward
 from .casts import quantizer as quantizer
 from .casts import reduce_precision_on_backward as reduce_precision_on_backward
 from .casts import reduce_precision_on_forward as reduce_precision_on_forward
+from .dynamic_rescaling import dynamic_rescale_l1 as dynamic_rescale_l1
+from .dynamic_rescaling import dynamic_rescale_l1_grad as dynamic_rescale_l1_grad
+from .dynamic_rescaling import dynamic_rescale_l2 as dynamic_rescale_l2
+from .dynamic_rescaling import dynamic_rescale_l2_grad as dynamic_rescale_l2_grad
+from .dynamic_rescaling import dynamic_rescale_max as dynamic_rescale_max
+from .dynamic_rescaling import dynamic_rescale_max_grad as dynamic_rescale_max_grad
 from .fp8_matmul import mx_matmul as mx_matmul
 from .fp8_matmul import rowwise_fp8_matmul as rowwise_fp8_matmul
 from .fp8_matmul import tensorwise_fp8_matmul as tensorwise_fp8_matmul
 from .posit_activations import posit_sigmoid as posit_sigmoid
 from .posit_activations import posit_tanh as posit_tanh
-from .rescaling import dynamic_rescale_l1 as dynamic_rescale_l1
-from .rescaling import dynamic_rescale_l1_grad as dynamic_rescale_l1_grad
-from .rescaling import dynamic_rescale_l2 as dynamic_rescale_l2
-from .rescaling import dynamic_rescale_l2_grad as dynamic_rescale_l2_grad
-from .rescaling import dynamic_rescale_max as dynamic_rescale_max
-from .rescaling import dynamic_rescale_max_grad as dynamic_rescale_max_grad
 
 __all__ = [
     "cast_on_backward",
@@ -36,3 +37,6 @@ __all__ = [
     "dynamic_rescale_max",
     "dynamic_rescale_max_grad",
 ]
+
+# Old module names (see `jax_scaled_arithmetics._renamed`): `jsa.lax.blocks` still resolves.
+__getattr__ = _renamed.package_getattr(__name__)

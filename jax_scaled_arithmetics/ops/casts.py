@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from ..core.datatype import ScaledArray, is_floating
 from ..core.interpreter import autoscale
 from ..core.types import Array
-from ..lax.scaling import apply_to_data
+from ..lax.scaling_primitives import apply_to_data
 from ..quantization import float_quantize, get_format
 
 __all__ = [

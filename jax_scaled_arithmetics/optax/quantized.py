@@ -44,8 +44,8 @@ import optax
 
 from ..core.datatype import is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
-from ..lax.scaling import apply_to_data
-from ..ops.rescaling import dynamic_rescale_max
+from ..lax.scaling_primitives import apply_to_data
+from ..ops.dynamic_rescaling import dynamic_rescale_max
 from ..quantization import float_quantize, get_format
 from ..quantization._bits import ROUNDING_MODES, check_rounding
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from ..core.datatype import is_floating, is_scaled_leaf
-from ..lax.scaling import apply_to_data
+from ..lax.scaling_primitives import apply_to_data
 from ..ops.casts import quantizer
 from ..quantization import FloatFormat
 from .compensated import kahan_summation

@@ -46,8 +46,8 @@ import optax
 
 from ..core.datatype import ScaledArray, as_scaled_array, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
-from ..lax.scaling import rebalance, stop_scaling
-from ..ops.rescaling import (
+from ..lax.scaling_primitives import rebalance, stop_scaling
+from ..ops.dynamic_rescaling import (
     DEFAULT_EPSILON,
     dynamic_rescale_l1,
     dynamic_rescale_l2,

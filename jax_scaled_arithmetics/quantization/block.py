@@ -524,7 +524,7 @@ def mx_from_scaled_array(
         Array([[0., 1., 2., 3.],
                [4., 4., 6., 6.]], dtype=float32)
     """
-    from ..core import blocks
+    from ..core import block_scales
     from ..core.datatype import ScaledArray
 
     if not isinstance(x, ScaledArray):
@@ -536,8 +536,8 @@ def mx_from_scaled_array(
     )
     scale = jnp.asarray(x.scale)
     if scale.ndim:
-        scale = scale.reshape(blocks.block_layout(data.shape, scale.shape))
-        scale = blocks.expand_scale(scale.astype(jnp.float32), data.shape)
+        scale = scale.reshape(block_scales.block_layout(data.shape, scale.shape))
+        scale = block_scales.expand_scale(scale.astype(jnp.float32), data.shape)
     data_dtype = fmt.jax_dtype or np.dtype(np.float32)
     key = key if mode == "stochastic" else None
     elements, scales = _mx_from_scaled_impl(

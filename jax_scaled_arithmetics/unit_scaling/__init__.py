@@ -13,6 +13,10 @@ Examples:
 """
 
 from ._fp8 import simulate_fp8 as simulate_fp8
+from ._fwd_bwd import Constraint as Constraint
+from ._fwd_bwd import apply_constraint as apply_constraint
+from ._fwd_bwd import scale_bwd as scale_bwd
+from ._fwd_bwd import scale_fwd as scale_fwd
 from ._ops import add as add
 from ._ops import conv1d as conv1d
 from ._ops import conv2d as conv2d
@@ -33,10 +37,6 @@ from ._ops import scaled_dot_product_attention as scaled_dot_product_attention
 from ._ops import silu as silu
 from ._ops import silu_glu as silu_glu
 from ._ops import softmax as softmax
-from ._scale import Constraint as Constraint
-from ._scale import apply_constraint as apply_constraint
-from ._scale import scale_bwd as scale_bwd
-from ._scale import scale_fwd as scale_fwd
 from ._transform import unit_init as unit_init
 from ._transform import unit_scale as unit_scale
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ..core import _compat
 from ..core.walker import Frame, JaxprWalker, declare_rewrap, own_rewrap
 from ..ops.casts import reduce_precision_on_backward, reduce_precision_on_forward
-from ..ops.rescaling import dynamic_rescale_max, dynamic_rescale_max_grad
+from ..ops.dynamic_rescaling import dynamic_rescale_max, dynamic_rescale_max_grad
 from ..quantization import get_format
 from ._rewrite import MATMULS, contains_matmul, rewrite_call
 

@@ -29,9 +29,9 @@ import numpy as np
 from jax import lax
 
 from ..core.types import Array
-from ._scale import Constraint, apply_constraint, check_constraint, multiply, scaled_call
-from ._scale import scale_bwd as scale_bwd
-from ._scale import scale_fwd as scale_fwd
+from ._fwd_bwd import Constraint, apply_constraint, check_constraint, multiply, scaled_call
+from ._fwd_bwd import scale_bwd as scale_bwd
+from ._fwd_bwd import scale_fwd as scale_fwd
 
 __all__ = [
     "add",

@@ -37,7 +37,8 @@ import numpy as np
 
 from ..core import _compat
 from ..core.walker import Frame, Group, JaxprWalker, unwrap_outer
-from . import _ops, _scale
+from . import _fwd_bwd, _ops
+from ._fwd_bwd import Constraint
 from ._rewrite import (
     MATMULS as _MATMULS,
 )
@@ -298,7 +299,7 @@ class _UnitScaleRewriter(JaxprWalker):
         the branch's gradient the weight `a` the forward pass gave the branch."""
         for k in context.branch_reads.get((index, position), ()):
             a, _ = _tau_weights(self.tau_of(context, k, index))
-            value = _scale.scale_bwd(value, a)
+            value = _fwd_bwd.scale_bwd(value, a)
         return value
 
     # --- rewriting -----------------------------------------------------------------------
@@ -386,7 +387,7 @@ class _UnitScaleRewriter(JaxprWalker):
                 size = math.prod(atom.aval.shape)
                 if _is_parameter(atom, context) and 0 < size < size_out * rows:
                     factor = math.sqrt(size / (size_out * rows))
-                    invals[p] = _scale.scale_bwd(invals[p], factor)
+                    invals[p] = _fwd_bwd.scale_bwd(invals[p], factor)
         if index in context.residual:
             skip_pos = context.residual[index]
             tau = self.tau_of(context, index, index)
@@ -396,7 +397,7 @@ class _UnitScaleRewriter(JaxprWalker):
             _, b = _tau_weights(tau)
             # With the branch reads' `a`, this is `residual_split`: the true gradient reaches
             # the skip connection, the branch sees a unit one.
-            return [_ops.residual_add(branch, _scale.scale_bwd(skip, b), tau=tau)]
+            return [_ops.residual_add(branch, _fwd_bwd.scale_bwd(skip, b), tau=tau)]
         if index in context.output_chain and prim in ("mul", "div"):
             return _forward_only_constant(eqn, invals)
         return None
@@ -431,7 +432,7 @@ def _forward_only_constant(eqn: Any, invals: list[Any]) -> list[Any] | None:
         other = 1 - pos
         undo = 1.0 / constant if prim == "mul" else constant
         operands = list(invals)
-        operands[other] = _scale.scale_bwd(operands[other], undo)
+        operands[other] = _fwd_bwd.scale_bwd(operands[other], undo)
         subfuns, bind_params = _compat.get_bind_params(eqn)
         return [eqn.primitive.bind(*subfuns, *operands, **bind_params)]
     return None
@@ -477,13 +478,13 @@ def _unit_conv(eqn: Any, invals: list[Any], constraint: Any) -> Any:
     fan_in = spatial * kernel_shape[rhs_spec[1]]
     fan_out = spatial * kernel_shape[rhs_spec[0]] // max(groups, 1)
     kernel_fan = math.prod(out_shape) // out_shape[out_spec[1]] * _vmapped_rows(lhs, rhs)
-    output_scale, (lhs_scale,) = _scale.apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
+    output_scale, (lhs_scale,) = _fwd_bwd.apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     kernel_scale = kernel_fan**-0.5
     subfuns, bind_params = _compat.get_bind_params(eqn)
     out = eqn.primitive.bind(
         *subfuns,
-        _scale.scale_bwd(lhs, lhs_scale / output_scale),
-        _scale.scale_bwd(rhs, kernel_scale / output_scale),
+        _fwd_bwd.scale_bwd(lhs, lhs_scale / output_scale),
+        _fwd_bwd.scale_bwd(rhs, kernel_scale / output_scale),
         **bind_params,
     )
     return out * jnp.asarray(output_scale, out.dtype)
@@ -528,7 +529,7 @@ def unit_scale(
     replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
     *,
     tau: float | None = None,
-    constraint: _scale.Constraint = "gmean",
+    constraint: Constraint = "gmean",
 ) -> Callable[..., Any]:
     """A unit-scaled version of a plain JAX function (a model's apply, a loss).
 
@@ -582,7 +583,7 @@ def unit_scale(
     entries, by_code, by_name = _resolve_replace(replace)
     if tau is not None and not (isinstance(tau, (int, float)) and tau > 0):
         raise ValueError(f"unit_scale: tau must be a positive number or None, got {tau!r}.")
-    _scale.apply_constraint(constraint, 1.0, 1.0)  # validates the constraint's name
+    _fwd_bwd.apply_constraint(constraint, 1.0, 1.0)  # validates the constraint's name
     inner, rewrap = unwrap_outer(fn)
     if inner is not fn:  # unit_scale(autoscale(f)) is autoscale(unit_scale(f)), likewise FP8
         return rewrap(unit_scale(inner, replace, tau=tau, constraint=constraint))

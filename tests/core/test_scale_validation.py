@@ -164,7 +164,7 @@ def test_autoscale_refuses_a_bad_concrete_scale_naming_the_argument(bad, dtype, 
 
 
 def test_a_negative_scale_no_longer_hangs_autoscale():
-    # Was an endless loop in lax/scales.py (`_multiply_static`) when called eagerly.
+    # Was an endless loop in lax/scale_algebra.py (`_multiply_static`) when called eagerly.
     x = jsa.ScaledArray(jnp.ones(3), -1.0)
     with pytest.raises(ValueError, match=r"argument 0: ScaledArray scale is -1.0 \(negative\)"):
         within_time_bound(lambda: jsa.autoscale(lambda a: a * 2.0)(x))

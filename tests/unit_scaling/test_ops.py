@@ -59,7 +59,7 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics.unit_scaling as U
-from jax_scaled_arithmetics.unit_scaling import _ops, _scale
+from jax_scaled_arithmetics.unit_scaling import _fwd_bwd, _ops
 
 DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
@@ -568,17 +568,17 @@ def test_dropout_mask_and_identity():
 
 
 def test_apply_constraint():
-    assert _scale.apply_constraint(None, 0.25, 4.0, 1.0) == (0.25, (4.0, 1.0))
-    assert _scale.apply_constraint("to_output_scale", 0.25, 4.0) == (0.25, (0.25,))
-    assert _scale.apply_constraint("to_grad_input_scale", 0.25, 4.0) == (4.0, (4.0,))
-    assert _scale.apply_constraint("to_grad_input_scale", 9.0, 4.0, 1.0) == (2.0, (2.0, 2.0))
-    out, grads = _scale.apply_constraint("gmean", 0.25, 4.0)
+    assert _fwd_bwd.apply_constraint(None, 0.25, 4.0, 1.0) == (0.25, (4.0, 1.0))
+    assert _fwd_bwd.apply_constraint("to_output_scale", 0.25, 4.0) == (0.25, (0.25,))
+    assert _fwd_bwd.apply_constraint("to_grad_input_scale", 0.25, 4.0) == (4.0, (4.0,))
+    assert _fwd_bwd.apply_constraint("to_grad_input_scale", 9.0, 4.0, 1.0) == (2.0, (2.0, 2.0))
+    out, grads = _fwd_bwd.apply_constraint("gmean", 0.25, 4.0)
     assert out == pytest.approx(1.0) and grads == (out,)
-    assert _scale.apply_constraint("gmean", 0.5) == (0.5, ())
+    assert _fwd_bwd.apply_constraint("gmean", 0.5) == (0.5, ())
     with pytest.raises(ValueError, match="'gmean', 'to_output_scale', 'to_grad_input_scale'"):
-        _scale.apply_constraint("mean", 1.0, 1.0)  # type: ignore[arg-type]
+        _fwd_bwd.apply_constraint("mean", 1.0, 1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive and finite"):
-        _scale.apply_constraint(None, 0.0, 1.0)
+        _fwd_bwd.apply_constraint(None, 0.0, 1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import blocks, registry
+from ..core import block_scales, registry
 from ..core.datatype import ScaledArray, is_array, is_floating, is_scaled_leaf
 from ..core.define import (
     define_primitive,
@@ -27,9 +27,9 @@ from ..core.define import (
     zero_tangents,
 )
 from ..core.interpreter import autoscale
-from ..core.scale_primitives import mark_pow2
+from ..core.scale_arithmetic import mark_pow2
 from ..core.types import Array
-from ..lax.scaling import block_rebalance_by, rebalance_by
+from ..lax.scaling_primitives import block_rebalance_by, rebalance_by
 
 __all__ = [
     "dynamic_rescale_max",
@@ -53,11 +53,11 @@ def _block_norms(data: Array, layout: tuple[int, ...], norm: str) -> Array:
     """The `norm` of each block of `layout` (an array of the layout's shape), float32."""
     data = data.astype(jnp.float32)
     if norm == "max":
-        return blocks.block_max(data, layout)  # the largest finite magnitude
+        return block_scales.block_max(data, layout)  # the largest finite magnitude
     count = np.float32(data.size // max(int(np.prod(layout)), 1))
     if norm == "l1":
-        return blocks.block_sum(lax.abs(data), layout) / count
-    return lax.sqrt(blocks.block_sum(data * data, layout) / count)
+        return block_scales.block_sum(lax.abs(data), layout) / count
+    return lax.sqrt(block_scales.block_sum(data * data, layout) / count)
 
 
 def _pow2_bits(magnitude: Array, epsilon: float, lowest: int = 0) -> Array:
@@ -88,27 +88,27 @@ def _inverse_pow2(bits: Array) -> Array:
 def _layout_of(x: ScaledArray) -> tuple[int, ...]:
     if np.ndim(x.scale) == 0:
         return (1,) * x.ndim
-    return blocks.block_layout(x.shape, np.shape(x.scale))
+    return block_scales.block_layout(x.shape, np.shape(x.scale))
 
 
 def _reblock(x: ScaledArray, target: tuple[int, ...]) -> tuple[Array, Array]:
     """`x` on the block layout `target`: `(data, scale)`, the scale of each target block the
     largest old scale within it, the data (float32 or float64) multiplied by each old
     scale's ratio to it (a power of two at most 1: nothing overflows)."""
-    cdtype = blocks.wide_dtype(x.dtype)
+    cdtype = block_scales.wide_dtype(x.dtype)
     data = jnp.asarray(x.data).astype(cdtype)
     scale = jnp.asarray(x.scale, _F32)
     if scale.ndim == 0:
         return data, jnp.broadcast_to(scale, target)
-    own = blocks.block_layout(x.shape, scale.shape)
+    own = block_scales.block_layout(x.shape, scale.shape)
     scale = scale.reshape(own)
     if own == target:
         return data, scale
-    common = blocks.common_layout(x.shape, own, target)
-    fine = blocks.refine_scale(scale, x.shape, common)
-    new = blocks.block_max(fine, target)
-    ratio = blocks.ratio(fine, blocks.refine_scale(new, x.shape, common))
-    return data * blocks.expand_scale(ratio, x.shape).astype(cdtype), new
+    common = block_scales.common_layout(x.shape, own, target)
+    fine = block_scales.refine_scale(scale, x.shape, common)
+    new = block_scales.block_max(fine, target)
+    ratio = block_scales.ratio(fine, block_scales.refine_scale(new, x.shape, common))
+    return data * block_scales.expand_scale(ratio, x.shape).astype(cdtype), new
 
 
 def _scaled(data: Array, scale: Array, dtype: Any) -> ScaledArray:
@@ -214,8 +214,8 @@ def scaled_dynamic_rescale(
     data, scale = _reblock(x, target)
     # Block scales stay in [2^-126, 2^127]: a block of zeros is no reason for a zero scale.
     bits = _pow2_bits(_block_norms(data, target, norm), epsilon, lowest=1)
-    inverse = blocks.materialize(_inverse_pow2(bits))  # once per block (see materialize)
-    data = data * blocks.expand_scale(inverse, x.shape).astype(data.dtype)
+    inverse = block_scales.materialize(_inverse_pow2(bits))  # once per block (see materialize)
+    data = data * block_scales.expand_scale(inverse, x.shape).astype(data.dtype)
     out = _scaled(data, scale * _pow2(bits), x.dtype)
     if not shift:
         return out
@@ -269,7 +269,7 @@ def scaled_match_layout(x: Any, like: Any) -> Any:
     if _layout_of(x) == target:
         return x
     if all(s == 1 for s in target):
-        return ScaledArray(*blocks.to_per_tensor(x.data, x.scale))
+        return ScaledArray(*block_scales.to_per_tensor(x.data, x.scale))
     data, scale = _reblock(x, target)
     return _scaled(data, scale, x.dtype)
 
@@ -293,7 +293,7 @@ def _target_layout(shape: tuple[int, ...], scale_shape: ScaleShape) -> tuple[int
     if scale_shape is None:
         return None
     wanted = scale_shape(shape) if callable(scale_shape) else scale_shape
-    return blocks.block_layout(shape, tuple(int(s) for s in wanted))
+    return block_scales.block_layout(shape, tuple(int(s) for s in wanted))
 
 
 def _is_floating_array(x: Any) -> bool:

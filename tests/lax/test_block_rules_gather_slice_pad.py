@@ -1,5 +1,5 @@
 """Block scales through gather, dynamic_slice, dynamic_update_slice, pad and scatter
-(lax/blocks.py).
+(lax/block_rules.py).
 
 Each case compares the autoscaled function on block-scaled inputs with the plain function
 on the represented values, over layouts, data dtypes and jit on/off (with gradients), and
@@ -16,7 +16,7 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics as jsa
-from tests.lax.test_blocks_conv_concat_control import (
+from tests.lax.test_block_rules_conv_concat_control import (
     DTYPE_JIT,
     check,
     far_apart,

@@ -1,5 +1,5 @@
 """Block scales (scales finer than one per tensor): the datatype contract, and autoscale
-keeping them through the block rules (lax/blocks.py) or going per tensor elsewhere.
+keeping them through the block rules (lax/block_rules.py) or going per tensor elsewhere.
 
 Every case compares the autoscaled function on block-scaled inputs with the plain
 function on the represented values, over layouts (per tensor, per row, per column, MX
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.core import blocks
+from jax_scaled_arithmetics.core import block_scales
 from tests import helpers
 from tests.helpers import represented
 
@@ -86,7 +86,7 @@ def test_as_scaled_array_with_scale_shape(name, dtype):
     # Error within the format's precision relative to each block's largest magnitude.
     tol = {ml_dtypes.float8_e4m3fn: 0.07}.get(dtype, TOL.get(dtype, 0))
     block_ref = np.asarray(
-        blocks.expand_scale(blocks.block_max(jnp.asarray(x), y.scale.shape), x.shape)
+        block_scales.expand_scale(block_scales.block_max(jnp.asarray(x), y.scale.shape), x.shape)
     )
     assert (np.abs(np.asarray(y.to_array(jnp.float32)) - x) <= tol * block_ref).all()
 
@@ -110,13 +110,13 @@ def test_autoscale_rejects_a_scale_that_is_not_a_block_scale():
 
 
 def test_blocks_helpers():
-    assert blocks.common_layout((8, 64), (8, 1), (1, 2)) == (8, 2)
-    assert blocks.common_layout((8, 64), (2, 2), (4, 1)) == (4, 2)
+    assert block_scales.common_layout((8, 64), (8, 1), (1, 2)) == (8, 2)
+    assert block_scales.common_layout((8, 64), (2, 2), (4, 1)) == (4, 2)
     scale = jnp.float32([[1.0, 2.0], [4.0, 8.0]])
     np.testing.assert_array_equal(
-        blocks.refine_scale(scale, (4, 4), (4, 2)), [[1, 2], [1, 2], [4, 8], [4, 8]]
+        block_scales.refine_scale(scale, (4, 4), (4, 2)), [[1, 2], [1, 2], [4, 8], [4, 8]]
     )
-    data, largest = blocks.to_per_tensor(jnp.ones((2, 4)), scale)
+    data, largest = block_scales.to_per_tensor(jnp.ones((2, 4)), scale)
     assert float(largest) == 8.0
     np.testing.assert_array_equal(data, [[0.125, 0.125, 0.25, 0.25], [0.5, 0.5, 1.0, 1.0]])
 
@@ -253,7 +253,7 @@ def test_gradients_through_block_scaled_inputs(layout, dtype):
     # data's block scale.
     outer = jax.grad(lambda x: jsa.autoscale(loss)(x, w, b).to_array(jnp.float32))(x)
     assert_close(
-        outer.data.astype(np.float32) / blocks.expand_scale(x.scale, x.shape), ref[0], dtype
+        outer.data.astype(np.float32) / block_scales.expand_scale(x.scale, x.shape), ref[0], dtype
     )
 
 

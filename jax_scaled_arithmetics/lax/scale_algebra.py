@@ -32,7 +32,7 @@ from ..core import _compat
 from ..core.config import Pow2RoundMode, get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.pow2 import static_pow2
-from ..core.scale_primitives import (
+from ..core.scale_arithmetic import (
     F32,
     SCALE_MAX,
     SCALE_MIN,

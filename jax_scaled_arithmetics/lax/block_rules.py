@@ -2,7 +2,7 @@
 
 A primitive listed here keeps its operands' block layouts; any other primitive gets its
 block-scaled operands in per-tensor form (the largest block scale, every block's data
-multiplied by its ratio to it: `core.blocks.to_per_tensor`) and its ordinary rule.
+multiplied by its ratio to it: `core.block_scales.to_per_tensor`) and its ordinary rule.
 Layouts meet at their common refinement (along each axis, blocks of the greatest common
 divisor of the operands' block sizes), so operands with different layouts combine
 exactly. Outputs of sums and contractions get one dynamic power-of-two scale per block
@@ -64,12 +64,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import _compat, blocks, registry
+from ..core import _compat, block_scales, registry
 from ..core.datatype import ScaledArray, is_floating
 from ..core.types import Array
 from .base import compute_dtype
 from .indexing import scatter_update_params
-from .scales import static_value
+from .scale_algebra import static_value
 
 _F32 = np.dtype(np.float32)
 
@@ -78,18 +78,20 @@ def layout_of(x: ScaledArray) -> tuple[int, ...]:
     """The block layout of `x` (all 1s for a per-tensor scale)."""
     if np.ndim(x.scale) == 0:
         return (1,) * x.ndim
-    return blocks.block_layout(x.shape, np.shape(x.scale))
+    return block_scales.block_layout(x.shape, np.shape(x.scale))
 
 
 def scale_on(x: ScaledArray, layout: Sequence[int]) -> Array:
     """`x`'s scale on the (finer or equal) `layout`, float32."""
-    return blocks.refine_scale(jnp.asarray(x.scale, _F32), x.shape, layout)
+    return block_scales.refine_scale(jnp.asarray(x.scale, _F32), x.shape, layout)
 
 
 def _ordinary(primitive: Any, *operands: Any, **params: Any) -> Any:
     """The primitive's ordinary rule on per-tensor operands (a rule that cannot keep blocks)."""
     per_tensor = [
-        ScaledArray(*blocks.to_per_tensor(o.data, o.scale)) if isinstance(o, ScaledArray) else o
+        ScaledArray(*block_scales.to_per_tensor(o.data, o.scale))
+        if isinstance(o, ScaledArray)
+        else o
         for o in operands
     ]
     return registry.get_scaled_rule(primitive).rule(*per_tensor, **params)
@@ -108,8 +110,8 @@ def dynamic_blocks(acc: Array, factor: Array, layout: Sequence[int], dtype: Any)
     each block has its largest finite magnitude in [1, 2)."""
     cdtype = compute_dtype(acc.dtype)
     acc = acc.astype(cdtype)
-    block_scale, ratio = blocks.block_dynamic_scale(acc, factor, layout)
-    data = acc * blocks.expand_scale(ratio, acc.shape).astype(cdtype)
+    block_scale, ratio = block_scales.block_dynamic_scale(acc, factor, layout)
+    data = acc * block_scales.expand_scale(ratio, acc.shape).astype(cdtype)
     return _scaled(data.astype(dtype), block_scale)
 
 
@@ -229,7 +231,7 @@ def _full(xs: Sequence[ScaledArray]) -> list[ScaledArray]:
 def _common(xs: Sequence[ScaledArray]) -> tuple[tuple[int, ...], list[Array]]:
     xs = _full(xs)
     shape = xs[0].shape
-    layout = blocks.common_layout(shape, *[layout_of(x) for x in xs])
+    layout = block_scales.common_layout(shape, *[layout_of(x) for x in xs])
     return layout, [scale_on(x, layout) for x in xs]
 
 
@@ -270,7 +272,9 @@ def _at_common_scale(xs: Sequence[ScaledArray]) -> tuple[list[Array], Array]:
         if scale is common:  # already at the common scale
             out.append(x.data.astype(cdtype))
             continue
-        factor = blocks.expand_scale(blocks.ratio(scale, common), x.shape).astype(cdtype)
+        factor = block_scales.expand_scale(block_scales.ratio(scale, common), x.shape).astype(
+            cdtype
+        )
         out.append(x.data.astype(cdtype) * factor)
     return out, common
 
@@ -304,8 +308,8 @@ for _prim in (
 def _unary_value_rule(primitive: Any) -> None:
     def rule(x: ScaledArray, **params: Any) -> Any:
         layout = layout_of(x)
-        cdtype = blocks.wide_dtype(x.dtype)
-        scale = blocks.expand_scale(jnp.asarray(x.scale, _F32), x.shape).astype(cdtype)
+        cdtype = block_scales.wide_dtype(x.dtype)
+        scale = block_scales.expand_scale(jnp.asarray(x.scale, _F32), x.shape).astype(cdtype)
         value = primitive.bind(x.data.astype(cdtype) * scale, **params)
         return dynamic_blocks(value, np.float32(1.0), layout, x.dtype)
 
@@ -337,7 +341,7 @@ def _reduce_prep(x: ScaledArray, axes: Sequence[int]) -> tuple[Array, Array]:
     data = x.data
     if any(layout[a] > 1 for a in axes):
         cdtype = compute_dtype(x.dtype)
-        factor = blocks.expand_scale(blocks.ratio(scale, kept), x.shape).astype(cdtype)
+        factor = block_scales.expand_scale(block_scales.ratio(scale, kept), x.shape).astype(cdtype)
         data = x.data.astype(cdtype) * factor
     return data, kept.reshape(out_layout)
 
@@ -377,8 +381,8 @@ def _apply_contracting_blocks(
     if not any(layout[a] > 1 for a in contracting):
         return x.data, scale, layout
     kept = lax.stop_gradient(jnp.max(scale, axis=tuple(contracting), keepdims=True))
-    cdtype = blocks.wide_dtype(x.dtype)
-    factor = blocks.expand_scale(blocks.ratio(scale, kept), x.shape).astype(cdtype)
+    cdtype = block_scales.wide_dtype(x.dtype)
+    factor = block_scales.expand_scale(block_scales.ratio(scale, kept), x.shape).astype(cdtype)
     return x.data.astype(cdtype) * factor, kept, tuple(kept.shape)
 
 
@@ -391,7 +395,7 @@ def _dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Any:
     rdata, rscale, rlayout = _apply_contracting_blocks(rhs, rc)
     if ldata.dtype != rdata.dtype:
         ldata, rdata = ldata.astype(_F32), rdata.astype(_F32)
-    acc_dtype = blocks.wide_dtype(out_dtype)
+    acc_dtype = block_scales.wide_dtype(out_dtype)
     acc = lax.dot_general_p.bind(ldata, rdata, **dict(params, preferred_element_type=acc_dtype))
     lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
     rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
@@ -408,13 +412,13 @@ def _dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Any:
     r_kept = r_perm
     if any(rlayout[i] > 1 for i in rfree):
         r_kept = lax.stop_gradient(jnp.max(r_perm, axis=r_free_axes, keepdims=True))
-        inner = blocks.ratio(r_perm, r_kept).reshape(
+        inner = block_scales.ratio(r_perm, r_kept).reshape(
             r_perm.shape[:nb] + (1,) * nl + r_perm.shape[nb:]
         )
-        acc = acc * blocks.expand_scale(inner, acc.shape).astype(acc.dtype)
+        acc = acc * block_scales.expand_scale(inner, acc.shape).astype(acc.dtype)
     r_out = r_kept.reshape(r_perm.shape[:nb] + (1,) * (nl + nr))
-    layout = blocks.common_layout(acc.shape, l_out.shape, r_out.shape)
-    factor = blocks.refine_scale(l_out, acc.shape, layout) * blocks.refine_scale(
+    layout = block_scales.common_layout(acc.shape, l_out.shape, r_out.shape)
+    factor = block_scales.refine_scale(l_out, acc.shape, layout) * block_scales.refine_scale(
         r_out, acc.shape, layout
     )
     return dynamic_blocks(acc, factor, layout, out_dtype)
@@ -449,7 +453,7 @@ def _conv_general_dilated(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> 
     rdata, rscale, rlayout = _apply_contracting_blocks(rhs, rcontract)
     if ldata.dtype != rdata.dtype:
         ldata, rdata = ldata.astype(_F32), rdata.astype(_F32)
-    acc_dtype = blocks.wide_dtype(out_dtype)
+    acc_dtype = block_scales.wide_dtype(out_dtype)
     acc = lax.conv_general_dilated_p.bind(
         ldata, rdata, **dict(params, preferred_element_type=acc_dtype)
     )
@@ -485,7 +489,7 @@ def _concatenate(*xs: Any, **params: Any) -> Any:
         return _ordinary(lax.concatenate_p, *xs, **params)
     # The other axes: the common refinement (sizes agree there).
     flat_shape = xs[0].shape[:axis] + (1,) + xs[0].shape[axis + 1 :]
-    other = blocks.common_layout(
+    other = block_scales.common_layout(
         flat_shape, *[lay[:axis] + (1,) + lay[axis + 1 :] for lay in layouts]
     )
 
@@ -510,7 +514,9 @@ def _concatenate(*xs: Any, **params: Any) -> Any:
     datas = []
     for x, scale in zip(xs, scales):
         cdtype = compute_dtype(x.dtype)
-        factor = blocks.expand_scale(blocks.ratio(scale, common), x.shape).astype(cdtype)
+        factor = block_scales.expand_scale(block_scales.ratio(scale, common), x.shape).astype(
+            cdtype
+        )
         datas.append((x.data.astype(cdtype) * factor).astype(x.dtype))
     return _scaled(lax.concatenate_p.bind(*datas, **params), common)
 
@@ -522,20 +528,20 @@ def to_scale_shape(x: ScaledArray, scale_shape: Sequence[int]) -> ScaledArray:
     """The same values with a scale of `scale_shape` (`()`: one per tensor, else a block
     layout of `x`). Exact where the layout refines `x`'s (scales repeated); otherwise each
     block of the layout is at the largest scale it holds (data multiplied by ratios of at
-    most 1, as :func:`core.blocks.to_per_tensor` does)."""
+    most 1, as :func:`core.block_scales.to_per_tensor` does)."""
     scale_shape = tuple(scale_shape)
     if tuple(np.shape(x.scale)) == scale_shape:
         return x
     if scale_shape == ():
-        return ScaledArray(*blocks.to_per_tensor(x.data, x.scale))
-    fine = blocks.common_layout(x.shape, layout_of(x), scale_shape)
+        return ScaledArray(*block_scales.to_per_tensor(x.data, x.scale))
+    fine = block_scales.common_layout(x.shape, layout_of(x), scale_shape)
     scale = scale_on(x, fine)
     if fine == scale_shape:  # a refinement: the data is unchanged
         return ScaledArray(x.data, scale)
-    target = lax.stop_gradient(blocks.block_max(scale, scale_shape))
+    target = lax.stop_gradient(block_scales.block_max(scale, scale_shape))
     cdtype = compute_dtype(x.dtype)
-    ratio = blocks.ratio(scale, blocks.refine_scale(target, x.shape, fine))
-    factor = blocks.expand_scale(ratio, x.shape).astype(cdtype)
+    ratio = block_scales.ratio(scale, block_scales.refine_scale(target, x.shape, fine))
+    factor = block_scales.expand_scale(ratio, x.shape).astype(cdtype)
     return ScaledArray((x.data.astype(cdtype) * factor).astype(x.dtype), target)
 
 
@@ -550,8 +556,8 @@ def meet_scale_shapes(
     shapes = [tuple(s) for s in scale_shapes]
     if all(s == shapes[0] for s in shapes):
         return shapes[0]
-    full = [blocks.block_layout(shape, s) for s in shapes]
-    out = blocks.common_layout(shape, *full)
+    full = [block_scales.block_layout(shape, s) for s in shapes]
+    out = block_scales.common_layout(shape, *full)
     if out not in full:
         coarse = []
         for axis, n in enumerate(shape):
@@ -566,7 +572,7 @@ def meet_scale_shapes(
 
 def _scale_array(x: ScaledArray, layout: Sequence[int]) -> Array:
     """`x`'s scale as a float32 array of `layout` (a refinement of its own layout)."""
-    return blocks.refine_scale(jnp.asarray(x.scale, _F32), x.shape, tuple(layout))
+    return block_scales.refine_scale(jnp.asarray(x.scale, _F32), x.shape, tuple(layout))
 
 
 def _fill_needs_mask(mode: Any, fill: Any) -> bool:
@@ -655,9 +661,9 @@ def _dynamic_slice_scale(
     """A dynamic slice of the block scale `scale` of an array of `shape` that matches the
     data's: axes with one block, or sliced whole, keep their blocks; others go to one scale
     per element and are sliced at the same (clamped) start."""
-    layout = blocks.block_layout(shape, np.shape(scale))
+    layout = block_scales.block_layout(shape, np.shape(scale))
     target = tuple(s if s == 1 or z == n else n for n, s, z in zip(shape, layout, sizes))
-    fine = blocks.refine_scale(jnp.asarray(scale, _F32), shape, target)
+    fine = block_scales.refine_scale(jnp.asarray(scale, _F32), shape, target)
     moving = [t == n and z < n for n, t, z in zip(shape, target, sizes)]
     scale_starts = [st if m else 0 for st, m in zip(starts, moving)]
     scale_sizes = [z if m else t for z, t, m in zip(sizes, target, moving)]
@@ -770,7 +776,7 @@ def _scatter_layout(operand: ScaledArray, updates: ScaledArray, params: dict) ->
             from_updates.append(n if scattered or lu[d] > 1 else 1)
         else:
             from_updates.append(n // math.gcd(n, updates.shape[d] // lu[d]))
-    return blocks.common_layout(shape, layout_of(operand), tuple(from_updates))
+    return block_scales.common_layout(shape, layout_of(operand), tuple(from_updates))
 
 
 def _scatter_rule(primitive: Any, combine: Any) -> None:
@@ -785,10 +791,12 @@ def _scatter_rule(primitive: Any, combine: Any) -> None:
         layout = _scatter_layout(operand, updates, params)
         so, su = jnp.asarray(operand.scale, _F32), jnp.asarray(updates.scale, _F32)
         top = lax.stop_gradient(lax.max(jnp.max(so), jnp.max(su)))
-        cdtype = blocks.wide_dtype(operand.dtype)
+        cdtype = block_scales.wide_dtype(operand.dtype)
 
         def value(x: ScaledArray, scale: Array) -> Array:
-            factor = blocks.expand_scale(blocks.ratio(scale, top), x.shape).astype(cdtype)
+            factor = block_scales.expand_scale(block_scales.ratio(scale, top), x.shape).astype(
+                cdtype
+            )
             return x.data.astype(cdtype) * factor
 
         if combine is not None:

@@ -372,7 +372,7 @@ def dynamic_scale(y: Array) -> Array:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from jax_scaled_arithmetics.core.scale_primitives import dynamic_scale
+        >>> from jax_scaled_arithmetics.core.scale_arithmetic import dynamic_scale
         >>> dynamic_scale(jnp.array([0.3, -5.0, jnp.inf]))
         Array(4., dtype=float32)
     """

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.core.scale_primitives import (
+from jax_scaled_arithmetics.core.scale_arithmetic import (
     SCALE_MAX,
     SCALE_MIN,
     common_scale_p,

@@ -23,7 +23,7 @@ from jax import lax
 
 from . import _compat
 from .define import batch_along_operand_0, define_primitive, tangent_of_operand_0
-from .scale_primitives import materialize_impl, scale_divide_p
+from .scale_arithmetic import materialize_impl, scale_divide_p
 from .types import Array
 
 __all__ = [
@@ -84,7 +84,7 @@ def is_block_scale(scale: Any) -> bool:
 
 
 # `scale` unchanged, computed once per element by XLA rather than once per data element of
-# the consumers it is broadcast into (`scale_primitives.materialize_impl`; with `scalars`, a
+# the consumers it is broadcast into (`scale_arithmetic.materialize_impl`; with `scalars`, a
 # scalar too, computed once rather than copied into every kernel that reads it). One equation.
 materialize_p = define_primitive(
     "materialize",

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core import _compat, blocks, registry
+from ..core import _compat, block_scales, registry
 from ..core.datatype import ScaledArray, is_floating
 from ..core.define import (
     batch_along_operand_0,
@@ -26,7 +26,7 @@ from ..core.define import (
     tangent_of_operand_0,
 )
 from ..core.types import Array
-from .scales import as_f32, at_scale, same_scale, scale_div, static_value
+from .scale_algebra import as_f32, at_scale, same_scale, scale_div, static_value
 
 __all__ = [
     "set_scaling",
@@ -273,7 +273,7 @@ def block_rebalance_by(x: ScaledArray, factor: Any) -> ScaledArray:
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
     data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
     scale = jnp.asarray(x.scale, jnp.float32)
-    return ScaledArray(data, blocks.ratio(scale, jnp.broadcast_to(factor, scale.shape)))
+    return ScaledArray(data, block_scales.ratio(scale, jnp.broadcast_to(factor, scale.shape)))
 
 
 def rebalance(x: Array, factor: Array) -> Any:
@@ -376,7 +376,7 @@ def _block_apply_to_data(x: Any, *extra: Any, fn: Any) -> Any:
         data = fn(x.data, *[_plain(e) for e in extra])
         if np.shape(data) == x.shape:
             return ScaledArray(data, x.scale)
-        x = ScaledArray(*blocks.to_per_tensor(x.data, x.scale))
+        x = ScaledArray(*block_scales.to_per_tensor(x.data, x.scale))
     return scaled_apply_to_data(x, *extra, fn=fn)
 
 
