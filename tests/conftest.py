@@ -6,8 +6,8 @@ slower, so it runs in dedicated tests (tests/core/test_tracer_leaks.py) rather
 than around every test.
 
 Compiled programs are shared through JAX's persistent compilation cache, in
-`.pytest_cache/jax-compilation-cache` (`JSA_TEST_COMPILATION_CACHE=0` turns it off; a
-path puts it there). Tests build fresh `jax.jit(jsa.autoscale(f))` functions for the same
+`.pytest_cache/jax-compilation-cache` (`JSA_TEST_COMPILATION_CACHE=0` turns it off, `1` on;
+a path puts it there). Tests build fresh `jax.jit(jsa.autoscale(f))` functions for the same
 programs case after case, and the two xdist workers compile the same programs: the cache,
 keyed by the program, the compile options and the JAX version, compiles each once. Even
 cold (CI's fresh clone) it cuts about a quarter of the run; the executables, and so the
@@ -29,7 +29,9 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 _CACHE = os.environ.get("JSA_TEST_COMPILATION_CACHE", "")
-if _CACHE != "0":
+if _CACHE.lower() in ("1", "true", "on"):
+    _CACHE = ""  # on, in the default place (not a directory named "1")
+if _CACHE.lower() not in ("0", "false", "off"):
     _root = Path(__file__).resolve().parents[1]
     jax.config.update(
         "jax_compilation_cache_dir",

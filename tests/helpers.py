@@ -171,18 +171,68 @@ def check_grad_matches(
         assert_close(np.asarray(g, np.float64), np.asarray(e, np.float64) * scale, rtol)
 
 
-def eager_and_jit(cases: Sequence[Any], eager_in_default_run: Callable[..., bool]) -> list[Any]:
+def eager_and_jit(
+    cases: Sequence[Any],
+    eager_in_default_run: Callable[..., bool],
+    jit_in_default_run: Callable[..., bool] | None = None,
+) -> list[Any]:
     """pytest params `(*case, jit)` for each case, jitted and eager.
 
     The eager variant runs the same rules as the jitted one, operation by operation (each
     a compile of its own): it stays in the default run for the cases
     `eager_in_default_run(*case)` chooses, and is marked `slow` for the others, which CI's
-    slow step runs. Nothing is left out; the default run compiles less.
+    slow step runs. Likewise the jitted variant, where `jit_in_default_run` is given (for
+    example `pairwise_cover(cases)`). Nothing is left out; the default run compiles less.
     """
     params = []
     for case in cases:
         case = case if isinstance(case, tuple) else (case,)
-        params.append(pytest.param(*case, True))
-        marks = () if eager_in_default_run(*case) else (pytest.mark.slow,)
+        jit_marks = () if jit_in_default_run is None or jit_in_default_run(*case) else _SLOW
+        params.append(pytest.param(*case, True, marks=jit_marks))
+        marks = () if eager_in_default_run(*case) else _SLOW
         params.append(pytest.param(*case, False, marks=marks))
     return params
+
+
+_SLOW = (pytest.mark.slow,)
+
+
+def pairwise_cover(cases: Sequence[Any]) -> Callable[..., bool]:
+    """A predicate choosing a subset of `cases` (tuples of parameter values) that holds
+    every pair of values that two of the parameters take together in some case (so every
+    value of each parameter too): the default run's share of a table whose full product
+    CI's slow step runs.
+
+    Chosen greedily (the case that covers the most pairs not yet covered first), so the
+    choice is deterministic, as xdist's workers need.
+
+    Examples:
+        >>> cases = [(f, d, j) for f in "ab" for d in (16, 32) for j in (0, 1)]
+        >>> chosen = pairwise_cover(cases)
+        >>> sum(chosen(*c) for c in cases)
+        4
+    """
+    tuples = [tuple(c) if isinstance(c, tuple) else (c,) for c in cases]
+
+    def pairs(case: tuple) -> set:
+        keys = [repr(v) for v in case]
+        return {(i, keys[i], j, keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys))}
+
+    case_pairs = [pairs(c) for c in tuples]
+    uncovered = set().union(*case_pairs) if case_pairs else set()
+    chosen: set[tuple] = set()
+    while uncovered:
+        best = max(range(len(tuples)), key=lambda k: len(case_pairs[k] & uncovered))
+        chosen.add(tuple(repr(v) for v in tuples[best]))
+        uncovered -= case_pairs[best]
+    return lambda *case: tuple(repr(v) for v in case) in chosen
+
+
+def pairwise_params(cases: Sequence[Any]) -> list[Any]:
+    """pytest params for `cases`: a pairwise cover (`pairwise_cover`) in the default run,
+    the other cases marked `slow`."""
+    chosen = pairwise_cover(cases)
+    return [
+        pytest.param(*c, marks=() if chosen(*c) else _SLOW)
+        for c in (c if isinstance(c, tuple) else (c,) for c in cases)
+    ]

@@ -235,6 +235,31 @@ def hoist_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
     return ClosedJaxpr(jaxpr, ()), list(closed.consts)
 
 
+def call_custom_vjp_bwd(bwd: Any, *residuals_and_cotangents: Any) -> list[Any]:
+    """The input cotangents a `custom_vjp_call` equation's flattened `bwd` returns: a list
+    up to JAX 0.10; from 0.11 a pair of that list and the rule's logs (None or a dict)."""
+    out = bwd.call_wrapped(*residuals_and_cotangents)
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple)):
+        return list(out[0])
+    return list(out)
+
+
+def scan_layout(params: dict[str, Any]) -> tuple[ClosedJaxpr, int, int]:
+    """A `scan` equation's body as a ClosedJaxpr, its number of consts and of carries.
+
+    Up to JAX 0.10 the params hold `num_consts`, `num_carry` and a ClosedJaxpr; from 0.11,
+    `ft_in` (the flat (consts, carries, xs) groups) and a Jaxpr.
+    """
+    jaxpr = params["jaxpr"]
+    if not isinstance(jaxpr, ClosedJaxpr):
+        jaxpr = ClosedJaxpr(jaxpr, ())
+    if "num_consts" in params:
+        return jaxpr, params["num_consts"], params["num_carry"]
+    groups = params["ft_in"]
+    consts, carry, _ = groups.unpack() if hasattr(groups, "unpack") else groups
+    return jaxpr, len(consts), len(carry)
+
+
 def is_drop_var(var: Any) -> bool:
     return type(var).__name__ == "DropVar"
 

@@ -275,11 +275,10 @@ class JaxprWalker:
         return bind_equation(eqn, invals)
 
     def _scan(self, params: Any, invals: list[Any], context: Any) -> list[Any]:
-        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        body, num_consts, num_carry = _compat.scan_layout(params)
         consts = invals[:num_consts]
         carry = invals[num_consts : num_consts + num_carry]
         xs = invals[num_consts + num_carry :]
-        body = params["jaxpr"]
 
         def step(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             outs = self.run_closed(body, [*consts, *c, *x], context)

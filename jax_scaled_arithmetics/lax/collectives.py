@@ -136,15 +136,27 @@ ragged_all_to_all_p = _compat.optional_primitive("ragged_all_to_all_p")
 _register_ragged_all_to_all(ragged_all_to_all_p)
 
 
-def _shard_map_primitive(fn: Any, name: str, in_spec: Any) -> Any:
-    """A primitive that only appears inside `shard_map` (traced on an abstract 1-device mesh)."""
+def _shard_map_primitive(fn: Any, name: str, in_spec: Any, *more_fns: Any) -> Any:
+    """A primitive that only appears inside `shard_map` (traced on an abstract 1-device mesh):
+    the first of `fn, *more_fns` that binds it, traced with `in_specs=in_spec(P)` or, as
+    JAX 0.11 asks for an unsharded argument, with the argument's own (replicated) specs."""
+    spec = jax.sharding.PartitionSpec
     try:
-        spec = jax.sharding.PartitionSpec
         mesh = jax.sharding.AbstractMesh((1,), ("i",))
-        mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_spec(spec), out_specs=spec("i"))
     except Exception:  # an API that changed: no rule for it
         return None
-    return find_primitive(mapped, np.ones((2,), np.float32), name=name)
+    # From JAX 0.11 `in_specs` must match the argument's own sharding (replicated here):
+    # inferred when left out.
+    for body in (fn, *more_fns):
+        for specs in ({"in_specs": in_spec(spec)}, {}):
+            try:
+                mapped = jax.shard_map(body, mesh=mesh, out_specs=spec("i"), **specs)
+            except Exception:
+                continue
+            found = find_primitive(mapped, np.ones((2,), np.float32), name=name)
+            if found is not None:
+                return found
+    return None
 
 
 psum_invariant_p = _shard_map_primitive(
@@ -154,7 +166,11 @@ pvary_p = _shard_map_primitive(
     lambda x: jax.lax.pcast(x, "i", to="varying"), "pvary", lambda p: p()
 )
 pbroadcast_p = _shard_map_primitive(
-    lambda x: jax.lax.pbroadcast(x, "i", 0), "pbroadcast", lambda p: p("i")
+    lambda x: jax.lax.pbroadcast(x, "i", 0),
+    "pbroadcast",
+    lambda p: p("i"),
+    # A replicated argument (JAX 0.11's inferred specs) made to vary first.
+    lambda x: jax.lax.pbroadcast(jax.lax.pcast(x, "i", to="varying"), "i", 0),
 )
 _register_common_scale_collective(psum_invariant_p, "axes")
 _register_leafwise_collective(pvary_p, None)

@@ -224,7 +224,11 @@ class _ScaledPrimal:
     remark="the user's JVP rule is kept, and run scaled",
 )
 def scaled_custom_jvp_call(
-    *args: Any, call_jaxpr: Any, jvp_jaxpr_fun: Any, num_consts: int, symbolic_zeros: bool
+    *args: Any,
+    call_jaxpr: Any,
+    jvp_jaxpr_fun: Any,
+    symbolic_zeros: bool,
+    num_consts: int = 0,  # absent from JAX 0.11 when 0
 ) -> list[Any]:
     del symbolic_zeros
     primal = _ScaledPrimal(call_jaxpr, args)
@@ -314,8 +318,8 @@ def scaled_custom_vjp_call(
     fwd_jaxpr_thunk: Any,
     bwd: Any,
     out_trees: Any,
-    num_consts: int,
     symbolic_zeros: bool,
+    num_consts: int = 0,  # absent from JAX 0.11 when 0
 ) -> list[Any]:
     del symbolic_zeros
     primal = _ScaledPrimal(call_jaxpr, args)
@@ -350,7 +354,7 @@ def scaled_custom_vjp_call(
         inputs = values[num_consts:]
 
         def bwd_plain(*res_and_cts: Any) -> list[Any]:
-            cts_in = bwd.call_wrapped(*res_and_cts)
+            cts_in = _compat.call_custom_vjp_bwd(bwd, *res_and_cts)
             return [
                 jnp.zeros(jnp.shape(x), x.dtype) if _compat.is_symbolic_zero(c) else c
                 for c, x in zip(cts_in, [_plain_like(v) for v in inputs], strict=True)
@@ -545,16 +549,8 @@ def _scan_x(x: Any, length: int) -> tuple[Any, bool]:
     remark="lax.scan over leaves; carries promoted to a fixed point; stacked outputs and "
     "inputs one scale per iteration",
 )
-def scaled_scan(
-    *args: Any,
-    jaxpr: Any,
-    length: int,
-    reverse: bool,
-    unroll: Any,
-    num_consts: int,
-    num_carry: int,
-    **params: Any,
-) -> list[Any]:
+def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: Any) -> list[Any]:
+    jaxpr, num_consts, num_carry = _compat.scan_layout(params)
     sizes = (num_consts, num_carry)
     consts, init, xs = _split(args, sizes)
     xs, sliced = map(list, zip(*[_scan_x(x, length) for x in xs])) if xs else ([], [])

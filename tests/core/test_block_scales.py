@@ -174,14 +174,19 @@ def _inputs(name):
 # normalisation and the log-softmax need an infinity (the -inf start of a max) or a range
 # the format does not have, in plain float8 too.
 FP8_FUNCTIONS = ("linear_relu", "elementwise_mix", "reductions", "shapes")
+BLOCK_LAYOUT_CASES = [(f, d, layout) for f in FUNCTIONS for d in DTYPES for layout in LAYOUTS] + [
+    (f, ml_dtypes.float8_e4m3fn, layout) for f in FP8_FUNCTIONS for layout in LAYOUTS
+]
 
 
 @pytest.mark.parametrize(
     "fn_name, dtype, layout, jit",
     helpers.eager_and_jit(
-        [(f, d, layout) for f in FUNCTIONS for d in DTYPES for layout in LAYOUTS]
-        + [(f, ml_dtypes.float8_e4m3fn, layout) for f in FP8_FUNCTIONS for layout in LAYOUTS],
+        BLOCK_LAYOUT_CASES,
         lambda f, d, layout: layout == "tile",
+        # The default run: every (function, dtype), (function, layout) and (dtype, layout)
+        # pair jitted; the slow step runs the whole product.
+        helpers.pairwise_cover(BLOCK_LAYOUT_CASES),
     ),
 )
 def test_autoscale_matches_plain_on_block_layouts(fn_name, dtype, layout, jit):
@@ -304,6 +309,8 @@ def _tile_loss(x, w):
     helpers.eager_and_jit(
         [(pair, dtype) for pair in TILE_PAIRS for dtype in TILE_DTYPES],
         lambda pair, dtype: pair == "1x128 x 128x128",
+        # Default run: every layout pair in FP8, every dtype with the 1x128 x 128x128 tiles.
+        lambda pair, dtype: pair == "1x128 x 128x128" or dtype == ml_dtypes.float8_e4m3fn,
     ),
 )
 def test_tiles_of_fp8_training_through_a_matmul_with_gradients(pair, dtype, jit):

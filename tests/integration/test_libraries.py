@@ -59,6 +59,7 @@ def test_flax_linen_conv_pool_layernorm_dense():
     check_forward_backward(fn, params, rtol=1e-4)
 
 
+@pytest.mark.slow  # the zoo's linen LM (tests/integration/test_zoo.py) covers it by default
 def test_flax_linen_embed_attention():
     tokens = jnp.asarray(RNG.integers(0, 11, (2, 5)))
     fn, params = _linen_case(TinyTransformer(), tokens)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
+from tests import helpers
 from tests.helpers import FLOAT_DTYPES, WIDE_SCALES, make_scaled
 
 RESCALERS = {
@@ -128,23 +129,34 @@ def _norm_of_blocks(data, layout):
     return b.max(axis=(1, 3))
 
 
-@pytest.mark.parametrize("inside", [False, True], ids=["outside", "autoscale"])
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("source", [(), (M, 1), (2, 2)], ids=["tensor", "row", "tile"])
-@pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+SOURCES = {"tensor": (), "row": (M, 1), "tile": (2, 2)}
+# The default run holds every pair of (dtype, target, source, jit, inside) values; the slow
+# step runs the whole product.
+RELAYOUT_CASES = [
+    (dtype, target, source, jit, inside)
+    for dtype in FLOAT_DTYPES
+    for target in TARGETS
+    for source in SOURCES
+    for jit in (False, True)
+    for inside in ("outside", "autoscale")
+]
+
+
+@pytest.mark.parametrize(
+    "dtype, target, source, jit, inside", helpers.pairwise_params(RELAYOUT_CASES)
+)
 def test_dynamic_rescale_to_another_layout(dtype, target, source, jit, inside):
     """`scale_shape` picks one power of two per block of the asked layout, whatever the
     input's: values unchanged (exactly: the data stay normal numbers), each new block's
     largest magnitude in [1, 2)."""
     value = jnp.asarray(_rows_apart(), jnp.float32)
-    x = jsa.as_scaled_array(value, scale_shape=source or None, dtype=dtype)
+    x = jsa.as_scaled_array(value, scale_shape=SOURCES[source] or None, dtype=dtype)
     layout = TARGETS[target]
 
     def fn(v):
         return jsa.ops.dynamic_rescale_max(v, scale_shape=layout)
 
-    fn = jsa.autoscale(fn) if inside else fn
+    fn = jsa.autoscale(fn) if inside == "autoscale" else fn
     y = (jax.jit(fn) if jit else fn)(x)
     assert y.scale.shape == layout and y.dtype == x.dtype
     np.testing.assert_array_equal(y.to_array(jnp.float32), x.to_array(jnp.float32))

@@ -371,6 +371,7 @@ def test_nests_with_vmap_both_orders(inputs):
     _close(grads[0][1]["w1"] * math.sqrt(len(xs)), per_example_grad)
 
 
+@pytest.mark.slow  # one vmap in both orders stays in the default run
 def test_nests_with_nested_vmaps_of_a_loss_in_every_order(inputs):
     """Two vmaps of a mean loss, inside, outside and around the transform: same losses,
     same gradients (the `1/N` of each example's mean acts on the forward pass only)."""
