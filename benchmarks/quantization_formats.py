@@ -8,6 +8,7 @@ On 4M float32 values (standard normal, `--size`), each case one jitted call:
     table16         table_quantize(x, NF4): 16 entries
     table256        table_quantize(x, t): 256 sorted entries
     argmin256       the same as an argmin over all entries: t[argmin(|x[:, None] - t|)]
+    hadamard16      random_hadamard(x, key=k, size=16): the 4-bit recipes' rotation
 
 The CPU may be shared: the cases are timed in interleaved rounds (every round runs every
 case once, after one warm-up call each) and the report gives each case's median over the
@@ -32,6 +33,7 @@ from jax_scaled_arithmetics.quantization import (
     NF4,
     float_quantize,
     posit_quantize,
+    random_hadamard,
     table_quantize,
 )
 
@@ -50,6 +52,7 @@ def cases(table256: np.ndarray) -> dict[str, Callable[[jax.Array], jax.Array]]:
         "table16": lambda x: table_quantize(x, NF4),
         "table256": lambda x: table_quantize(x, table256),
         "argmin256": argmin_form,
+        "hadamard16": jax.jit(lambda x: random_hadamard(x, key=jax.random.key(0), size=16)),
     }
 
 

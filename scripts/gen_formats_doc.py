@@ -264,6 +264,34 @@ experiments/mnist/train_fp8_recipes.py --data-dir ../shared/data/mnist --out
 experiments/mnist/fp8_recipes_results.json`, then `python scripts/gen_formats_doc.py`.
 """
 
+HADAMARD = """
+## Random Hadamard transforms
+
+`jsa.quantization.random_hadamard(x, axis, key, size=16)` rotates every block of `size`
+entries along `axis` by `T = diag(s) H / sqrt(size)` (`H` the Sylvester Hadamard matrix,
+`jsa.quantization.hadamard_matrix(size)`; `s` random signs from `key`, none without one; the
+same `T` for every block); `inverse_random_hadamard` with the same arguments undoes it.
+`T` is orthogonal, so transforming both operands of a product along their contracted axis
+with the same key leaves the product unchanged in exact arithmetic, while a block's outlier
+is spread over the block (one large entry comes out as `size` entries of `1/sqrt(size)` of
+it) before the operands are quantised: the rotation of the 4-bit training recipes (NVFP4
+applies it, size 16, to the weight-gradient matmul's operands along the token axis).
+Computed in float32 and returned in the input's dtype; it jits, vmaps (a key per example),
+differentiates (the gradient is the inverse transform of the cotangent) and runs inside
+`jsa.autoscale` (`tests/quantization/test_hadamard.py`).
+
+```python
+import jax, jax.numpy as jnp
+import jax_scaled_arithmetics as jsa
+
+key = jax.random.key(0)
+x, w = jnp.ones((8, 64)), jnp.ones((64, 4))
+rx = jsa.quantization.random_hadamard(x, axis=1, key=key)  # along K
+rw = jsa.quantization.random_hadamard(w, axis=0, key=key)  # along K
+assert jnp.allclose(rx @ rw, x @ w, atol=1e-4)
+```
+"""
+
 RECIPE_LABELS = {
     "fp32": ("float32", "float32", "-"),
     "tensorwise-fp8": ("E4M3", "E5M2", "one per tensor"),
@@ -468,6 +496,7 @@ def content() -> str:
         + _mnist_table()
         + RECIPES
         + _recipes_table()
+        + HADAMARD
     )
 
 

@@ -1,5 +1,5 @@
 """Number formats: simulated float, fixed point, posit, lookup-table and block scaled (MX)
-quantisation.
+quantisation, and the random Hadamard transforms that spread outliers before it.
 
 Pure JAX / numpy; independent of the rest of the library, except the ScaledArray view of
 block scaled arrays (`MXArray.to_scaled_array`, `mx_from_scaled_array`).
@@ -23,6 +23,9 @@ from .formats import FloatFormat as FloatFormat
 from .formats import NanEncoding as NanEncoding
 from .formats import PositFormat as PositFormat
 from .formats import get_format as get_format
+from .hadamard import hadamard_matrix as hadamard_matrix
+from .hadamard import inverse_random_hadamard as inverse_random_hadamard
+from .hadamard import random_hadamard as random_hadamard
 from .posit import posit_from_bits as posit_from_bits
 from .posit import posit_quantize as posit_quantize
 from .posit import posit_to_bits as posit_to_bits
@@ -50,12 +53,15 @@ __all__ = [
     "float_quantize",
     "from_e8m0",
     "get_format",
+    "hadamard_matrix",
+    "inverse_random_hadamard",
     "mx_element_format",
     "mx_from_scaled_array",
     "posit_from_bits",
     "posit_quantize",
     "posit_to_bits",
     "posit_values",
+    "random_hadamard",
     "table_decode",
     "table_encode",
     "table_quantize",
