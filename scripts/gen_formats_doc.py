@@ -229,7 +229,10 @@ magnitude in the format (the largest element lands in `(max/2, max]`, casts satu
 finite inputs never give inf/NaN); `x` and `w` are in the forward format (E4M3) in all
 three matmuls, re-quantised from their float32 values along the backward axes. MX uses
 the OCP scales of `block_quantize` (`"mxfp8_e4m3"`, `"mxfp8_e5m2"`, `"mxfp6_e2m3"`,
-`"mxfp6_e3m2"`, `"mxfp4_e2m1"`: `jsa.quantization.MX_FORMATS`); `block_size` must divide
+`"mxfp6_e3m2"`, `"mxfp4_e2m1"`: `jsa.quantization.MX_FORMATS`; `block_quantize` and
+`block_fake_quantize` also take `scale_rounding="up"`, the smallest power of two at which a
+block's largest magnitude fits the element format, where the OCP rule lets it saturate:
+Mishra et al. 2025 found the OCP rule can make MX training diverge); `block_size` must divide
 K, and backward axes it does not divide are zero-padded. All of them jit, vmap,
 differentiate, take float32/bfloat16/float16 inputs and run inside `jsa.autoscale`.
 

@@ -275,6 +275,14 @@ jax.tree_util.register_dataclass(
 )
 
 
+ScaleRounding = Literal["floor", "up"]
+SCALE_ROUNDINGS: tuple[str, ...] = ("floor", "up")
+"""Block-scale rounding: ``"floor"`` is OCP MX v1.0's ``2**(floor(log2 amax) - emax)`` (a
+block's largest elements may saturate to the element max); ``"up"`` the smallest power of
+two at which the block's largest magnitude fits the element format (Mishra et al. 2025
+found the floor rule can make MXFP4 and MXFP8 training diverge, and rounding up fixes it)."""
+
+
 def _check_element_format(fmt: Any) -> FloatFormat:
     if not isinstance(fmt, FloatFormat):
         raise ValueError(f"block element format must be a float format, got {fmt.name!r}")
@@ -291,6 +299,7 @@ def block_quantize(
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     pad: bool = False,
+    scale_rounding: ScaleRounding = "floor",
 ) -> MXArray:
     """Block scaled (MX) quantisation along one axis, with E8M0 power-of-two scales.
 
@@ -320,6 +329,9 @@ def block_quantize(
         rounding: Element rounding: ``"nearest"``, ``"toward_zero"`` or ``"stochastic"``.
         key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
         pad: Whether to zero-pad an axis that `block_size` does not divide.
+        scale_rounding: ``"floor"`` (the OCP rule above) or ``"up"``: a block whose
+            largest magnitude exceeds the element max at the OCP scale gets twice that
+            scale, so that no element saturates (:data:`SCALE_ROUNDINGS`).
 
     Returns:
         An :class:`MXArray`.
@@ -337,8 +349,14 @@ def block_quantize(
         Array([0.0078125, 0.25     ], dtype=float32)
         >>> block_dequantize(mx)  # 100 / 0.25 = 400 rounds to 384 in float8_e4m3fn
         Array([ 1., -2.,  3., 96.], dtype=float32)
+        >>> block_fake_quantize(jnp.array([7.0, 1.0]), "mxfp4_e2m1", 2)  # 7 saturates to 6
+        Array([6., 1.], dtype=float32)
+        >>> block_fake_quantize(jnp.array([7.0, 1.0]), "mxfp4_e2m1", 2, scale_rounding="up")
+        Array([8., 1.], dtype=float32)
     """
-    return _block_quantize(x, format, block_size, axis, rounding, key, pad, float32_data=False)
+    return _block_quantize(
+        x, format, block_size, axis, rounding, key, pad, scale_rounding, float32_data=False
+    )
 
 
 def _check_block_args(
@@ -378,8 +396,11 @@ def _block_quantize(
     rounding: Rounding,
     key: jax.Array | None,
     pad: bool,
+    scale_rounding: ScaleRounding,
     float32_data: bool,
 ) -> MXArray:
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got {scale_rounding!r}")
     x = jnp.asarray(x)
     _bits.compute_dtype(x, "block_quantize")
     fmt, mode, axis = _check_block_args(
@@ -387,7 +408,9 @@ def _block_quantize(
     )
     data_dtype = np.dtype(np.float32) if float32_data else fmt.jax_dtype or np.dtype(np.float32)
     key = key if mode == "stochastic" else None
-    data, scales = _block_quantize_impl(x, key, fmt, block_size, axis, mode, data_dtype)
+    data, scales = _block_quantize_impl(
+        x, key, fmt, block_size, axis, mode, data_dtype, scale_rounding == "up"
+    )
     return MXArray(data, scales, fmt, block_size, axis - x.ndim, x.shape[axis])
 
 
@@ -400,7 +423,9 @@ def _pad_axis(x: jax.Array, block_size: int, axis: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "axis", "mode", "data_dtype"))
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "block_size", "axis", "mode", "data_dtype", "round_up")
+)
 def _block_quantize_impl(
     x: jax.Array,
     key: jax.Array | None,
@@ -409,10 +434,11 @@ def _block_quantize_impl(
     axis: int,
     mode: str,
     data_dtype: np.dtype,
+    round_up: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     bits = _bits.to_bits(_pad_axis(x.astype(jnp.float32), block_size, axis))
     special = (bits & _bits.u32(_bits.ABS_MASK)) >= _bits.u32(_bits.INF_BITS)
-    return _encode_blocks(bits, 0, special, key, fmt, block_size, axis, mode, data_dtype)
+    return _encode_blocks(bits, 0, special, key, fmt, block_size, axis, mode, data_dtype, round_up)
 
 
 # Exponent of a zero element: below any block's, so that it never sets a scale.
@@ -429,13 +455,16 @@ def _encode_blocks(
     axis: int,
     mode: str,
     data_dtype: np.dtype,
+    round_up: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """MX elements and E8M0 scales of the values ``bits * 2**exp_offset``.
 
     `bits` are float32 bit patterns (signs included) of an array whose `axis` is a multiple
     of `block_size`; `exp_offset` is 0 or an int32 array of the same shape; `special` marks
     elements whose value is NaN or infinite (their block becomes a NaN block). Integer
-    operations only, so the result is exact whatever the offsets.
+    operations only, so the result is exact whatever the offsets. `round_up`: a block
+    whose largest magnitude would exceed the element format's max at the OCP scale gets the
+    next power of two instead (no element saturates).
     """
 
     def blocked(v: jax.Array) -> jax.Array:
@@ -452,6 +481,12 @@ def _encode_blocks(
     exponent = jnp.where(a == 0, _NO_EXPONENT, _floor_log2(a) + offset)
     top = jnp.max(exponent, axis=-1, keepdims=True)
     shared = jnp.clip(top - fmt.max_exponent, -E8M0_BIAS, E8M0_BIAS)
+    if round_up:
+        # Exact: a power-of-two rescale of the block's largest values, which land in
+        # [2^emax, 2^(emax + 1)) (smaller ones may flush to 0 here, which is harmless).
+        scaled = jnp.ldexp(_bits.from_bits(a), (offset - shared).astype(jnp.int32))
+        over = jnp.any(scaled > fmt.max, axis=-1, keepdims=True)
+        shared = jnp.minimum(shared + over.astype(shared.dtype), E8M0_BIAS)
     shared = jnp.where(special, 0, shared)
 
     rbits = _bits.random_bits(key, blocks.shape) if mode == "stochastic" else None
@@ -477,6 +512,7 @@ def mx_from_scaled_array(
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     pad: bool = False,
+    scale_rounding: ScaleRounding = "floor",
 ) -> MXArray:
     """The MX quantisation of the values a ScaledArray represents (``data * scale``).
 
@@ -500,6 +536,9 @@ def mx_from_scaled_array(
         rounding: Element rounding: ``"nearest"``, ``"toward_zero"`` or ``"stochastic"``.
         key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
         pad: Whether to zero-pad an axis that `block_size` does not divide.
+        scale_rounding: ``"floor"`` (the OCP rule above) or ``"up"``: a block whose
+            largest magnitude exceeds the element max at the OCP scale gets twice that
+            scale, so that no element saturates (:data:`SCALE_ROUNDINGS`).
 
     Returns:
         An :class:`MXArray`.
@@ -585,6 +624,7 @@ def block_fake_quantize(
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     pad: bool = False,
+    scale_rounding: ScaleRounding = "floor",
 ) -> jax.Array:
     """The float32 values of the block quantisation of `x` (simulated MX, "fake quantisation").
 
@@ -598,7 +638,9 @@ def block_fake_quantize(
         >>> block_fake_quantize(jnp.array([1.0, -2.0, 3.0, 100.0]), "mxfp8_e4m3", block_size=2)
         Array([ 1., -2.,  3., 96.], dtype=float32)
     """
-    mx = _block_quantize(x, format, block_size, axis, rounding, key, pad, float32_data=True)
+    mx = _block_quantize(
+        x, format, block_size, axis, rounding, key, pad, scale_rounding, float32_data=True
+    )
     return block_dequantize(mx)
 
 

@@ -10,6 +10,7 @@ from jax_scaled_arithmetics.quantization import (
     MXArray,
     as_e8m0,
     block_dequantize,
+    block_fake_quantize,
     block_quantize,
     from_e8m0,
 )
@@ -24,15 +25,25 @@ def e8m0_codes(scales) -> np.ndarray:
     return np.asarray(scales).view(np.uint8)
 
 
-def ref_block(x: np.ndarray, name: str, block_size: int):
-    """Numpy reference along the last axis: (elements, scale codes, dequantized)."""
+def ref_block(x: np.ndarray, name: str, block_size: int, scale_rounding: str = "floor"):
+    """Numpy reference along the last axis: (elements, scale codes, dequantized).
+
+    Scales: OCP's `2^(floor(log2 amax) - emax)`; `"up"`: the smallest power of two `X`
+    with `amax / X <= max` (Mishra et al. 2025), i.e. `ceil(log2(amax / max))`."""
     fmt = FORMATS[name]
     with np.errstate(all="ignore"):
         blocks = x.astype(np.float64).reshape(*x.shape[:-1], -1, block_size)
         amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
         special = ~np.isfinite(amax)
         _, exp = np.frexp(np.where(special | (amax == 0), 1.0, amax))
-        shared = np.where(amax == 0, -127, np.clip(exp - 1 - fmt.max_exponent, -127, 127))
+        if scale_rounding == "up":
+            # Exact in float64: the smallest k with amax <= max * 2^k.
+            k = np.ceil(np.log2(np.where(special | (amax == 0), 1.0, amax) / fmt.max))
+            k = np.where(amax <= fmt.max * np.exp2(k - 1), k - 1, k)
+            k = np.where(amax > fmt.max * np.exp2(k), k + 1, k)
+            shared = np.where(amax == 0, -127, np.clip(k, -127, 127)).astype(np.int64)
+        else:
+            shared = np.where(amax == 0, -127, np.clip(exp - 1 - fmt.max_exponent, -127, 127))
         scale = np.exp2(shared.astype(np.float64))
         elements = np.clip(blocks / scale, -fmt.max, fmt.max)
         elements = np.where(special, 0.0, elements).astype(np.float32)
@@ -74,6 +85,38 @@ def test_matches_reference(name):
     np.testing.assert_array_equal(e8m0_codes(mx.scales), codes)
     assert_same_bits(np.asarray(mx.data.astype(jnp.float32)), elements, x, "elements")
     assert_same_bits(np.asarray(block_dequantize(mx)), deq, x, "dequantized")
+
+
+@pytest.mark.parametrize("name", MX_ELEMENTS)
+def test_scale_rounding_up_matches_reference(name):
+    """`scale_rounding="up"` (the fix for MX training divergence of Mishra et al. 2025):
+    bit-exact against the reference, no element saturates, and it differs from the OCP
+    rule exactly on the blocks whose largest magnitude the OCP scale saturates."""
+    fmt = FORMATS[name]
+    x = mx_inputs(seed=3 + len(name))
+    x[10] = np.linspace(-5.9, 7.0, 32)  # E2M1 at scale 1: 7 saturates
+    x[11, :] = 0.25
+    x[11, 0] = float(fmt.max) * 1.0000001  # just above the max at the OCP scale
+    mx = block_quantize(jax.device_put(x), name, block_size=32, scale_rounding="up")
+    elements, codes, deq = ref_block(x, name, 32, "up")
+    np.testing.assert_array_equal(e8m0_codes(mx.scales), codes)
+    assert_same_bits(np.asarray(mx.data.astype(jnp.float32)), elements, x, "elements")
+    assert_same_bits(np.asarray(block_dequantize(mx)), deq, x, "dequantized")
+    fake = block_fake_quantize(jax.device_put(x), name, 32, scale_rounding="up")
+    assert_same_bits(np.asarray(fake), deq, x, "fake")
+    floor_codes = e8m0_codes(block_quantize(jax.device_put(x), name, 32).scales)
+    with np.errstate(all="ignore"):
+        scale = np.exp2(floor_codes.astype(np.float64) - 127)  # (blocks, 1)
+        saturating = (np.abs(x.astype(np.float64)) / scale > fmt.max).any(axis=1)
+        saturating &= np.isfinite(x).all(axis=1) & (floor_codes[:, 0] < 254)
+    raised = codes[:, 0].astype(int) - floor_codes[:, 0].astype(int)
+    np.testing.assert_array_equal(raised, saturating.astype(int))
+    assert saturating[10 if name == "float4_e2m1fn" else 11]
+
+
+def test_scale_rounding_is_checked():
+    with pytest.raises(ValueError, match="scale_rounding must be one of \\('floor', 'up'\\)"):
+        block_quantize(jnp.ones((1, 32)), "mxfp4_e2m1", scale_rounding="ceil")
 
 
 def test_data_dtypes():
