@@ -268,6 +268,20 @@ experiments/mnist/fp8_recipes_results.json`, then `python scripts/gen_formats_do
 """
 
 HADAMARD = """
+## NVFP4
+
+`jsa.quantization.nvfp4_quantize(x, axis=-1, rounding="nearest", key=None, block_size=16)`
+gives an `NVFP4Array`: `float4_e2m1fn` elements, a `float8_e4m3fn` scale per block of 16
+along `axis` and one float32 scale per tensor, NVIDIA's two-level NVFP4 format (arXiv
+2509.25149). In float32 arithmetic: `t = amax * float32(1 / (6 * 448))` (the tensor's largest
+finite magnitude; 1 for zeros, at least `2^-126`), each block's scale
+`s = e4m3(amax_block / (6 t))`, elements `e2m1(x / (s t))` rounded to nearest even or
+stochastically and saturated to +-6, value `q * (s t)`; a block holding NaN or infinity has a
+NaN scale. `nvfp4_dequantize` and `nvfp4_fake_quantize` give the float32 values. Bit-exact
+against a NumPy reference of those steps on 131,072 values, special blocks included;
+stochastic rounding unbiased (`tests/quantization/test_nvfp4.py`). Not yet: 2D weight
+blocks, a `block_quantize(x, "nvfp4")` entry and a ScaledArray view (issue 28).
+
 ## Random Hadamard transforms
 
 `jsa.quantization.random_hadamard(x, axis, key, size=16)` rotates every block of `size`

@@ -26,6 +26,10 @@ from .formats import get_format as get_format
 from .hadamard import hadamard_matrix as hadamard_matrix
 from .hadamard import inverse_random_hadamard as inverse_random_hadamard
 from .hadamard import random_hadamard as random_hadamard
+from .nvfp4 import NVFP4Array as NVFP4Array
+from .nvfp4 import nvfp4_dequantize as nvfp4_dequantize
+from .nvfp4 import nvfp4_fake_quantize as nvfp4_fake_quantize
+from .nvfp4 import nvfp4_quantize as nvfp4_quantize
 from .posit import posit_from_bits as posit_from_bits
 from .posit import posit_quantize as posit_quantize
 from .posit import posit_to_bits as posit_to_bits
@@ -42,6 +46,7 @@ __all__ = [
     "POSIT_FORMATS",
     "FloatFormat",
     "MXArray",
+    "NVFP4Array",
     "NanEncoding",
     "PositFormat",
     "Rounding",
@@ -57,6 +62,9 @@ __all__ = [
     "inverse_random_hadamard",
     "mx_element_format",
     "mx_from_scaled_array",
+    "nvfp4_dequantize",
+    "nvfp4_fake_quantize",
+    "nvfp4_quantize",
     "posit_from_bits",
     "posit_quantize",
     "posit_to_bits",

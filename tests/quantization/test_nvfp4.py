@@ -1,0 +1,149 @@
+"""NVFP4 (`jsa.quantization.nvfp4_quantize`): bit-exact against a NumPy reference written
+from the format's arithmetic, special blocks, stochastic rounding unbiased."""
+
+from __future__ import annotations
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_scaled_arithmetics.quantization import nvfp4 as nvfp4_module
+from jax_scaled_arithmetics.quantization import (
+    nvfp4_dequantize,
+    nvfp4_fake_quantize,
+    nvfp4_quantize,
+)
+
+F32 = np.float32
+
+
+def ref_nvfp4(x: np.ndarray, block_size: int = 16):
+    """(elements as float32, block scales as float32 (NaN for special blocks), tensor scale,
+    dequantized) along the last axis, in float32 arithmetic with ml_dtypes' roundings."""
+    blocks = x.astype(F32).reshape(*x.shape[:-1], -1, block_size)
+    finite = np.isfinite(blocks)
+    magnitude = np.where(finite, np.abs(blocks), F32(0))
+    amax = magnitude.max()
+    if amax == 0:
+        t = F32(1)
+    else:
+        t = max(F32(amax * F32(1 / 2688)), F32(2.0**-126))
+    special = ~finite.all(axis=-1, keepdims=True)
+    ratio = np.minimum(magnitude.max(axis=-1, keepdims=True) / (t * F32(6)), F32(448))
+    scales = ratio.astype(ml_dtypes.float8_e4m3fn).astype(F32)
+    denominator = scales * t
+    with np.errstate(all="ignore"):
+        scaled = np.where(special | (denominator == 0), F32(0), blocks / denominator)
+    elements = np.clip(scaled, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(F32)
+    deq = np.where(special, np.nan, elements * denominator).astype(F32)
+    scales = np.where(special, np.nan, scales)[..., 0]
+    return elements.reshape(x.shape), scales, t, deq.reshape(x.shape)
+
+
+def inputs(seed: int) -> np.ndarray:
+    """131,072 values: blocks of very different magnitudes and the special cases."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((4096, 32)) * np.exp2(rng.uniform(-40, 20, (4096, 1)))
+    x[::5] *= np.exp2(rng.uniform(-12, 0, x[::5].shape))  # wide ranges inside a block
+    x = x.astype(F32)
+    x[0] = 0.0  # zero blocks
+    x[1, :16] = 3.0  # all equal
+    x[2] = np.linspace(-6.0, 6.0, 32) * 2.0**10  # E2M1 grid points, ties
+    x[3, 16:] = np.float32(1e-44)  # subnormal float32
+    return x
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a, F32).view(np.uint32)
+
+
+def test_doctests():
+    assert doctest.testmod(nvfp4_module).failed == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_reference_bit_for_bit(seed):
+    x = inputs(seed)
+    q = nvfp4_quantize(jnp.asarray(x))
+    elements, scales, t, deq = ref_nvfp4(x)
+    assert (
+        q.data.dtype == ml_dtypes.float4_e2m1fn and q.block_scales.dtype == ml_dtypes.float8_e4m3fn
+    )
+    assert q.block_scales.shape == (4096, 2) and q.tensor_scale.dtype == F32
+    assert _bits(q.tensor_scale) == _bits(t)
+    np.testing.assert_array_equal(_bits(q.data.astype(jnp.float32)), _bits(elements))
+    np.testing.assert_array_equal(_bits(q.block_scales.astype(jnp.float32)), _bits(scales))
+    np.testing.assert_array_equal(_bits(nvfp4_dequantize(q)), _bits(deq))
+    np.testing.assert_array_equal(_bits(nvfp4_fake_quantize(jnp.asarray(x))), _bits(deq))
+
+
+def test_special_tensors_and_blocks():
+    zeros = nvfp4_quantize(jnp.zeros((2, 16)))
+    assert float(zeros.tensor_scale) == 1.0 and not np.any(np.asarray(zeros.dequantize()))
+    x = np.ones((4, 16), F32)
+    x[1, 3], x[2, 0], x[3, 5] = np.nan, np.inf, -np.inf
+    out = np.asarray(nvfp4_fake_quantize(jnp.asarray(x)))
+    assert np.isnan(out[1:]).all() and np.array_equal(out[0], np.ones(16))
+    assert float(nvfp4_quantize(jnp.asarray(x)).tensor_scale) == np.float32(1 / 2688)
+    # A block far below the tensor's largest: its E4M3 scale underflows, it flushes to 0.
+    far = np.concatenate([np.ones(16, F32), np.full(16, 1e-6, F32)])
+    assert not np.any(np.asarray(nvfp4_fake_quantize(jnp.asarray(far)))[16:])
+    # Small and huge tensors keep their values as well as NVFP4 can (below ~2^-100, block
+    # scales times the tensor scale are float32 subnormals, which XLA:CPU flushes).
+    for scale in (2.0**-100, 2.0**120):
+        y = (np.linspace(0.5, 6.0, 16) * scale).astype(F32)
+        np.testing.assert_array_equal(
+            _bits(nvfp4_fake_quantize(jnp.asarray(y))), _bits(ref_nvfp4(y)[3])
+        )
+
+
+def test_axis_and_jit():
+    x = inputs(3)[:64].reshape(4, 16, 32)
+    along = nvfp4_quantize(jnp.asarray(x), axis=1)
+    assert along.axis == -2 and along.block_scales.shape == (4, 1, 32)
+    moved = np.moveaxis(x, 1, -1)
+    np.testing.assert_array_equal(
+        _bits(np.moveaxis(np.asarray(along.dequantize()), 1, -1)), _bits(ref_nvfp4(moved)[3])
+    )
+    jitted = jax.jit(lambda v: nvfp4_quantize(v, axis=1))(jnp.asarray(x))
+    np.testing.assert_array_equal(_bits(jitted.dequantize()), _bits(along.dequantize()))
+
+
+def test_stochastic_rounding_is_unbiased():
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-5.5, 5.5, (1, 64)).astype(F32)
+    x[0, 0] = 6.0  # the block scale of the first block is exactly 448 * t = 1
+    keys = jax.random.split(jax.random.key(0), 2000)
+    draws = jax.vmap(lambda k: nvfp4_fake_quantize(jnp.asarray(x), rounding="stochastic", key=k))(
+        keys
+    )
+    draws = np.asarray(draws, np.float64)[:, 0, :16]
+    error = draws.mean(axis=0) - x[0, :16]
+    standard_error = draws.std(axis=0) / np.sqrt(len(keys)) + 1e-12
+    assert np.all(np.abs(error) <= 3.5 * standard_error + 1e-6), error / standard_error
+    nearest = np.asarray(nvfp4_fake_quantize(jnp.asarray(x)))[0, :16]
+    assert not np.allclose(draws[0], nearest)  # it does round differently
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"block_size": 12}, ValueError, "axis 1 has 32 entries, not a multiple of the block"),
+        ({"axis": 2}, ValueError, "axis 2 is out of range for an array of rank 2"),
+        ({"rounding": "toward_zero"}, ValueError, "round 'nearest' or 'stochastic'"),
+        ({"rounding": "stochastic"}, ValueError, "needs a PRNG key"),
+        ({"block_size": 0}, ValueError, "block_size must be a positive integer"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        nvfp4_quantize(jnp.ones((2, 32)), **kwargs)
+
+
+def test_non_float_inputs_are_refused():
+    with pytest.raises(TypeError, match="float inputs up to 32 bits, got int32"):
+        nvfp4_quantize(jnp.ones((2, 16), jnp.int32))
