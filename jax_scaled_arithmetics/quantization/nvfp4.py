@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -171,7 +171,7 @@ def _quantize(
     denominator = scales.astype(f32) * tensor_scale
     safe = jnp.where(denominator == 0, f32(1), denominator)
     scaled = jnp.where(special | (denominator == 0), f32(0), blocks / safe)
-    elements = float_quantize(scaled, "float4_e2m1fn", mode, saturate=True, key=key)
+    elements = float_quantize(scaled, "float4_e2m1fn", cast(Rounding, mode), saturate=True, key=key)
     scales = jnp.where(special, jnp.asarray(jnp.nan, _E4M3), scales)
     data = _unblocked(elements, axis).astype(_E2M1)
     return data, jnp.moveaxis(scales[..., 0], -1, axis), tensor_scale
