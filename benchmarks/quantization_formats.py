@@ -9,6 +9,8 @@ On 4M float32 values (standard normal, `--size`), each case one jitted call:
     table256        table_quantize(x, t): 256 sorted entries
     argmin256       the same as an argmin over all entries: t[argmin(|x[:, None] - t|)]
     hadamard16      random_hadamard(x, key=k, size=16): the 4-bit recipes' rotation
+    nvfp4           nvfp4_fake_quantize(x): E2M1, E4M3 per 16, float32 per tensor
+    mxfp4           block_fake_quantize(x, "mxfp4_e2m1", 32, scale_rounding="up")
 
 The CPU may be shared: the cases are timed in interleaved rounds (every round runs every
 case once, after one warm-up call each) and the report gives each case's median over the
@@ -31,7 +33,9 @@ import numpy as np
 
 from jax_scaled_arithmetics.quantization import (
     NF4,
+    block_fake_quantize,
     float_quantize,
+    nvfp4_fake_quantize,
     posit_quantize,
     random_hadamard,
     table_quantize,
@@ -53,6 +57,8 @@ def cases(table256: np.ndarray) -> dict[str, Callable[[jax.Array], jax.Array]]:
         "table256": lambda x: table_quantize(x, table256),
         "argmin256": argmin_form,
         "hadamard16": jax.jit(lambda x: random_hadamard(x, key=jax.random.key(0), size=16)),
+        "nvfp4": nvfp4_fake_quantize,
+        "mxfp4": lambda x: block_fake_quantize(x, "mxfp4_e2m1", 32, scale_rounding="up"),
     }
 
 

@@ -151,12 +151,13 @@ def _unblocked(v: jax.Array, axis: int) -> jax.Array:
     return jnp.moveaxis(v.reshape(*v.shape[:-2], -1), -1, axis)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "block_size", "mode"))
-def _quantize(
-    x: jax.Array, key: jax.Array | None, axis: int, block_size: int, mode: str
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _blocks_and_scales(
+    x: jax.Array, key: jax.Array | None, block_size: int, mode: str
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Along the last axis: (float32 elements (blocked), E4M3 block scales, the float32
+    denominators `s * t` (NaN for special blocks), the tensor scale)."""
     f32 = jnp.float32
-    blocks = _blocked(x.astype(f32), axis, block_size)
+    blocks = _blocked(x.astype(f32), -1, block_size)
     finite = jnp.isfinite(blocks)
     magnitude = jnp.where(finite, jnp.abs(blocks), f32(0))
     amax = jnp.max(magnitude)
@@ -173,8 +174,27 @@ def _quantize(
     scaled = jnp.where(special | (denominator == 0), f32(0), blocks / safe)
     elements = float_quantize(scaled, "float4_e2m1fn", cast(Rounding, mode), saturate=True, key=key)
     scales = jnp.where(special, jnp.asarray(jnp.nan, _E4M3), scales)
-    data = _unblocked(elements, axis).astype(_E2M1)
+    denominator = jnp.where(special, f32(jnp.nan), denominator)
+    return elements, scales, denominator, tensor_scale
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "block_size", "mode"))
+def _quantize(
+    x: jax.Array, key: jax.Array | None, axis: int, block_size: int, mode: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    moved = jnp.moveaxis(x, axis, -1)
+    elements, scales, _, tensor_scale = _blocks_and_scales(moved, key, block_size, mode)
+    data = jnp.moveaxis(elements.reshape(moved.shape), -1, axis).astype(_E2M1)
     return data, jnp.moveaxis(scales[..., 0], -1, axis), tensor_scale
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "block_size", "mode"))
+def _fake_quantize(
+    x: jax.Array, key: jax.Array | None, axis: int, block_size: int, mode: str
+) -> jax.Array:
+    moved = jnp.moveaxis(x, axis, -1)
+    elements, _, denominator, _ = _blocks_and_scales(moved, key, block_size, mode)
+    return jnp.moveaxis((elements * denominator).reshape(moved.shape), -1, axis)
 
 
 def nvfp4_dequantize(q: NVFP4Array) -> jax.Array:
@@ -214,4 +234,6 @@ def nvfp4_fake_quantize(
         >>> nvfp4_fake_quantize(jnp.array([1.0, 2.0, 3.0, 100.0]), block_size=4)
         Array([  0.,   0.,   0., 100.], dtype=float32)
     """
-    return nvfp4_dequantize(nvfp4_quantize(x, axis, rounding, key, block_size))
+    x, axis, mode = _check(x, axis, block_size, rounding, key)
+    # Bit-identical to the round trip, without forming the float4 array (slow to convert).
+    return _fake_quantize(x, key if mode == "stochastic" else None, axis, block_size, mode)
