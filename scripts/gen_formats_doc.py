@@ -279,8 +279,10 @@ finite magnitude; 1 for zeros, at least `2^-126`), each block's scale
 stochastically and saturated to +-6, value `q * (s t)`; a block holding NaN or infinity has a
 NaN scale. `nvfp4_dequantize` and `nvfp4_fake_quantize` give the float32 values. Bit-exact
 against a NumPy reference of those steps on 131,072 values, special blocks included;
-stochastic rounding unbiased (`tests/quantization/test_nvfp4.py`). Not yet: 2D weight
-blocks, a `block_quantize(x, "nvfp4")` entry and a ScaledArray view (issue 28).
+stochastic rounding unbiased (`tests/quantization/test_nvfp4.py`). `block_size=(16, 16)`
+gives 2D blocks over the last two axes, as the NVFP4 recipe uses for weights: a matrix and
+its transpose then quantise identically (1D blocks do not). Not yet: a
+`block_quantize(x, "nvfp4")` entry and a ScaledArray view (issue 28).
 
 ## Random Hadamard transforms
 

@@ -51,9 +51,11 @@ class NVFP4Array:
     Attributes:
         data: ``float4_e2m1fn`` elements, the input's shape.
         block_scales: ``float8_e4m3fn`` scales, the input's shape with `axis` of length
-            ``length // block_size``; NaN marks a block that held NaN or infinity.
+            ``length // block_size`` (2D blocks: the last two axes divided by the block
+            shape); NaN marks a block that held NaN or infinity.
         tensor_scale: float32 scalar.
-        block_size: Elements per block (16 in NVFP4).
+        block_shape: ``(1, 16)`` for blocks of 16 along `axis`, ``(16, 16)`` for 2D
+            blocks over the last two axes.
         axis: The blocked axis, as a negative index.
 
     Examples:
@@ -66,12 +68,17 @@ class NVFP4Array:
     data: jax.Array
     block_scales: jax.Array
     tensor_scale: jax.Array
-    block_size: int
+    block_shape: tuple[int, int]
     axis: int
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.data.shape)
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block scale."""
+        return self.block_shape[0] * self.block_shape[1]
 
     def dequantize(self) -> jax.Array:
         """Same as :func:`nvfp4_dequantize`."""
@@ -81,30 +88,44 @@ class NVFP4Array:
 jax.tree_util.register_dataclass(
     NVFP4Array,
     data_fields=["data", "block_scales", "tensor_scale"],
-    meta_fields=["block_size", "axis"],
+    meta_fields=["block_shape", "axis"],
 )
 
 
-def _check(x: Any, axis: int, block_size: int, rounding: Any, key: Any) -> tuple[Any, int, str]:
+def _check(
+    x: Any, axis: int, block_size: Any, rounding: Any, key: Any
+) -> tuple[Any, int, tuple[int, int], str]:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize > 4:
         raise TypeError(f"nvfp4_quantize takes float inputs up to 32 bits, got {x.dtype}")
     if x.ndim == 0:
         raise ValueError("nvfp4_quantize needs an array with at least one axis")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    sizes = block_size if isinstance(block_size, tuple) else (block_size,)
+    if len(sizes) not in (1, 2) or any(
+        isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes
+    ):
+        raise ValueError(
+            f"block_size must be a positive integer or a pair of them, got {block_size!r}"
+        )
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}")
     axis = axis % x.ndim
-    if x.shape[axis] % block_size:
+    if len(sizes) == 2 and (x.ndim < 2 or axis != x.ndim - 1):
         raise ValueError(
-            f"axis {axis} has {x.shape[axis]} entries, not a multiple of the block size "
-            f"{block_size}"
+            f"2D blocks {block_size} tile the last two axes: they need an array of rank 2 or "
+            f"more and axis=-1, got rank {x.ndim} and axis {axis}"
         )
+    shape = (1, sizes[0]) if len(sizes) == 1 else (sizes[0], sizes[1])
+    axes = (axis,) if len(sizes) == 1 else (axis - 1, axis)
+    for ax, size in zip(axes, sizes, strict=True):
+        if x.shape[ax] % size:
+            raise ValueError(
+                f"axis {ax} has {x.shape[ax]} entries, not a multiple of the block size {size}"
+            )
     mode = _bits.check_rounding(rounding, key)
     if mode not in ("nearest", "stochastic"):
         raise ValueError(f"NVFP4 elements round 'nearest' or 'stochastic', got {rounding!r}")
-    return x, axis, mode
+    return x, axis, shape, mode
 
 
 def nvfp4_quantize(
@@ -112,7 +133,7 @@ def nvfp4_quantize(
     axis: int = -1,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
-    block_size: int = BLOCK_SIZE,
+    block_size: int | tuple[int, int] = BLOCK_SIZE,
 ) -> NVFP4Array:
     """NVFP4 quantisation of `x` along `axis` (see the module docstring for the arithmetic).
 
@@ -122,7 +143,9 @@ def nvfp4_quantize(
         rounding: Element rounding, ``"nearest"`` (even) or ``"stochastic"``; block scales
             always round to nearest.
         key: PRNG key, required for ``rounding="stochastic"``.
-        block_size: Elements per block scale (16 in NVFP4).
+        block_size: Elements per block scale along `axis` (16 in NVFP4), or a pair
+            ``(rows, columns)`` for 2D blocks over the last two axes (`axis` -1), which
+            NVFP4 uses for weights: a matrix and its transpose then quantise identically.
 
     Raises:
         TypeError: non-float or 64-bit input.
@@ -136,28 +159,34 @@ def nvfp4_quantize(
         >>> q.dequantize()  # the block's scale is 12 / 6 = 2: 0.5 / 2 ties to E2M1's 0
         Array([[ 0., -1.,  3., 12.]], dtype=float32)
     """
-    x, axis, mode = _check(x, axis, block_size, rounding, key)
+    x, axis, shape, mode = _check(x, axis, block_size, rounding, key)
     key = key if mode == "stochastic" else None
-    data, scales, tensor_scale = _quantize(x, key, axis, block_size, mode)
-    return NVFP4Array(data, scales, tensor_scale, block_size, axis - x.ndim)
+    data, scales, tensor_scale = _quantize(x, key, axis, shape, mode)
+    return NVFP4Array(data, scales, tensor_scale, shape, axis - x.ndim)
 
 
-def _blocked(v: jax.Array, axis: int, block_size: int) -> jax.Array:
-    v = jnp.moveaxis(v, axis, -1)
-    return v.reshape(*v.shape[:-1], v.shape[-1] // block_size, block_size)
+def _tiles(v: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """(..., M, N) -> (..., M / r, N / c, r * c): the blocks of the last two axes."""
+    r, c = shape
+    m, n = v.shape[-2:]
+    v = v.reshape(*v.shape[:-2], m // r, r, n // c, c)
+    return jnp.swapaxes(v, -3, -2).reshape(*v.shape[:-4], m // r, n // c, r * c)
 
 
-def _unblocked(v: jax.Array, axis: int) -> jax.Array:
-    return jnp.moveaxis(v.reshape(*v.shape[:-2], -1), -1, axis)
+def _untiles(t: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    r, c = shape
+    mb, nb = t.shape[-3:-1]
+    t = jnp.swapaxes(t.reshape(*t.shape[:-3], mb, nb, r, c), -3, -2)
+    return t.reshape(*t.shape[:-4], mb * r, nb * c)
 
 
 def _blocks_and_scales(
-    x: jax.Array, key: jax.Array | None, block_size: int, mode: str
+    blocks: jax.Array, key: jax.Array | None, mode: str
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Along the last axis: (float32 elements (blocked), E4M3 block scales, the float32
+    """For blocks along the last axis: (float32 elements, E4M3 block scales, the float32
     denominators `s * t` (NaN for special blocks), the tensor scale)."""
     f32 = jnp.float32
-    blocks = _blocked(x.astype(f32), -1, block_size)
+    blocks = blocks.astype(f32)
     finite = jnp.isfinite(blocks)
     magnitude = jnp.where(finite, jnp.abs(blocks), f32(0))
     amax = jnp.max(magnitude)
@@ -178,23 +207,33 @@ def _blocks_and_scales(
     return elements, scales, denominator, tensor_scale
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "block_size", "mode"))
+def _to_blocks(x: jax.Array, axis: int, shape: tuple[int, int]) -> jax.Array:
+    moved = jnp.moveaxis(x, axis, -1)
+    return _tiles(moved[None] if moved.ndim == 1 else moved, shape)
+
+
+def _from_blocks(t: jax.Array, axis: int, shape: tuple[int, int], ndim: int) -> jax.Array:
+    v = _untiles(t, shape)
+    return jnp.moveaxis(v[0] if ndim == 1 else v, -1, axis)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "shape", "mode"))
 def _quantize(
-    x: jax.Array, key: jax.Array | None, axis: int, block_size: int, mode: str
+    x: jax.Array, key: jax.Array | None, axis: int, shape: tuple[int, int], mode: str
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    moved = jnp.moveaxis(x, axis, -1)
-    elements, scales, _, tensor_scale = _blocks_and_scales(moved, key, block_size, mode)
-    data = jnp.moveaxis(elements.reshape(moved.shape), -1, axis).astype(_E2M1)
-    return data, jnp.moveaxis(scales[..., 0], -1, axis), tensor_scale
+    elements, scales, _, tensor_scale = _blocks_and_scales(_to_blocks(x, axis, shape), key, mode)
+    data = _from_blocks(elements, axis, shape, x.ndim).astype(_E2M1)
+    scales = scales[..., 0]
+    scales = jnp.moveaxis(scales[0] if x.ndim == 1 else scales, -1, axis)
+    return data, scales, tensor_scale
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "block_size", "mode"))
+@functools.partial(jax.jit, static_argnames=("axis", "shape", "mode"))
 def _fake_quantize(
-    x: jax.Array, key: jax.Array | None, axis: int, block_size: int, mode: str
+    x: jax.Array, key: jax.Array | None, axis: int, shape: tuple[int, int], mode: str
 ) -> jax.Array:
-    moved = jnp.moveaxis(x, axis, -1)
-    elements, _, denominator, _ = _blocks_and_scales(moved, key, block_size, mode)
-    return jnp.moveaxis((elements * denominator).reshape(moved.shape), -1, axis)
+    elements, _, denominator, _ = _blocks_and_scales(_to_blocks(x, axis, shape), key, mode)
+    return _from_blocks(elements * denominator, axis, shape, x.ndim)
 
 
 def nvfp4_dequantize(q: NVFP4Array) -> jax.Array:
@@ -206,16 +245,18 @@ def nvfp4_dequantize(q: NVFP4Array) -> jax.Array:
         Array([1.1666667, 7.0000005, 0.       , 0.       ], dtype=float32)
     """
     axis = q.axis % q.data.ndim
-    return _dequantize(q.data, q.block_scales, q.tensor_scale, axis, q.block_size)
+    return _dequantize(q.data, q.block_scales, q.tensor_scale, axis, q.block_shape)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "block_size"))
+@functools.partial(jax.jit, static_argnames=("axis", "shape"))
 def _dequantize(
-    data: jax.Array, scales: jax.Array, tensor_scale: jax.Array, axis: int, block_size: int
+    data: jax.Array, scales: jax.Array, tensor_scale: jax.Array, axis: int, shape: tuple[int, int]
 ) -> jax.Array:
-    blocks = _blocked(data.astype(jnp.float32), axis, block_size)
-    scale = jnp.moveaxis(scales, axis, -1)[..., None].astype(jnp.float32) * tensor_scale
-    return _unblocked(blocks * scale, axis)
+    blocks = _to_blocks(data.astype(jnp.float32), axis, shape)
+    scales = jnp.moveaxis(scales, axis, -1)
+    scales = scales[None] if data.ndim == 1 else scales
+    scale = scales[..., None].astype(jnp.float32) * tensor_scale
+    return _from_blocks(blocks * scale, axis, shape, data.ndim)
 
 
 def nvfp4_fake_quantize(
@@ -223,7 +264,7 @@ def nvfp4_fake_quantize(
     axis: int = -1,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
-    block_size: int = BLOCK_SIZE,
+    block_size: int | tuple[int, int] = BLOCK_SIZE,
 ) -> jax.Array:
     """``nvfp4_dequantize(nvfp4_quantize(x, ...))``: the float32 values NVFP4 keeps of `x`.
 
@@ -234,6 +275,6 @@ def nvfp4_fake_quantize(
         >>> nvfp4_fake_quantize(jnp.array([1.0, 2.0, 3.0, 100.0]), block_size=4)
         Array([  0.,   0.,   0., 100.], dtype=float32)
     """
-    x, axis, mode = _check(x, axis, block_size, rounding, key)
+    x, axis, shape, mode = _check(x, axis, block_size, rounding, key)
     # Bit-identical to the round trip, without forming the float4 array (slow to convert).
-    return _fake_quantize(x, key if mode == "stochastic" else None, axis, block_size, mode)
+    return _fake_quantize(x, key if mode == "stochastic" else None, axis, shape, mode)

@@ -147,3 +147,46 @@ def test_bad_arguments_are_refused(kwargs, error, match):
 def test_non_float_inputs_are_refused():
     with pytest.raises(TypeError, match="float inputs up to 32 bits, got int32"):
         nvfp4_quantize(jnp.ones((2, 16), jnp.int32))
+
+
+def _tiled(x: np.ndarray, r: int, c: int) -> np.ndarray:
+    m, n = x.shape
+    return x.reshape(m // r, r, n // c, c).swapaxes(1, 2).reshape(m // r, n // c, r * c)
+
+
+def test_2d_blocks_match_reference_and_commute_with_transposition():
+    w = inputs(4)[:64].reshape(64, 32)  # 4 x 2 tiles of 16 x 16
+    q = nvfp4_quantize(jnp.asarray(w), block_size=(16, 16))
+    assert q.block_shape == (16, 16) and q.block_size == 256 and q.block_scales.shape == (4, 2)
+    # The reference on each 16 x 16 tile flattened into one block of 256.
+    elements, scales, t, deq = ref_nvfp4(_tiled(w, 16, 16).reshape(8, 256), 256)
+    assert _bits(q.tensor_scale) == _bits(t)
+    np.testing.assert_array_equal(
+        _bits(q.block_scales.astype(jnp.float32)).ravel(), _bits(scales).ravel()
+    )
+    np.testing.assert_array_equal(
+        _bits(_tiled(np.asarray(q.dequantize()), 16, 16).reshape(8, 256)), _bits(deq)
+    )
+    transposed = nvfp4_fake_quantize(jnp.asarray(w.T), block_size=(16, 16))
+    np.testing.assert_array_equal(_bits(transposed), _bits(np.asarray(q.dequantize()).T))
+    # 1D blocks do not commute so: the point of 2D blocks for weights.
+    one_d = np.asarray(nvfp4_fake_quantize(jnp.asarray(w)))
+    assert not np.array_equal(one_d.T, np.asarray(nvfp4_fake_quantize(jnp.asarray(w.T))))
+    # Batch dimensions in front (stacked layers).
+    stacked = nvfp4_quantize(jnp.asarray(np.stack([w, 2 * w])), block_size=(16, 16))
+    assert stacked.block_scales.shape == (2, 4, 2)
+    np.testing.assert_array_equal(_bits(stacked.dequantize()[0]), _bits(q.dequantize()))
+
+
+@pytest.mark.parametrize(
+    "x_shape, kwargs, match",
+    [
+        ((32,), {"block_size": (16, 16)}, "need an array of rank 2 or more and axis=-1"),
+        ((32, 32), {"block_size": (16, 16), "axis": 0}, "and axis=-1, got rank 2 and axis 0"),
+        ((24, 32), {"block_size": (16, 16)}, "axis 0 has 24 entries, not a multiple of the block"),
+        ((32, 32), {"block_size": (16, 0)}, "a positive integer or a pair of them"),
+    ],
+)
+def test_bad_2d_blocks_are_refused(x_shape, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        nvfp4_quantize(jnp.ones(x_shape), **kwargs)
