@@ -1,0 +1,150 @@
+"""`jsa.ops.nvfp4_matmul`: the NVFP4 recipe's three quantised matmuls, checked against the
+same steps written with the public quantisers, ingredient by ingredient."""
+
+from __future__ import annotations
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.ops import fp4_matmul as fp4_module
+from jax_scaled_arithmetics.quantization import nvfp4_fake_quantize as fq
+from jax_scaled_arithmetics.quantization import random_hadamard
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((4, 16, 32)).astype(np.float32)  # 64 tokens, K = 32
+W = (RNG.standard_normal((32, 48)) / 6).astype(np.float32)  # N = 48
+G = RNG.standard_normal((4, 16, 48)).astype(np.float32)
+KEY = jax.random.key(11)
+
+
+def _dot(a, b):
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def _reference(x, w, g, key, hadamard, stochastic, weight_blocks):
+    """The recipe written out with the public quantisers (the module docstring's steps)."""
+    k_dgrad, k_wgrad, k_hadamard = jax.random.split(key, 3)
+    x2, g2 = x.reshape(-1, 32), g.reshape(-1, 48)
+    wq = fq(w, block_size=(16, 16)) if weight_blocks == "2d" else fq(w, axis=0)
+    y = _dot(fq(x2, axis=1), wq)
+    wt = wq.T if weight_blocks == "2d" else fq(w, axis=1).T
+
+    def grad_q(v, axis, k):
+        return fq(v, axis=axis, rounding="stochastic", key=k) if stochastic else fq(v, axis=axis)
+
+    dx = _dot(grad_q(g2, 1, k_dgrad), wt)
+    if hadamard:
+        x2 = random_hadamard(x2, axis=0, key=k_hadamard)
+        g2 = random_hadamard(g2, axis=0, key=k_hadamard)
+    dw = _dot(fq(x2, axis=0).T, grad_q(g2, 0, k_wgrad))
+    return y.reshape(4, 16, 48), dx.reshape(x.shape), dw
+
+
+def _bits(a):
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+def test_doctests():
+    assert doctest.testmod(fp4_module).failed == 0
+
+
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("weight_blocks", ["2d", "1d"])
+def test_each_matmul_is_the_recipe_step(hadamard, stochastic, weight_blocks):
+    def loss(x, w):
+        y = jsa.ops.nvfp4_matmul(
+            x,
+            w,
+            KEY,
+            hadamard=hadamard,
+            stochastic_gradients=stochastic,
+            weight_blocks=weight_blocks,
+        )
+        return jnp.sum(y * G), y
+
+    (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(X, W)
+    ref_y, ref_dx, ref_dw = _reference(X, W, G, KEY, hadamard, stochastic, weight_blocks)
+    np.testing.assert_array_equal(_bits(y), _bits(ref_y))
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dw, ref_dw, rtol=1e-6, atol=1e-5)
+    # And close to the exact float32 matmuls (E2M1 keeps ~1 bit of mantissa).
+    exact = np.einsum("btk,kn->btn", X, W)
+    assert np.linalg.norm(np.asarray(y) - exact) <= 0.25 * np.linalg.norm(exact)
+    exact_dw = np.einsum("btk,btn->kn", X, G)
+    assert np.linalg.norm(np.asarray(dw) - exact_dw) <= 0.3 * np.linalg.norm(exact_dw)
+
+
+def test_2d_weight_blocks_make_the_backward_weight_the_forward_one():
+    """With 16x16 blocks, dx uses exactly the forward's quantised weight (transposed)."""
+    g2 = G.reshape(-1, 48)
+    _, vjp = jax.vjp(
+        lambda x: jsa.ops.nvfp4_matmul(x, W, KEY, hadamard=False, stochastic_gradients=False), X
+    )
+    (dx,) = vjp(G)
+    expected = _dot(fq(g2, axis=1), fq(W, block_size=(16, 16)).T).reshape(X.shape)
+    np.testing.assert_allclose(dx, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_stochastic_gradients_average_to_the_deterministic_product():
+    keys = jax.random.split(jax.random.key(2), 400)
+
+    def input_grad(key):
+        _, vjp = jax.vjp(lambda x: jsa.ops.nvfp4_matmul(x, W, key, hadamard=False), X)
+        return vjp(G)[0]
+
+    draws = np.asarray(jax.jit(jax.vmap(input_grad))(keys), np.float64)
+    target = np.asarray(_dot(G.reshape(-1, 48), fq(W, block_size=(16, 16)).T)).reshape(X.shape)
+    single = np.linalg.norm(draws[0] - target)
+    mean = np.linalg.norm(draws.mean(axis=0) - target)
+    assert single > 0 and mean < 0.15 * single  # unbiased: 400 draws shrink the error ~20x
+
+
+def test_keys_change_the_random_parts_only():
+    def grads(key, **kwargs):
+        return jax.grad(
+            lambda x, w: jnp.sum(jsa.ops.nvfp4_matmul(x, w, key, **kwargs) * G), (0, 1)
+        )(X, W)
+
+    a, b = grads(jax.random.key(1)), grads(jax.random.key(2))
+    assert not np.allclose(a[0], b[0]) and not np.allclose(a[1], b[1])
+    off = {"hadamard": False, "stochastic_gradients": False}
+    c, d = grads(jax.random.key(1), **off), grads(jax.random.key(2), **off)
+    np.testing.assert_array_equal(c[0], d[0])
+    np.testing.assert_array_equal(c[1], d[1])
+    assert jsa.ops.nvfp4_matmul(X, W, **off).shape == (4, 16, 48)  # no key needed then
+
+
+def test_low_precision_operands_keep_their_dtype():
+    x = X.astype(ml_dtypes.bfloat16)
+    y, vjp = jax.vjp(lambda x, w: jsa.ops.nvfp4_matmul(x, w, KEY), x, W.astype(ml_dtypes.bfloat16))
+    dx, dw = vjp(jnp.ones_like(y))
+    assert y.dtype == dx.dtype == dw.dtype == ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, kwargs, error, match",
+    [
+        ((16, 24), (24, 16), {}, ValueError, "K = 24 is not a multiple of the block size 16"),
+        ((16, 32), (32, 8), {}, ValueError, "N = 8 is not a multiple"),
+        ((8, 32), (32, 16), {}, ValueError, "tokens = 8 is not a multiple"),
+        ((16, 32), (16, 16), {}, ValueError, r"x \(..., K\) and w \(K, N\) expected"),
+        ((16, 32), (32, 16), {"weight_blocks": "3d"}, ValueError, "must be '2d' or '1d'"),
+        ((16, 32), (32, 16), {"key": None}, ValueError, "need a PRNG key"),
+    ],
+)
+def test_bad_arguments_are_refused(x_shape, w_shape, kwargs, error, match):
+    kwargs = {"key": KEY, **kwargs}
+    with pytest.raises(error, match=match):
+        jsa.ops.nvfp4_matmul(jnp.ones(x_shape), jnp.ones(w_shape), **kwargs)
+
+
+def test_non_floating_operands_are_refused():
+    with pytest.raises(TypeError, match="x must be floating, got int32"):
+        jsa.ops.nvfp4_matmul(jnp.ones((16, 16), jnp.int32), jnp.ones((16, 16)), KEY)
