@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,7 @@ from ..core.datatype import ScaledArray
 from ..core.interpreter import autoscale
 from ..core.types import Array
 from ..quantization import block_fake_quantize, float_quantize, get_format
-from ..quantization.block import mx_element_format
+from ..quantization.block import SCALE_ROUNDINGS, ScaleRounding, mx_element_format
 from ..quantization.formats import FloatFormat
 
 __all__ = ["mx_matmul", "rowwise_fp8_matmul", "tensorwise_fp8_matmul"]
@@ -70,6 +70,7 @@ class _Recipe:
     forward: FloatFormat
     backward: FloatFormat
     block_size: int = 0
+    scale_rounding: str = "floor"  # MX block scales: "floor" (OCP) or "up"
 
 
 def _pow2_scale(amax: Array, fmt: FloatFormat) -> Array:
@@ -98,8 +99,13 @@ def _contract(recipe: _Recipe, a: Array, a_fmt: FloatFormat, b: Array, b_fmt: Fl
     if recipe.granularity == "mx":
         # Fake-quantised in float32, no float8 intermediates: under jax.jit, dequantising
         # a float8 MXArray quantised from a constant misplaces elements (docs/design.md).
-        qa = block_fake_quantize(a, a_fmt, recipe.block_size, axis=1, pad=True)
-        qb = block_fake_quantize(b, b_fmt, recipe.block_size, axis=0, pad=True)
+        rounding = cast(ScaleRounding, recipe.scale_rounding)
+        qa = block_fake_quantize(
+            a, a_fmt, recipe.block_size, axis=1, pad=True, scale_rounding=rounding
+        )
+        qb = block_fake_quantize(
+            b, b_fmt, recipe.block_size, axis=0, pad=True, scale_rounding=rounding
+        )
         return _dot(qa, qb)
     row = recipe.granularity == "row"
     qa, sa = _pow2_quantize(a, a_fmt, 1 if row else None)  # (M, 1) or (1, 1)
@@ -289,6 +295,7 @@ def mx_matmul(
     format: Any = "mxfp8_e4m3",
     block_size: int = 32,
     backward_format: Any = "mxfp8_e5m2",
+    scale_rounding: str = "floor",
 ) -> Any:
     """``x @ w`` with OCP MX block scaling along the contracting axis, float32 accumulation.
 
@@ -308,6 +315,9 @@ def mx_matmul(
             ``jsa.quantization.MX_FORMATS``) or an element format name.
         block_size: Elements per scale (32 in the MX specification).
         backward_format: MX format of the output gradient.
+        scale_rounding: Block scales ``"floor"`` (OCP MX v1.0) or ``"up"``, the smallest
+            power of two at which a block's largest magnitude fits (no saturation; the
+            fix for MX training divergence of Mishra et al. 2025).
 
     Returns:
         ``(..., N)`` in ``x``'s dtype.
@@ -326,11 +336,16 @@ def mx_matmul(
     name = "mx_matmul"
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"{name}: block_size must be a positive integer, got {block_size!r}")
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(
+            f"{name}: scale_rounding must be one of {SCALE_ROUNDINGS}, got {scale_rounding!r}"
+        )
     recipe = _Recipe(
         "mx",
         _mx_format(name, "format", format),
         _mx_format(name, "backward_format", backward_format),
         block_size,
+        scale_rounding,
     )
     x, w = _as_operand(x), _as_operand(w)
     _check_operands(name, x, w, block_size)

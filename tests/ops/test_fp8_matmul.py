@@ -361,3 +361,22 @@ def test_integer_inputs_raise():
 
 def test_doctests():
     assert doctest.testmod(fp8_matmul, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def test_mx_scale_rounding_up():
+    """`scale_rounding="up"`: every MX operand quantised with the rounded-up block scales
+    (no saturation), forward and backward; the OCP rule saturates 7 -> 6 here, "up" keeps
+    it (3.5 ties to 4 at the doubled scale: 8)."""
+    x = jnp.array([[1.0, 2.0, 3.0, 7.0], [0.001, 0.002, 0.003, 0.004]])
+    w = jnp.ones((4, 2))
+    kw = {"format": "mxfp4_e2m1", "block_size": 2}
+    up = jsa.ops.mx_matmul(x, w, **kw, scale_rounding="up")
+    expected = jsa.quantization.block_fake_quantize(
+        x, "mxfp4_e2m1", 2, axis=1, scale_rounding="up"
+    ) @ jsa.quantization.block_fake_quantize(w, "mxfp4_e2m1", 2, axis=0, scale_rounding="up")
+    np.testing.assert_array_equal(up, expected)
+    assert float(up[0, 0]) == 14.0 and float(jsa.ops.mx_matmul(x, w, **kw)[0, 0]) == 12.0
+    g = jax.grad(lambda x: jnp.sum(jsa.ops.mx_matmul(x, w, **kw, scale_rounding="up")))(x)
+    assert g.shape == x.shape and np.isfinite(g).all()
+    with pytest.raises(ValueError, match="mx_matmul: scale_rounding must be one of"):
+        jsa.ops.mx_matmul(x, w, **kw, scale_rounding="nearest")
