@@ -296,6 +296,14 @@ gradient's error (256 tokens, K 64, N 32, nearest rounding, mean of 5 keys; rela
 error without / with: Student-t(2) operands 0.130 / 0.171, Gaussian with 1% of `x` 50x
 larger 0.115 / 0.141): what it buys in training is for the 4-bit experiment to show.
 
+`jsa.unit_scaling.simulate_fp4(fn, high_precision="first_and_last", ...)` applies it to a
+whole program: every linear layer's `dot_general` (`x (..., K) @ w` with a 2-D weight, or a
+tied embedding's `h @ e.T`, shapes that 16 divides) becomes `nvfp4_matmul` with the key
+`fold_in(key, i)` of its position; attention's batched products and the first and last
+linear layers (by default, as the recipe keeps them) stay in the program's precision. The
+returned function takes `key=`; `jax.grad(simulate_fp4(f))` differentiates through the
+recipe (`tests/unit_scaling/test_fp4.py`).
+
 ## Random Hadamard transforms
 
 `jsa.quantization.random_hadamard(x, axis, key, size=16)` rotates every block of `size`

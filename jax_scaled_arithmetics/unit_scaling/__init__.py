@@ -12,6 +12,7 @@ Examples:
     1.0
 """
 
+from ._fp4 import simulate_fp4 as simulate_fp4
 from ._fp8 import simulate_fp8 as simulate_fp8
 from ._fwd_bwd import Constraint as Constraint
 from ._fwd_bwd import apply_constraint as apply_constraint
@@ -65,6 +66,7 @@ __all__ = [
     "silu",
     "silu_glu",
     "softmax",
+    "simulate_fp4",
     "simulate_fp8",
     "unit_init",
     "unit_scale",

@@ -294,7 +294,7 @@ def test_table_covers_every_op():
 
 
 # Names other sub-modules add to the package (FP8 simulation, graph transform).
-_NOT_OURS = {"simulate_fp8", "unit_init", "unit_scale"}
+_NOT_OURS = {"simulate_fp4", "simulate_fp8", "unit_init", "unit_scale"}
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,154 @@
+"""`simulate_fp4`: run a function with its linear layers' matmuls in the NVFP4 training recipe."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..core.walker import Frame, JaxprWalker
+from ..ops.fp4_matmul import nvfp4_matmul
+from ._rewrite import first_backward_eqn, gradient_error, sub_jaxprs, trace_flat
+
+__all__ = ["simulate_fp4"]
+
+_BLOCK = 16
+
+
+def _linear_operands(eqn: Any) -> bool | None:
+    """For a `dot_general` that is a linear layer's ``x (..., K) @ w`` with ``w`` (K, N)
+    (False) or ``(N, K)`` (True, a transposed weight such as a tied embedding), whose K, N
+    and tokens 16 divides: whether `w` is transposed; None for any other equation."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval for v in eqn.invars)
+    if lhs_b or rhs_b or rhs.ndim != 2 or lhs.ndim < 1 or tuple(lhs_c) != (lhs.ndim - 1,):
+        return None
+    if tuple(rhs_c) not in ((0,), (1,)):
+        return None
+    if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
+        return None
+    k = lhs.shape[-1]
+    n = rhs.shape[1 - rhs_c[0]]
+    tokens = math.prod(lhs.shape[:-1])
+    if k % _BLOCK or n % _BLOCK or tokens % _BLOCK:
+        return None
+    return tuple(rhs_c) == (1,)
+
+
+def _count_linear(jaxpr: Any) -> int:
+    count = 0
+    for eqn in jaxpr.eqns:
+        if _linear_operands(eqn) is not None:
+            count += 1
+        else:
+            count += sum(_count_linear(inner) for inner in sub_jaxprs(eqn))
+    return count
+
+
+class _Fp4Rewriter(JaxprWalker):
+    """Linear-layer matmuls become `nvfp4_matmul`s, in program order; the ones
+    `high_precision(index, count)` picks, and every other equation, are kept."""
+
+    def __init__(self, key: Any, options: dict[str, Any], high_precision: Any, count: int):
+        self.key = key
+        self.options = options
+        self.high_precision = high_precision
+        self.count = count
+        self.index = 0
+
+    def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
+        transposed = _linear_operands(eqn)
+        if transposed is None:
+            return self.eval_higher_order(eqn, invals, frame.context)
+        index = self.index
+        self.index += 1
+        if self.high_precision(index, self.count):
+            return self.eval_higher_order(eqn, invals, frame.context)
+        x, w = invals
+        key = None if self.key is None else jax.random.fold_in(self.key, index)
+        y = nvfp4_matmul(x, w.T if transposed else w, key, **self.options)
+        return [y.astype(eqn.outvars[0].aval.dtype)]
+
+
+def _first_and_last(index: int, count: int) -> bool:
+    return index in (0, count - 1)
+
+
+def simulate_fp4(
+    fn: Callable[..., Any],
+    *,
+    recipe: str = "nvfp4",
+    hadamard: bool = True,
+    stochastic_gradients: bool = True,
+    weight_blocks: str = "2d",
+    high_precision: str | Callable[[int, int], bool] | None = "first_and_last",
+) -> Callable[..., Any]:
+    """`fn` with its linear layers' matmuls computed as the NVFP4 training recipe does.
+
+    Every `dot_general` of `fn` that is a linear layer, ``x (..., K) @ w`` with a 2-D
+    weight ``w (K, N)`` (or ``(N, K)`` contracted on its second axis, a tied embedding),
+    with K, N and the number of tokens multiples of 16, becomes
+    `jsa.ops.nvfp4_matmul` (NVFP4 operands in its forward and both backward matmuls,
+    16x16 weight blocks, stochastically rounded gradients, a random Hadamard transform
+    on the weight gradient's operands; each switchable with the same-named arguments).
+    Other matmuls (attention's batched products, shapes 16 does not divide) stay as they
+    are, as the recipe keeps them in higher precision. `high_precision` keeps some linear
+    layers too: `"first_and_last"` (the default, as the NVFP4 recipe keeps the first and
+    last layers), None, or a predicate ``(index, count) -> bool`` on the linear matmuls in
+    program order.
+
+    The returned function takes a `key=` keyword (a PRNG key; required unless both
+    `hadamard` and `stochastic_gradients` are off): matmul `i` draws from
+    ``fold_in(key, i)``, so pass a new key each step. A matmul inside a `scan` body gets
+    the same bits at every iteration. Use `jax.grad` outside: `jax.grad(simulate_fp4(f))`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_scaled_arithmetics.unit_scaling as U
+        >>> f = U.simulate_fp4(lambda x, w: x @ w, high_precision=None)
+        >>> y = f(jnp.ones((16, 32)), jnp.full((32, 16), 0.3), key=jax.random.key(0))
+        >>> round(float(y[0, 0]), 4)  # 0.3 is on the NVFP4 grid of its tensor scale
+        9.6
+    """
+    if not callable(fn):
+        raise TypeError(f"simulate_fp4 expects a callable, got {type(fn).__name__}.")
+    if recipe != "nvfp4":
+        raise ValueError(
+            f"simulate_fp4: recipe {recipe!r} is not available; 'nvfp4' is (MXFP4 matmuls: "
+            "jsa.ops.mx_matmul(..., format='mxfp4_e2m1', scale_rounding='up'))"
+        )
+    if weight_blocks not in ("2d", "1d"):
+        raise ValueError(f"simulate_fp4: weight_blocks must be '2d' or '1d', got {weight_blocks!r}")
+    if high_precision == "first_and_last":
+        keep: Callable[[int, int], bool] = _first_and_last
+    elif high_precision is None:
+        keep = lambda index, count: False  # noqa: E731
+    elif callable(high_precision):
+        keep = high_precision
+    else:
+        raise ValueError(
+            "simulate_fp4: high_precision must be 'first_and_last', None or a predicate "
+            f"(index, count) -> bool, got {high_precision!r}"
+        )
+    options = {
+        "hadamard": bool(hadamard),
+        "stochastic_gradients": bool(stochastic_gradients),
+        "weight_blocks": weight_blocks,
+    }
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, key: Any = None, **kwargs: Any) -> Any:
+        closed, leaves, out_tree = trace_flat(fn, args, kwargs)
+        if first_backward_eqn(closed.jaxpr) is not None:
+            raise gradient_error("simulate_fp4", fn)
+        rewriter = _Fp4Rewriter(key, options, keep, _count_linear(closed.jaxpr))
+        outs = rewriter.run_closed(closed, leaves)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return wrapped

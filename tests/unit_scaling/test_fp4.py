@@ -1,0 +1,128 @@
+"""`U.simulate_fp4`: a program's linear-layer matmuls as `jsa.ops.nvfp4_matmul`, the rest kept."""
+
+from __future__ import annotations
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scaled_arithmetics as jsa
+import jax_scaled_arithmetics.unit_scaling as U
+from jax_scaled_arithmetics.unit_scaling import _fp4
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((32, 32)).astype(np.float32)
+PARAMS = [(RNG.standard_normal((32, 48)) / 6).astype(np.float32) for _ in range(3)]
+PARAMS[1] = (RNG.standard_normal((48, 64)) / 7).astype(np.float32)
+PARAMS[2] = (RNG.standard_normal((64, 16)) / 8).astype(np.float32)
+KEY = jax.random.key(3)
+
+
+def mlp(x, params, matmul=jnp.matmul):
+    for i, w in enumerate(params):
+        x = matmul(i, x, w)
+        if i < len(params) - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def plain(i, x, w):
+    return x @ w
+
+
+def loss(x, params, matmul=plain):
+    return jnp.mean(mlp(x, params, matmul) ** 2)
+
+
+def by_hand(keep, key=KEY, **options):
+    """The MLP with `nvfp4_matmul` where `keep(i)` is False, key fold_in(key, i)."""
+
+    def matmul(i, x, w):
+        if keep(i):
+            return x @ w
+        return jsa.ops.nvfp4_matmul(x, w, jax.random.fold_in(key, i), **options)
+
+    return matmul
+
+
+def test_doctests():
+    assert doctest.testmod(_fp4).failed == 0
+
+
+@pytest.mark.parametrize(
+    "high_precision, keep",
+    [
+        ("first_and_last", lambda i: i in (0, 2)),
+        (None, lambda i: False),
+        (lambda index, count: index == count - 1, lambda i: i == 2),
+    ],
+    ids=["first_and_last", "none", "predicate"],
+)
+def test_value_and_gradients_are_the_recipe_on_the_chosen_matmuls(high_precision, keep):
+    simulated = U.simulate_fp4(loss, high_precision=high_precision)
+    value, grads = jax.jit(jax.value_and_grad(lambda p, k: simulated(X, p, key=k)))(PARAMS, KEY)
+    ref_value, ref_grads = jax.value_and_grad(lambda p: loss(X, p, by_hand(keep)))(PARAMS)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+    # And the simulation is not the plain program (unless every matmul is kept).
+    assert not np.allclose(value, loss(X, PARAMS))
+
+
+def test_options_reach_every_matmul():
+    off = {"hadamard": False, "stochastic_gradients": False, "weight_blocks": "1d"}
+    simulated = U.simulate_fp4(loss, high_precision=None, **off)
+    grads = jax.grad(lambda p: simulated(X, p))(PARAMS)  # no key needed with both off
+    ref = jax.grad(lambda p: loss(X, p, by_hand(lambda i: False, **off)))(PARAMS)
+    for g, r in zip(grads, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_other_matmuls_are_kept():
+    """Attention's batched products and shapes 16 does not divide stay exact."""
+
+    def attention(q, k):
+        return jnp.einsum("bqd,bkd->bqk", q, k)
+
+    q = RNG.standard_normal((2, 16, 32)).astype(np.float32)
+    np.testing.assert_array_equal(U.simulate_fp4(attention)(q, q, key=KEY), attention(q, q))
+    odd = RNG.standard_normal((16, 24)).astype(np.float32)
+    w = RNG.standard_normal((24, 16)).astype(np.float32)
+    f = U.simulate_fp4(lambda a, b: a @ b, high_precision=None)
+    np.testing.assert_allclose(f(odd, w, key=KEY), odd @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embedding_readout_uses_the_transposed_weight():
+    emb = RNG.standard_normal((64, 32)).astype(np.float32)  # (vocab, d)
+
+    def readout(h, e):
+        return h @ e.T  # dot_general contracting e's second axis
+
+    got = U.simulate_fp4(readout, high_precision=None)(X, emb, key=KEY)
+    expected = jsa.ops.nvfp4_matmul(X, emb.T, jax.random.fold_in(KEY, 0))
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_jit_inside_and_keys_matter():
+    simulated = U.simulate_fp4(jax.jit(loss), high_precision=None)
+    a = jax.grad(lambda p: simulated(X, p, key=jax.random.key(1)))(PARAMS)
+    b = jax.grad(lambda p: simulated(X, p, key=jax.random.key(2)))(PARAMS)
+    assert not np.allclose(a[0], b[0])
+
+
+def test_bad_uses_are_refused():
+    with pytest.raises(TypeError, match="simulate_fp4 expects a callable"):
+        U.simulate_fp4(3)
+    with pytest.raises(ValueError, match="recipe 'mxfp4' is not available"):
+        U.simulate_fp4(loss, recipe="mxfp4")
+    with pytest.raises(ValueError, match="high_precision must be 'first_and_last', None"):
+        U.simulate_fp4(loss, high_precision="first")
+    with pytest.raises(ValueError, match="weight_blocks must be '2d' or '1d'"):
+        U.simulate_fp4(loss, weight_blocks="3d")
+    with pytest.raises(ValueError, match="need a PRNG key"):
+        U.simulate_fp4(loss, high_precision=None)(X, PARAMS)
+    with pytest.raises(ValueError, match=r"jax.grad\(simulate_fp4\(f\)\)"):
+        U.simulate_fp4(jax.grad(loss, argnums=1))(X, PARAMS, key=KEY)
