@@ -78,7 +78,9 @@ def test_gradients_match_float32(problem, dtype):
     "dtype",
     [
         pytest.param(np.float32, marks=pytest.mark.slow),
-        np.float16,
+        # Scans over stacked layers run by default in tests/integration/test_nnx_scan.py and
+        # tests/lax/test_control_flow.py.
+        pytest.param(np.float16, marks=pytest.mark.slow),
         pytest.param(ml_dtypes.bfloat16, marks=pytest.mark.slow),
     ],
     ids=["float32", "float16", "bfloat16"],

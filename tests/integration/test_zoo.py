@@ -222,7 +222,12 @@ def _gradients(programs, model, dtype):
     return _loss_and_grad(scaled), _loss_and_grad(ref)
 
 
-@pytest.mark.parametrize("model", PROGRAM_MODELS)
+@pytest.mark.parametrize(
+    "model",
+    # By default NNX only: linen trains by default in tests/docs/test_frameworks_doc.py and
+    # tests/integration/test_libraries.py; the slow step runs all three.
+    [m if m == "nnx" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS],
+)
 def test_float16_gradients_match_float32(programs, model):
     """Every gradient leaf within 2e-2 of float32's (relative to its largest entry), at the
     same parameter values. Measured (largest over the leaves): linen 3.3e-3, NNX 3.8e-4,

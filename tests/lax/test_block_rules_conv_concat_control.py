@@ -120,13 +120,21 @@ def _scaled(x, shape, dtype):
     return jsa.as_scaled_array(x, scale_shape=shape, dtype=dtype)
 
 
+def _conv_case_is_slow(layout, dtype, jit):
+    """Default run: every layout jitted in float32, every dtype with per-example x
+    per-output-channel blocks, eager for EAGER_CONV; the slow step runs the rest."""
+    if not jit:
+        return layout not in EAGER_CONV
+    return dtype is not np.float32 and layout != "example_x_out_channel"
+
+
 @pytest.mark.parametrize(
     "layout, dtype, jit",
     [
         pytest.param(
             layout,
             *p.values,
-            marks=pytest.mark.slow if not p.values[1] and layout not in EAGER_CONV else (),
+            marks=pytest.mark.slow if _conv_case_is_slow(layout, *p.values) else (),
             id=f"{layout}-{p.id}",
         )
         for layout in CONV_LAYOUTS

@@ -15,6 +15,7 @@ import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.ops import fp4_matmul as fp4_module
 from jax_scaled_arithmetics.quantization import nvfp4_fake_quantize as fq
 from jax_scaled_arithmetics.quantization import random_hadamard
+from tests import helpers
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((4, 16, 32)).astype(np.float32)  # 64 tokens, K = 32
@@ -54,9 +55,13 @@ def test_doctests():
     assert doctest.testmod(fp4_module).failed == 0
 
 
-@pytest.mark.parametrize("hadamard", [True, False])
-@pytest.mark.parametrize("stochastic", [True, False])
-@pytest.mark.parametrize("weight_blocks", ["2d", "1d"])
+@pytest.mark.parametrize(
+    "hadamard, stochastic, weight_blocks",
+    # Every pair of ingredient settings by default; all eight in the slow step.
+    helpers.pairwise_params(
+        [(h, s, w) for h in (True, False) for s in (True, False) for w in ("2d", "1d")]
+    ),
+)
 def test_each_matmul_is_the_recipe_step(hadamard, stochastic, weight_blocks):
     def loss(x, w):
         y = jsa.ops.nvfp4_matmul(

@@ -18,6 +18,7 @@ from jax_scaled_arithmetics.quantization import (
     inverse_random_hadamard,
     random_hadamard,
 )
+from tests import helpers
 from tests.helpers import WIDE_SCALES
 
 KEY = jax.random.key(7)
@@ -110,9 +111,13 @@ def test_jit_vmap_and_gradient():
     np.testing.assert_allclose(grad, inverse_random_hadamard(w, key=KEY), atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("scale", WIDE_SCALES[::2], ids=lambda s: f"2^{int(np.log2(s))}")
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "dtype, scale, jit",
+    # Every pair of (dtype, scale, jit) values by default; the whole product in the slow step.
+    helpers.pairwise_params(
+        [(d, s, j) for d in DTYPES for s in WIDE_SCALES[::2] for j in (False, True)]
+    ),
+)
 def test_inside_autoscale_matches_plain(dtype, scale, jit):
     x = jsa.as_scaled_array(RNG.normal(size=(4, 32)).astype(np.float32), dtype=dtype)
     x = jsa.scaled_array(x.data, np.float32(scale) * x.scale)

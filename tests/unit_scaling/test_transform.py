@@ -494,7 +494,7 @@ def test_without_residual_adds_the_readout_is_the_unconstrained_tail(inputs):
     _close(grads, expected)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, marks=pytest.mark.slow), jnp.bfloat16])
 def test_low_precision_inputs_keep_their_dtype(inputs, dtype):
     x, params = inputs
     low = jax.tree_util.tree_map(lambda v: v.astype(dtype), (x, params))
