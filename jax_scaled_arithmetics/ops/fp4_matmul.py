@@ -41,10 +41,6 @@ class _Fp4Recipe:
     weight_blocks: str
 
 
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-
-
 def _weight(recipe: _Fp4Recipe, w: jax.Array) -> jax.Array:
     if recipe.weight_blocks == "2d":
         return nvfp4_fake_quantize(w, block_size=(_BLOCK, _BLOCK))
@@ -55,6 +51,10 @@ def _gradient(recipe: _Fp4Recipe, g: jax.Array, axis: int, key: jax.Array) -> ja
     if recipe.stochastic_gradients:
         return nvfp4_fake_quantize(g, axis=axis, rounding="stochastic", key=key)
     return nvfp4_fake_quantize(g, axis=axis)
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=0)

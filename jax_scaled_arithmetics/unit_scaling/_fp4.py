@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ..core.walker import Frame, JaxprWalker
 from ..ops.fp4_matmul import nvfp4_matmul
-from ._rewrite import first_backward_eqn, gradient_error, sub_jaxprs, trace_flat
+from ._rewrite import rewrite_call, sub_jaxprs
 
 __all__ = ["simulate_fp4"]
 
@@ -144,11 +144,9 @@ def simulate_fp4(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, key: Any = None, **kwargs: Any) -> Any:
-        closed, leaves, out_tree = trace_flat(fn, args, kwargs)
-        if first_backward_eqn(closed.jaxpr) is not None:
-            raise gradient_error("simulate_fp4", fn)
-        rewriter = _Fp4Rewriter(key, options, keep, _count_linear(closed.jaxpr))
-        outs = rewriter.run_closed(closed, leaves)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        def make_walker(closed: Any) -> _Fp4Rewriter:
+            return _Fp4Rewriter(key, options, keep, _count_linear(closed.jaxpr))
+
+        return rewrite_call("simulate_fp4", fn, make_walker, args, kwargs)
 
     return wrapped

@@ -199,12 +199,20 @@ def gradient_error(transform: str, fn: Any) -> ValueError:
 
 
 def rewrite_call(
-    transform: str, fn: Callable[..., Any], walker: JaxprWalker, args: Any, kwargs: Any
+    transform: str,
+    fn: Callable[..., Any],
+    walker: JaxprWalker | Callable[[Any], JaxprWalker],
+    args: Any,
+    kwargs: Any,
 ) -> Any:
     """`fn(*args, **kwargs)` evaluated by a rewriting transform's `walker`: `fn` traced over
-    its array leaves, refused if it computes a gradient, walked, its output tree rebuilt."""
+    its array leaves, refused if it computes a gradient, walked, its output tree rebuilt.
+    `walker` may be a function of the traced ClosedJaxpr that makes the walker (one that
+    needs to see the whole program first)."""
     closed, leaves, out_tree = trace_flat(fn, args, kwargs)
     if first_backward_eqn(closed.jaxpr) is not None:
         raise gradient_error(transform, fn)
+    if not isinstance(walker, JaxprWalker):
+        walker = walker(closed)
     outs = walker.run_closed(closed, leaves)
     return jax.tree_util.tree_unflatten(out_tree, outs)
