@@ -13,6 +13,8 @@ from .dynamic_rescaling import dynamic_rescale_l2 as dynamic_rescale_l2
 from .dynamic_rescaling import dynamic_rescale_l2_grad as dynamic_rescale_l2_grad
 from .dynamic_rescaling import dynamic_rescale_max as dynamic_rescale_max
 from .dynamic_rescaling import dynamic_rescale_max_grad as dynamic_rescale_max_grad
+from .fp4_matmul import FP4_RECIPES as FP4_RECIPES
+from .fp4_matmul import fp4_matmul as fp4_matmul
 from .fp4_matmul import nvfp4_matmul as nvfp4_matmul
 from .fp8_matmul import mx_matmul as mx_matmul
 from .fp8_matmul import rowwise_fp8_matmul as rowwise_fp8_matmul
@@ -25,6 +27,8 @@ __all__ = [
     "cast_on_forward",
     "mx_matmul",
     "nvfp4_matmul",
+    "fp4_matmul",
+    "FP4_RECIPES",
     "posit_sigmoid",
     "posit_tanh",
     "quantizer",

@@ -1,4 +1,4 @@
-"""`simulate_fp4`: run a function with its linear layers' matmuls in the NVFP4 training recipe."""
+"""`simulate_fp4`: run a function with its linear layers' matmuls in a 4-bit training recipe."""
 
 from __future__ import annotations
 
@@ -11,18 +11,16 @@ import jax
 import jax.numpy as jnp
 
 from ..core.walker import Frame, JaxprWalker
-from ..ops.fp4_matmul import nvfp4_matmul
+from ..ops.fp4_matmul import FP4_RECIPES, fp4_matmul, recipe_block_size
 from ._rewrite import rewrite_call, sub_jaxprs
 
 __all__ = ["simulate_fp4"]
 
-_BLOCK = 16
 
-
-def _linear_operands(eqn: Any) -> bool | None:
+def _linear_operands(eqn: Any, block: int) -> bool | None:
     """For a `dot_general` that is a linear layer's ``x (..., K) @ w`` with ``w`` (K, N)
     (False) or ``(N, K)`` (True, a transposed weight such as a tied embedding), whose K, N
-    and tokens 16 divides: whether `w` is transposed; None for any other equation."""
+    and tokens `block` divides: whether `w` is transposed; None for any other equation."""
     if eqn.primitive.name != "dot_general":
         return None
     (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
@@ -36,23 +34,23 @@ def _linear_operands(eqn: Any) -> bool | None:
     k = lhs.shape[-1]
     n = rhs.shape[1 - rhs_c[0]]
     tokens = math.prod(lhs.shape[:-1])
-    if k % _BLOCK or n % _BLOCK or tokens % _BLOCK:
+    if k % block or n % block or tokens % block:
         return None
     return tuple(rhs_c) == (1,)
 
 
-def _count_linear(jaxpr: Any) -> int:
+def _count_linear(jaxpr: Any, block: int) -> int:
     count = 0
     for eqn in jaxpr.eqns:
-        if _linear_operands(eqn) is not None:
+        if _linear_operands(eqn, block) is not None:
             count += 1
         else:
-            count += sum(_count_linear(inner) for inner in sub_jaxprs(eqn))
+            count += sum(_count_linear(inner, block) for inner in sub_jaxprs(eqn))
     return count
 
 
 class _Fp4Rewriter(JaxprWalker):
-    """Linear-layer matmuls become `nvfp4_matmul`s, in program order; the ones
+    """Linear-layer matmuls become `fp4_matmul`s, in program order; the ones
     `high_precision(index, count)` picks, and every other equation, are kept."""
 
     def __init__(self, key: Any, options: dict[str, Any], high_precision: Any, count: int):
@@ -63,7 +61,7 @@ class _Fp4Rewriter(JaxprWalker):
         self.index = 0
 
     def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
-        transposed = _linear_operands(eqn)
+        transposed = _linear_operands(eqn, recipe_block_size(self.options["recipe"]))
         if transposed is None:
             return self.eval_higher_order(eqn, invals, frame.context)
         index = self.index
@@ -72,7 +70,7 @@ class _Fp4Rewriter(JaxprWalker):
             return self.eval_higher_order(eqn, invals, frame.context)
         x, w = invals
         key = None if self.key is None else jax.random.fold_in(self.key, index)
-        y = nvfp4_matmul(x, w.T if transposed else w, key, **self.options)
+        y = fp4_matmul(x, w.T if transposed else w, key, **self.options)
         return [y.astype(eqn.outvars[0].aval.dtype)]
 
 
@@ -88,20 +86,22 @@ def simulate_fp4(
     stochastic_gradients: bool = True,
     weight_blocks: str = "2d",
     high_precision: str | Callable[[int, int], bool] | None = "first_and_last",
+    scale_rounding: str = "up",
 ) -> Callable[..., Any]:
-    """`fn` with its linear layers' matmuls computed as the NVFP4 training recipe does.
+    """`fn` with its linear layers' matmuls computed as a 4-bit training recipe does.
 
     Every `dot_general` of `fn` that is a linear layer, ``x (..., K) @ w`` with a 2-D
     weight ``w (K, N)`` (or ``(N, K)`` contracted on its second axis, a tied embedding),
-    with K, N and the number of tokens multiples of 16, becomes
-    `jsa.ops.nvfp4_matmul` (NVFP4 operands in its forward and both backward matmuls,
-    16x16 weight blocks, stochastically rounded gradients, a random Hadamard transform
-    on the weight gradient's operands; each switchable with the same-named arguments).
-    Other matmuls (attention's batched products, shapes 16 does not divide) stay as they
-    are, as the recipe keeps them in higher precision. `high_precision` keeps some linear
-    layers too: `"first_and_last"` (the default, as the NVFP4 recipe keeps the first and
-    last layers), None, or a predicate ``(index, count) -> bool`` on the linear matmuls in
-    program order.
+    with K, N and the number of tokens multiples of the recipe's block size (16 for
+    ``"nvfp4"`` and ``"fp4_tensor"``, 32 for ``"mxfp4"``), becomes `jsa.ops.fp4_matmul`
+    (4-bit operands in its forward and both backward matmuls, 2D weight blocks,
+    stochastically rounded gradients, a random Hadamard transform on the weight gradient's
+    operands; each switchable with the same-named arguments, `scale_rounding` for
+    MXFP4's E8M0 scales). Other matmuls (attention's batched products, shapes the block
+    size does not divide) stay as they are, as the recipes keep them in higher precision.
+    `high_precision` keeps some linear layers too: `"first_and_last"` (the default, as the
+    NVFP4 recipe keeps the first and last layers), None, or a predicate
+    ``(index, count) -> bool`` on the linear matmuls in program order.
 
     The returned function takes a `key=` keyword (a PRNG key; required unless both
     `hadamard` and `stochastic_gradients` are off): matmul `i` draws from
@@ -115,14 +115,14 @@ def simulate_fp4(
         >>> y = f(jnp.ones((16, 32)), jnp.full((32, 16), 0.3), key=jax.random.key(0))
         >>> round(float(y[0, 0]), 4)  # 0.3 is on the NVFP4 grid of its tensor scale
         9.6
+        >>> g = U.simulate_fp4(lambda x, w: x @ w, recipe="mxfp4", high_precision=None)
+        >>> float(g(jnp.ones((32, 32)), jnp.full((32, 32), 0.3), key=jax.random.key(0))[0, 0])
+        8.0
     """
     if not callable(fn):
         raise TypeError(f"simulate_fp4 expects a callable, got {type(fn).__name__}.")
-    if recipe != "nvfp4":
-        raise ValueError(
-            f"simulate_fp4: recipe {recipe!r} is not available; 'nvfp4' is (MXFP4 matmuls: "
-            "jsa.ops.mx_matmul(..., format='mxfp4_e2m1', scale_rounding='up'))"
-        )
+    if recipe not in FP4_RECIPES:
+        raise ValueError(f"simulate_fp4: recipe must be one of {FP4_RECIPES}, got {recipe!r}")
     if weight_blocks not in ("2d", "1d"):
         raise ValueError(f"simulate_fp4: weight_blocks must be '2d' or '1d', got {weight_blocks!r}")
     if high_precision == "first_and_last":
@@ -136,7 +136,13 @@ def simulate_fp4(
             "simulate_fp4: high_precision must be 'first_and_last', None or a predicate "
             f"(index, count) -> bool, got {high_precision!r}"
         )
+    if scale_rounding not in ("up", "floor"):
+        raise ValueError(
+            f"simulate_fp4: scale_rounding must be 'up' or 'floor', got {scale_rounding!r}"
+        )
     options = {
+        "recipe": recipe,
+        "scale_rounding": scale_rounding,
         "hadamard": bool(hadamard),
         "stochastic_gradients": bool(stochastic_gradients),
         "weight_blocks": weight_blocks,
@@ -145,7 +151,8 @@ def simulate_fp4(
     @functools.wraps(fn)
     def wrapped(*args: Any, key: Any = None, **kwargs: Any) -> Any:
         def make_walker(closed: Any) -> _Fp4Rewriter:
-            return _Fp4Rewriter(key, options, keep, _count_linear(closed.jaxpr))
+            block = recipe_block_size(recipe)
+            return _Fp4Rewriter(key, options, keep, _count_linear(closed.jaxpr, block))
 
         return rewrite_call("simulate_fp4", fn, make_walker, args, kwargs)
 

@@ -1,9 +1,11 @@
-"""`jsa.ops.nvfp4_matmul`: the NVFP4 recipe's three quantised matmuls, checked against the
-same steps written with the public quantisers, ingredient by ingredient."""
+"""`jsa.ops.fp4_matmul` / `nvfp4_matmul`: a 4-bit recipe's three quantised matmuls (NVFP4,
+MXFP4, per-tensor E2M1), checked against the same steps written with the public quantisers,
+ingredient by ingredient."""
 
 from __future__ import annotations
 
 import doctest
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -12,15 +14,16 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.ops import fp4_matmul as fp4_module
+from jax_scaled_arithmetics.quantization import block_fake_quantize, float_quantize, random_hadamard
 from jax_scaled_arithmetics.quantization import nvfp4_fake_quantize as fq
-from jax_scaled_arithmetics.quantization import random_hadamard
 from tests import helpers
+
+fp4_module = importlib.import_module("jax_scaled_arithmetics.ops.fp4_matmul")
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((4, 16, 32)).astype(np.float32)  # 64 tokens, K = 32
-W = (RNG.standard_normal((32, 48)) / 6).astype(np.float32)  # N = 48
-G = RNG.standard_normal((4, 16, 48)).astype(np.float32)
+W = (RNG.standard_normal((32, 64)) / 6).astype(np.float32)  # N = 64
+G = RNG.standard_normal((4, 16, 64)).astype(np.float32)
 KEY = jax.random.key(11)
 
 
@@ -28,23 +31,67 @@ def _dot(a, b):
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-def _reference(x, w, g, key, hadamard, stochastic, weight_blocks):
+def _quantizer(recipe, scale_rounding="up"):
+    """(q(v, axis, key=None), q2d(w)) of a recipe, from the public quantisers."""
+    if recipe == "nvfp4":
+
+        def q(v, axis, key=None):
+            return fq(
+                v, axis=axis, rounding="stochastic" if key is not None else "nearest", key=key
+            )
+
+        return q, lambda w: fq(w, block_size=(16, 16))
+    if recipe == "mxfp4":
+
+        def q(v, axis, key=None):
+            rounding = "stochastic" if key is not None else "nearest"
+            return block_fake_quantize(
+                v, "mxfp4_e2m1", 32, axis, rounding, key, scale_rounding=scale_rounding
+            )
+
+        def q2d(w):  # every 32x32 tile of w one block of 1024
+            k, n = w.shape
+            tiles = np.asarray(w).reshape(k // 32, 32, n // 32, 32).transpose(0, 2, 1, 3)
+            tiles = block_fake_quantize(
+                tiles.reshape(k // 32, n // 32, 1024), "mxfp4_e2m1", 1024, -1,
+                scale_rounding=scale_rounding,
+            )  # fmt: skip
+            return (
+                np.asarray(tiles)
+                .reshape(k // 32, n // 32, 32, 32)
+                .transpose(0, 2, 1, 3)
+                .reshape(k, n)
+            )
+
+        return q, q2d
+
+    def per_tensor(v, axis, key=None):
+        scale = np.max(np.abs(np.asarray(v))) * np.float32(1 / 6)
+        rounding = "stochastic" if key is not None else "nearest"
+        return float_quantize(v / scale, "float4_e2m1fn", rounding, saturate=True, key=key) * scale
+
+    return per_tensor, lambda w: per_tensor(w, 0)
+
+
+def _reference(x, w, g, key, hadamard, stochastic, weight_blocks, recipe="nvfp4", rounding="up"):
     """The recipe written out with the public quantisers (the module docstring's steps)."""
+    q, q2d = _quantizer(recipe, rounding)
+    block = 32 if recipe == "mxfp4" else 16
     k_dgrad, k_wgrad, k_hadamard = jax.random.split(key, 3)
-    x2, g2 = x.reshape(-1, 32), g.reshape(-1, 48)
-    wq = fq(w, block_size=(16, 16)) if weight_blocks == "2d" else fq(w, axis=0)
-    y = _dot(fq(x2, axis=1), wq)
-    wt = wq.T if weight_blocks == "2d" else fq(w, axis=1).T
+    x2, g2 = x.reshape(-1, 32), g.reshape(-1, 64)
+    wq = q2d(w) if weight_blocks == "2d" else q(w, 0)
+    y = _dot(q(x2, 1), wq)
+    wt = wq.T if weight_blocks == "2d" or recipe == "fp4_tensor" else q(w, 1).T
 
     def grad_q(v, axis, k):
-        return fq(v, axis=axis, rounding="stochastic", key=k) if stochastic else fq(v, axis=axis)
+        return q(v, axis, k) if stochastic else q(v, axis)
 
     dx = _dot(grad_q(g2, 1, k_dgrad), wt)
     if hadamard:
-        x2 = random_hadamard(x2, axis=0, key=k_hadamard)
-        g2 = random_hadamard(g2, axis=0, key=k_hadamard)
-    dw = _dot(fq(x2, axis=0).T, grad_q(g2, 0, k_wgrad))
-    return y.reshape(4, 16, 48), dx.reshape(x.shape), dw
+        x2 = random_hadamard(x2, axis=0, key=k_hadamard, size=block)
+        g2 = random_hadamard(g2, axis=0, key=k_hadamard, size=block)
+    dw = _dot(q(x2, 0).T, grad_q(g2, 0, k_wgrad))
+    return y.reshape(4, 16, 64), dx.reshape(x.shape), dw
 
 
 def _bits(a):
@@ -56,39 +103,74 @@ def test_doctests():
 
 
 @pytest.mark.parametrize(
-    "hadamard, stochastic, weight_blocks",
-    # Every pair of ingredient settings by default; all eight in the slow step.
+    "recipe, scale_rounding, hadamard, stochastic, weight_blocks",
+    # Every pair of settings by default (MXFP4's scale rounding with each); all in the slow step.
     helpers.pairwise_params(
-        [(h, s, w) for h in (True, False) for s in (True, False) for w in ("2d", "1d")]
+        [
+            (r, sr, h, s, w)
+            for r in ("nvfp4", "mxfp4", "fp4_tensor")
+            for sr in (("up", "floor") if r == "mxfp4" else ("up",))
+            for h in (True, False)
+            for s in (True, False)
+            for w in ("2d", "1d")
+        ]
     ),
 )
-def test_each_matmul_is_the_recipe_step(hadamard, stochastic, weight_blocks):
+def test_each_matmul_is_the_recipe_step(
+    recipe, scale_rounding, hadamard, stochastic, weight_blocks
+):
     def loss(x, w):
-        y = jsa.ops.nvfp4_matmul(
+        y = jsa.ops.fp4_matmul(
             x,
             w,
             KEY,
+            recipe=recipe,
             hadamard=hadamard,
             stochastic_gradients=stochastic,
             weight_blocks=weight_blocks,
+            scale_rounding=scale_rounding,
         )
         return jnp.sum(y * G), y
 
     (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(X, W)
-    ref_y, ref_dx, ref_dw = _reference(X, W, G, KEY, hadamard, stochastic, weight_blocks)
+    ref_y, ref_dx, ref_dw = _reference(
+        X, W, G, KEY, hadamard, stochastic, weight_blocks, recipe, scale_rounding
+    )
     np.testing.assert_array_equal(_bits(y), _bits(ref_y))
     np.testing.assert_allclose(dx, ref_dx, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dw, ref_dw, rtol=1e-6, atol=1e-5)
     # And close to the exact float32 matmuls (E2M1 keeps ~1 bit of mantissa).
     exact = np.einsum("btk,kn->btn", X, W)
-    assert np.linalg.norm(np.asarray(y) - exact) <= 0.25 * np.linalg.norm(exact)
+    bound = 0.4 if recipe == "fp4_tensor" else 0.25
+    assert np.linalg.norm(np.asarray(y) - exact) <= bound * np.linalg.norm(exact)
     exact_dw = np.einsum("btk,btn->kn", X, G)
-    assert np.linalg.norm(np.asarray(dw) - exact_dw) <= 0.3 * np.linalg.norm(exact_dw)
+    assert np.linalg.norm(np.asarray(dw) - exact_dw) <= 0.4 * np.linalg.norm(exact_dw)
+
+
+def test_nvfp4_matmul_is_the_nvfp4_recipe():
+    got = jax.grad(lambda w: jnp.sum(jsa.ops.nvfp4_matmul(X, w, KEY, weight_blocks="1d") * G))(W)
+    want = jax.grad(
+        lambda w: jnp.sum(jsa.ops.fp4_matmul(X, w, KEY, recipe="nvfp4", weight_blocks="1d") * G)
+    )(W)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_block_formats_beat_one_scale_per_tensor(recipe):
+    """With an outlier row, blocks keep the other rows; one tensor scale flushes them."""
+    x = X.reshape(-1, 32).copy()
+    x[0] *= 1000.0
+    exact = x @ W
+    errors = {}
+    for r in (recipe, "fp4_tensor"):
+        y = jsa.ops.fp4_matmul(x, W, recipe=r, hadamard=False, stochastic_gradients=False)
+        errors[r] = np.linalg.norm(np.asarray(y)[1:] - exact[1:]) / np.linalg.norm(exact[1:])
+    assert errors[recipe] < 0.25 and errors["fp4_tensor"] > 0.9, errors
 
 
 def test_2d_weight_blocks_make_the_backward_weight_the_forward_one():
     """With 16x16 blocks, dx uses exactly the forward's quantised weight (transposed)."""
-    g2 = G.reshape(-1, 48)
+    g2 = G.reshape(-1, 64)
     _, vjp = jax.vjp(
         lambda x: jsa.ops.nvfp4_matmul(x, W, KEY, hadamard=False, stochastic_gradients=False), X
     )
@@ -105,7 +187,7 @@ def test_stochastic_gradients_average_to_the_deterministic_product():
         return vjp(G)[0]
 
     draws = np.asarray(jax.jit(jax.vmap(input_grad))(keys), np.float64)
-    target = np.asarray(_dot(G.reshape(-1, 48), fq(W, block_size=(16, 16)).T)).reshape(X.shape)
+    target = np.asarray(_dot(G.reshape(-1, 64), fq(W, block_size=(16, 16)).T)).reshape(X.shape)
     single = np.linalg.norm(draws[0] - target)
     mean = np.linalg.norm(draws.mean(axis=0) - target)
     assert single > 0 and mean < 0.15 * single  # unbiased: 400 draws shrink the error ~20x
@@ -123,7 +205,7 @@ def test_keys_change_the_random_parts_only():
     c, d = grads(jax.random.key(1), **off), grads(jax.random.key(2), **off)
     np.testing.assert_array_equal(c[0], d[0])
     np.testing.assert_array_equal(c[1], d[1])
-    assert jsa.ops.nvfp4_matmul(X, W, **off).shape == (4, 16, 48)  # no key needed then
+    assert jsa.ops.nvfp4_matmul(X, W, **off).shape == (4, 16, 64)  # no key needed then
 
 
 def test_low_precision_operands_keep_their_dtype():
@@ -142,12 +224,27 @@ def test_low_precision_operands_keep_their_dtype():
         ((16, 32), (16, 16), {}, ValueError, r"x \(..., K\) and w \(K, N\) expected"),
         ((16, 32), (32, 16), {"weight_blocks": "3d"}, ValueError, "must be '2d' or '1d'"),
         ((16, 32), (32, 16), {"key": None}, ValueError, "need a PRNG key"),
+        (
+            (32, 32),
+            (32, 16),
+            {"recipe": "mxfp4"},
+            ValueError,
+            "N = 16 is not a multiple of the block size 32",
+        ),
+        ((32, 32), (32, 32), {"recipe": "mxfp8"}, ValueError, "recipe must be one of"),
+        (
+            (32, 32),
+            (32, 32),
+            {"recipe": "mxfp4", "scale_rounding": "down"},
+            ValueError,
+            "scale_rounding must be one of",
+        ),
     ],
 )
 def test_bad_arguments_are_refused(x_shape, w_shape, kwargs, error, match):
     kwargs = {"key": KEY, **kwargs}
     with pytest.raises(error, match=match):
-        jsa.ops.nvfp4_matmul(jnp.ones(x_shape), jnp.ones(w_shape), **kwargs)
+        jsa.ops.fp4_matmul(jnp.ones(x_shape), jnp.ones(w_shape), **kwargs)
 
 
 def test_non_floating_operands_are_refused():

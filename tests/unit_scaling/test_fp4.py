@@ -1,4 +1,4 @@
-"""`U.simulate_fp4`: a program's linear-layer matmuls as `jsa.ops.nvfp4_matmul`, the rest kept."""
+"""`U.simulate_fp4`: a program's linear-layer matmuls as `jsa.ops.fp4_matmul`, the rest kept."""
 
 from __future__ import annotations
 
@@ -81,6 +81,38 @@ def test_options_reach_every_matmul():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "recipe, options",
+    [
+        ("mxfp4", {"scale_rounding": "floor"}),
+        ("fp4_tensor", {"hadamard": False, "stochastic_gradients": False}),
+    ],
+)
+def test_other_recipes(recipe, options):
+    """MXFP4 (blocks of 32: the 32x48 matmul stays exact) and per-tensor E2M1."""
+    params = [
+        (RNG.standard_normal(shape) / 6).astype(np.float32)
+        for shape in ((32, 64), (64, 32), (32, 48))
+    ]
+    simulated = U.simulate_fp4(loss, recipe=recipe, high_precision=None, **options)
+    grads = jax.jit(jax.grad(lambda p, k: simulated(X, p, key=k)))(params, KEY)
+    block = 32 if recipe == "mxfp4" else 16
+
+    def matmul(i, x, w):
+        if w.shape[1] % block:
+            return x @ w
+        return jsa.ops.fp4_matmul(x, w, jax.random.fold_in(KEY, i), recipe=recipe, **options)
+
+    ref = jax.grad(lambda p: loss(X, p, matmul))(params)
+    for g, r in zip(grads, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+    exact = jax.grad(lambda p: loss(X, p))(params)
+    assert not np.allclose(grads[1], exact[1], rtol=1e-2)  # quantised
+    if recipe == "mxfp4":  # the N = 48 matmul kept: its weight gradient has exact operands
+        # (its input, the second matmul's output, is still the quantised one's)
+        assert _fp4._count_linear(jax.make_jaxpr(loss)(X, params).jaxpr, 32) == 2
+
+
 def test_other_matmuls_are_kept():
     """Attention's batched products and shapes 16 does not divide stay exact."""
 
@@ -116,8 +148,10 @@ def test_jit_inside_and_keys_matter():
 def test_bad_uses_are_refused():
     with pytest.raises(TypeError, match="simulate_fp4 expects a callable"):
         U.simulate_fp4(3)
-    with pytest.raises(ValueError, match="recipe 'mxfp4' is not available"):
-        U.simulate_fp4(loss, recipe="mxfp4")
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        U.simulate_fp4(loss, recipe="mxfp8")
+    with pytest.raises(ValueError, match="scale_rounding must be 'up' or 'floor'"):
+        U.simulate_fp4(loss, recipe="mxfp4", scale_rounding="down")
     with pytest.raises(ValueError, match="high_precision must be 'first_and_last', None"):
         U.simulate_fp4(loss, high_precision="first")
     with pytest.raises(ValueError, match="weight_blocks must be '2d' or '1d'"):
