@@ -54,6 +54,14 @@ STYLE = {  # mode -> (colour, line style)
     "unit-scaled-fp8": ("tab:purple", "-."),
     "plain-bf16": ("tab:olive", ":"),
     "plain-fp16": ("tab:orange", ":"),
+    "nvfp4": ("tab:green", "-"),
+    "nvfp4-no-hadamard": ("tab:olive", "--"),
+    "nvfp4-nearest": ("tab:orange", "--"),
+    "nvfp4-1d-weights": ("tab:cyan", "--"),
+    "nvfp4-all-layers": ("tab:purple", "--"),
+    "mxfp4": ("tab:blue", "-"),
+    "mxfp4-floor": ("tab:pink", "-."),
+    "fp4-tensor": ("tab:red", ":"),
 }
 
 

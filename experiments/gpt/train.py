@@ -37,6 +37,22 @@ Modes:
                      `U.simulate_fp8(U.unit_scale(loss_fn))`, float32 Adam, no loss scaling
                      and no dynamic rescaling. Its own learning rate (`--mode-lr`).
 
+4-bit modes (`--mode fp4` runs fp32 and all of them): float32 parameters and Adam, the loss
+wrapped in `U.simulate_fp4(loss_fn, ...)` (the linear layers' three matmuls with 4-bit
+operands; the key of step i is `fold_in(key(seed + 1), i)`):
+    nvfp4            the full NVFP4 recipe: 16x16 weight blocks, stochastically rounded
+                     gradients, random Hadamard transform of the weight gradient's
+                     operands, the first and last linear layers in float32.
+    nvfp4-no-hadamard, nvfp4-nearest, nvfp4-1d-weights, nvfp4-all-layers
+                     the full recipe with one ingredient removed: no Hadamard transform;
+                     gradients rounded to nearest; weight blocks 16x1 along the contracted
+                     axis; every linear layer in 4 bits.
+    mxfp4            the MXFP4 recipe: blocks of 32 with E8M0 scales rounded up, 32x32
+                     weight blocks, otherwise as nvfp4.
+    mxfp4-floor      mxfp4 with the OCP scale rounding (floor).
+    fp4-tensor       naive FP4: E2M1 with one float32 scale per tensor, every linear layer,
+                     nearest rounding, no Hadamard transform.
+
 The validation loss is computed in float32 from the parameters' values, with the mode's
 model (the unit-scaled one for `unit-scaled-fp8`); the final validation loss is also
 computed with the mode's own forward numerics (`final_val_loss_own_numerics`).
@@ -84,7 +100,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script, only this folder is on th
 from experiments import data as datasets  # noqa: E402
 from experiments.gpt import model as gpt  # noqa: E402
 
-MODES = (
+FP8_MODES = (
     "fp32",
     "bf16",
     "fp8-plain",
@@ -94,6 +110,24 @@ MODES = (
     "scaled-mxfp8",
     "unit-scaled-fp8",
 )
+"""The modes of `--mode all`."""
+FP4_RECIPES: dict[str, dict[str, Any]] = {
+    "nvfp4": {},
+    "nvfp4-no-hadamard": {"hadamard": False},
+    "nvfp4-nearest": {"stochastic_gradients": False},
+    "nvfp4-1d-weights": {"weight_blocks": "1d"},
+    "nvfp4-all-layers": {"high_precision": None},
+    "mxfp4": {"recipe": "mxfp4"},
+    "mxfp4-floor": {"recipe": "mxfp4", "scale_rounding": "floor"},
+    "fp4-tensor": {
+        "recipe": "fp4_tensor",
+        "hadamard": False,
+        "stochastic_gradients": False,
+        "high_precision": None,
+    },
+}
+"""The `U.simulate_fp4` arguments of each 4-bit mode (`--mode fp4`: fp32 and these)."""
+MODES = FP8_MODES + tuple(FP4_RECIPES)
 SCALE_LAYOUTS: dict[str, str | int] = {
     "scaled-fp8": "tensor",
     "scaled-fp8-rowwise": "axis",
@@ -268,8 +302,9 @@ def _scaled_step(loss: Callable[..., Any], opt: optax.GradientTransformation) ->
     return jax.jit(jsa.autoscale(step))
 
 
-def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float) -> Mode:
-    """The state and functions of mode `name`, from the float32 parameters `params32`."""
+def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float, seed: int = 0) -> Mode:
+    """The state and functions of mode `name`, from the float32 parameters `params32`
+    (`seed`: of the 4-bit modes' random bits)."""
 
     def loss(p: Any, x: Any, y: Any) -> Any:
         return gpt.loss_fn(p, x, y, model)
@@ -332,7 +367,44 @@ def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float) -> Mod
             jax.jit(unit_loss),
             jax.jit(train_loss),
         )
+    if name in FP4_RECIPES:
+        return _fp4_mode(name, loss, params32, float32_loss, lr, seed)
     raise ValueError(f"Unknown mode {name!r}; choose from {', '.join(MODES)}.")
+
+
+def _fp4_mode(
+    name: str,
+    loss: Callable[..., Any],
+    params32: Any,
+    float32_loss: Callable[..., Any],
+    lr: float,
+    seed: int,
+) -> Mode:
+    """A 4-bit mode: float32 parameters and Adam, `loss` through `U.simulate_fp4`; the
+    optimizer state carries the step count, which picks the step's key."""
+    fp4_loss = _unit_scaling().simulate_fp4(loss, **FP4_RECIPES[name])
+    opt = _adam(lr)
+    base_key = jax.random.key(seed + 1)
+
+    @jax.jit
+    def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+        opt_state, count = state
+        key = jax.random.fold_in(base_key, count)
+        value, grads = jax.value_and_grad(lambda p: fp4_loss(p, x, y, key=key))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), (opt_state, count + 1), value
+
+    return Mode(
+        name,
+        lr,
+        params32,
+        (opt.init(params32), jnp.zeros((), jnp.int32)),
+        step,
+        lambda p: p,
+        float32_loss,
+        # The forward pass draws no random bits (they are the backward pass's).
+        jax.jit(lambda p, x, y: fp4_loss(p, x, y, key=base_key)),
+    )
 
 
 # --- training ----------------------------------------------------------------------------
@@ -373,7 +445,7 @@ def train(
     val_batches = [
         windows(corpus.val, o, config.block_size) for o in eval_offsets(len(corpus.val), config)
     ]
-    run = setup_mode(mode, params32, model, lr)
+    run = setup_mode(mode, params32, model, lr, config.seed)
     params, state = run.params, run.state
 
     val_steps: list[int] = []
@@ -460,7 +532,7 @@ def step_cost(
     params32 = _init_params(jax.random.PRNGKey(config.seed), model)
     x, y = windows(corpus.train, train_offsets(len(corpus.train), config)[0], config.block_size)
     runs = {
-        name: setup_mode(name, params32, model, DEFAULT_MODE_LR.get(name, config.lr))
+        name: setup_mode(name, params32, model, DEFAULT_MODE_LR.get(name, config.lr), config.seed)
         for name in modes
     }
     out: dict[str, dict[str, float]] = {}
@@ -508,7 +580,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--mode", choices=(*MODES, "all"), nargs="+", default=["all"], help="one or more modes"
+        "--mode",
+        choices=(*MODES, "all", "fp4"),
+        nargs="+",
+        default=["all"],
+        help="one or more modes; all: the FP8 and scaled modes, fp4: fp32 and the 4-bit modes",
     )
     parser.add_argument("--n-layer", type=int, default=defaults.n_layer, help="depth")
     parser.add_argument("--n-head", type=int, default=defaults.n_head, help="attention heads")
@@ -559,7 +635,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     )
     mode_lr = _parse_mode_lr(args.mode_lr)
     text = datasets.tinyshakespeare(args.data_dir)
-    modes = MODES if "all" in args.mode else tuple(args.mode)
+    groups = {"all": FP8_MODES, "fp4": ("fp32", *FP4_RECIPES)}
+    modes = tuple(dict.fromkeys(m for name in args.mode for m in groups.get(name, (name,))))
     if args.step_cost:
         costs = step_cost(modes, text, config)
         print(f"{'mode':<20} {'equations':>9} {'step ms':>8}")

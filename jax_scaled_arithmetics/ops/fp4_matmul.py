@@ -40,7 +40,7 @@ from ..quantization.float_quantize import float_quantize
 from ..quantization.hadamard import random_hadamard
 from ..quantization.nvfp4 import nvfp4_fake_quantize
 
-__all__ = ["FP4_RECIPES", "fp4_matmul", "nvfp4_matmul"]
+__all__ = ["FP4_RECIPES", "fp4_matmul", "nvfp4_matmul", "recipe_block_size"]
 
 FP4_RECIPES = ("nvfp4", "mxfp4", "fp4_tensor")
 """The formats `fp4_matmul` and `U.simulate_fp4` simulate."""

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _bits
+from . import _bits, nvfp4
 from ._bits import Rounding
 from .float_quantize import quantize_abs_bits
 from .formats import FloatFormat, get_format
+from .nvfp4 import NVFP4Array, nvfp4_quantize
 
 if TYPE_CHECKING:
     from ..core.datatype import ScaledArray
@@ -294,14 +295,21 @@ def _check_element_format(fmt: Any) -> FloatFormat:
 def block_quantize(
     x: Any,
     format: str | FloatFormat | Any,
-    block_size: int = 32,
+    block_size: int | tuple[int, int] | None = None,
     axis: int = -1,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     pad: bool = False,
     scale_rounding: ScaleRounding = "floor",
-) -> MXArray:
+) -> MXArray | NVFP4Array:
     """Block scaled (MX) quantisation along one axis, with E8M0 power-of-two scales.
+
+    ``format="nvfp4"`` gives NVIDIA's two-level NVFP4 instead (an
+    :class:`~jax_scaled_arithmetics.quantization.NVFP4Array`: E2M1 elements, an E4M3 scale
+    per block of 16, one float32 scale per tensor; `block_size` 16 or a pair such as
+    ``(16, 16)`` for 2D blocks over the last two axes): the same as
+    :func:`~jax_scaled_arithmetics.quantization.nvfp4_quantize`, which documents it.
+    `pad` and ``scale_rounding="up"`` do not apply to it.
 
     Each block of `block_size` consecutive elements along `axis` shares the scale
     ``X = 2**(floor(log2(max|block|)) - emax)`` (OCP MX v1.0), ``emax`` being the element
@@ -324,7 +332,8 @@ def block_quantize(
             (typically float8_e4m3fn, float8_e5m2, float6_e2m3fn, float6_e3m2fn,
             float4_e2m1fn), or an OCP MX name from :data:`MX_FORMATS` (``"mxfp8_e4m3"``,
             ``"mxfp4_e2m1"``, ...), which stands for its element format.
-        block_size: Elements per block (32 in the MX specification).
+        block_size: Elements per block (default: 32, as in the MX specification; 16 for
+            ``"nvfp4"``, which also takes a pair for 2D blocks).
         axis: Axis along which blocks are formed.
         rounding: Element rounding: ``"nearest"``, ``"toward_zero"`` or ``"stochastic"``.
         key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
@@ -354,9 +363,41 @@ def block_quantize(
         >>> block_fake_quantize(jnp.array([7.0, 1.0]), "mxfp4_e2m1", 2, scale_rounding="up")
         Array([8., 1.], dtype=float32)
     """
+    if _is_nvfp4(format):
+        _check_nvfp4_args(pad, scale_rounding)
+        return nvfp4_quantize(
+            x, axis, rounding, key, nvfp4.BLOCK_SIZE if block_size is None else block_size
+        )
     return _block_quantize(
-        x, format, block_size, axis, rounding, key, pad, scale_rounding, float32_data=False
-    )
+        x, format, _mx_block_size(block_size), axis, rounding, key, pad, scale_rounding,
+        float32_data=False,
+    )  # fmt: skip
+
+
+def _is_nvfp4(format: Any) -> bool:
+    return isinstance(format, str) and format == "nvfp4"
+
+
+def _check_nvfp4_args(pad: bool, scale_rounding: Any) -> None:
+    if pad:
+        raise ValueError("nvfp4 does not pad: its block size must divide the axis")
+    if scale_rounding != "floor":
+        raise ValueError(
+            f"nvfp4 block scales round to the nearest E4M3, not {scale_rounding!r}: "
+            "scale_rounding is for the MX formats' E8M0 scales"
+        )
+
+
+def _mx_block_size(block_size: Any) -> Any:
+    """The MX block size: 32 by default; 2D blocks are NVFP4's only."""
+    if block_size is None:
+        return 32
+    if isinstance(block_size, tuple):
+        raise ValueError(
+            f"2D blocks {block_size} are available with format='nvfp4'; MX formats take an "
+            "integer block_size"
+        )
+    return block_size
 
 
 def _check_block_args(
@@ -619,7 +660,7 @@ def _mx_from_scaled_impl(
 def block_fake_quantize(
     x: Any,
     format: str | FloatFormat | Any,
-    block_size: int = 32,
+    block_size: int | tuple[int, int] | None = None,
     axis: int = -1,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
@@ -638,14 +679,20 @@ def block_fake_quantize(
         >>> block_fake_quantize(jnp.array([1.0, -2.0, 3.0, 100.0]), "mxfp8_e4m3", block_size=2)
         Array([ 1., -2.,  3., 96.], dtype=float32)
     """
+    if _is_nvfp4(format):
+        _check_nvfp4_args(pad, scale_rounding)
+        size = nvfp4.BLOCK_SIZE if block_size is None else block_size
+        return nvfp4.nvfp4_fake_quantize(x, axis, rounding, key, size)
     mx = _block_quantize(
-        x, format, block_size, axis, rounding, key, pad, scale_rounding, float32_data=True
-    )
+        x, format, _mx_block_size(block_size), axis, rounding, key, pad, scale_rounding,
+        float32_data=True,
+    )  # fmt: skip
     return block_dequantize(mx)
 
 
-def block_dequantize(mx: MXArray) -> jax.Array:
-    """Converts an :class:`MXArray` back to float32 (exactly: ``data * scale``).
+def block_dequantize(mx: MXArray | NVFP4Array) -> jax.Array:
+    """Converts an :class:`MXArray` (or an ``NVFP4Array``) back to float32 (exactly:
+    ``data * scale``).
 
     Args:
         mx: The block scaled array.
@@ -659,8 +706,12 @@ def block_dequantize(mx: MXArray) -> jax.Array:
         >>> block_dequantize(mx)
         Array([1., 2., 3.], dtype=float32)
     """
+    if isinstance(mx, NVFP4Array):
+        return nvfp4.nvfp4_dequantize(mx)
     if not isinstance(mx, MXArray):
-        raise TypeError(f"block_dequantize expects an MXArray, got {type(mx).__name__}")
+        raise TypeError(
+            f"block_dequantize expects an MXArray or NVFP4Array, got {type(mx).__name__}"
+        )
     return _block_dequantize_impl(mx.data, mx.scales, mx.block_size, mx.axis, mx.length)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,9 @@ import ml_dtypes
 from . import _bits
 from ._bits import Rounding
 from .float_quantize import float_quantize
+
+if TYPE_CHECKING:
+    from ..core.datatype import ScaledArray
 
 __all__ = ["NVFP4Array", "nvfp4_dequantize", "nvfp4_fake_quantize", "nvfp4_quantize"]
 
@@ -83,6 +86,31 @@ class NVFP4Array:
     def dequantize(self) -> jax.Array:
         """Same as :func:`nvfp4_dequantize`."""
         return nvfp4_dequantize(self)
+
+    def to_scaled_array(self) -> ScaledArray:
+        """The same values as a block-scaled :class:`~jax_scaled_arithmetics.ScaledArray`.
+
+        A view, nothing is re-quantised: the data are the E2M1 elements, the scale is
+        ``block_scales * tensor_scale`` in float32 (the two levels folded into one block
+        scale, not a power of two), of the data's rank: ``(M, K // 16)`` for blocks of 16
+        along the last axis of ``(M, K)``, ``(M // 16, K // 16)`` for 16x16 blocks. So
+        ``jsa.autoscale`` computes on it with its block rules. A block that held NaN/inf
+        keeps its NaN scale.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jax_scaled_arithmetics as jsa
+            >>> q = nvfp4_quantize(jnp.array([[1.0, 2.0, 3.0, 12.0]]), block_size=2)
+            >>> sa = q.to_scaled_array()
+            >>> sa.scale.shape, sa.data.dtype
+            ((1, 2), dtype(float4_e2m1fn))
+            >>> doubled = jsa.autoscale(lambda a: a.astype(jnp.float32) * 2.0)(sa)
+            >>> bool(jnp.array_equal(doubled.to_array(), 2 * q.dequantize()))
+            True
+        """
+        from ..core.datatype import ScaledArray
+
+        return ScaledArray(self.data, self.block_scales.astype(jnp.float32) * self.tensor_scale)
 
 
 jax.tree_util.register_dataclass(

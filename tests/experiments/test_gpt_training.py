@@ -139,6 +139,39 @@ def test_block_scaled_fp8_modes_differ_from_per_tensor(runs):
         np.testing.assert_allclose(val, reference, atol=0.05)
 
 
+@pytest.mark.slow
+def test_fp4_modes_start_from_fp32_and_differ_by_ingredient(runs):
+    """The 4-bit modes: float32 evaluation of the same initial parameters; the first training
+    loss within 4-bit precision of fp32's; each ablation changes the trajectory."""
+    logs, _ = runs
+    for mode in train_gpt.FP4_RECIPES:
+        assert logs[mode]["val_loss"][0] == logs["fp32"]["val_loss"][0], mode
+        assert abs(logs[mode]["train_loss"][0] - logs["fp32"]["train_loss"][0]) < 0.1, mode
+    trajectories = {mode: tuple(logs[mode]["train_loss"][1:]) for mode in train_gpt.FP4_RECIPES}
+    assert len(set(trajectories.values())) == len(trajectories), trajectories
+
+
+def test_fp4_mode_draws_new_bits_each_step(text):
+    """The 4-bit step's key comes from the step count carried in its state: the same
+    parameters and batch give another gradient at the next step."""
+    corpus = train_gpt.CharData.from_text(text)
+    model = CONFIG.model(len(corpus.vocab))
+    params = train_gpt._init_params(jax.random.PRNGKey(0), model)
+    with jax.numpy_rank_promotion("allow"):
+        run = train_gpt.setup_mode("nvfp4-1d-weights", params, model, 1e-3)
+        x, y = train_gpt.windows(corpus.train, np.arange(4)[:, None] * 50, CONFIG.block_size)
+        opt_state, count = run.state
+        x, y = x[:, 0], y[:, 0]
+        a, state, loss_a = run.step(run.params, (opt_state, count), x, y)
+        again, _, _ = run.step(run.params, (opt_state, count), x, y)
+        b, _, loss_b = run.step(run.params, (opt_state, count + 1), x, y)
+    assert int(state[1]) == 1 and float(loss_a) == float(loss_b)  # forward: no random bits
+    leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    for u, v in zip(leaves_a, jax.tree_util.tree_leaves(again), strict=True):
+        np.testing.assert_array_equal(u, v)
+    assert any(not np.array_equal(u, v) for u, v in zip(leaves_a, leaves_b, strict=True))
+
+
 def test_batches_are_fixed_by_the_seed(text):
     corpus = train_gpt.CharData.from_text(text)
     a = train_gpt.train_offsets(len(corpus.train), CONFIG)
@@ -152,8 +185,8 @@ def test_batches_are_fixed_by_the_seed(text):
 
 
 def test_unknown_mode_fails(text):
-    with pytest.raises(ValueError, match="Unknown mode 'fp4'; choose from fp32, bf16"):
-        train_gpt.train("fp4", text, CONFIG, progress=False)
+    with pytest.raises(ValueError, match="Unknown mode 'fp5'; choose from fp32, bf16"):
+        train_gpt.train("fp5", text, CONFIG, progress=False)
 
 
 def test_main_reads_data_dir_and_checks_it(tmp_path, monkeypatch):

@@ -11,12 +11,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_scaled_arithmetics.quantization import nvfp4 as nvfp4_module
+import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.quantization import (
+    NVFP4Array,
+    block_dequantize,
+    block_fake_quantize,
+    block_quantize,
     nvfp4_dequantize,
     nvfp4_fake_quantize,
     nvfp4_quantize,
 )
+from jax_scaled_arithmetics.quantization import nvfp4 as nvfp4_module
 
 F32 = np.float32
 
@@ -190,3 +195,50 @@ def test_2d_blocks_match_reference_and_commute_with_transposition():
 def test_bad_2d_blocks_are_refused(x_shape, kwargs, match):
     with pytest.raises(ValueError, match=match):
         nvfp4_quantize(jnp.ones(x_shape), **kwargs)
+
+
+@pytest.mark.parametrize("block_size, axis", [(None, -1), (16, 0), ((16, 16), -1)])
+def test_block_api_entry_is_nvfp4(block_size, axis):
+    """`block_quantize` / `block_fake_quantize` / `block_dequantize` with format="nvfp4"."""
+    x = jnp.asarray(inputs(5)[:64])
+    kwargs = {} if block_size is None else {"block_size": block_size}
+    q = block_quantize(x, "nvfp4", axis=axis, **kwargs)
+    direct = nvfp4_quantize(x, axis=axis, block_size=16 if block_size is None else block_size)
+    assert isinstance(q, NVFP4Array) and q.block_shape == direct.block_shape
+    np.testing.assert_array_equal(_bits(block_dequantize(q)), _bits(direct.dequantize()))
+    fake = block_fake_quantize(x, "nvfp4", axis=axis, **kwargs)
+    np.testing.assert_array_equal(_bits(fake), _bits(direct.dequantize()))
+
+
+def test_block_api_refuses_what_nvfp4_does_not_have():
+    x = jnp.ones((16, 32))
+    with pytest.raises(ValueError, match="nvfp4 does not pad"):
+        block_quantize(x, "nvfp4", pad=True)
+    with pytest.raises(ValueError, match="nvfp4 block scales round to the nearest E4M3"):
+        block_fake_quantize(x, "nvfp4", scale_rounding="up")
+    with pytest.raises(ValueError, match="2D blocks .* are available with format='nvfp4'"):
+        block_quantize(x, "mxfp4_e2m1", block_size=(16, 16))
+    with pytest.raises(TypeError, match="expects an MXArray or NVFP4Array, got ndarray"):
+        block_dequantize(np.ones(3))
+
+
+@pytest.mark.parametrize("block_size", [16, (16, 16)])
+def test_scaled_array_view_computes_under_autoscale(block_size):
+    """The view's values are the dequantized ones; a matmul on two views under autoscale
+    is the matmul of the dequantized operands (block scales applied by the dot rule)."""
+    rng = np.random.default_rng(6)
+    a = jnp.asarray(rng.standard_normal((32, 64)).astype(F32) * 1e-3)
+    b = jnp.asarray(rng.standard_normal((64, 32)).astype(F32) * 1e3)
+    qa = nvfp4_quantize(a, block_size=block_size)
+    qb = nvfp4_quantize(b.T, block_size=block_size)  # blocks along the contraction
+    sa, sb = qa.to_scaled_array(), qb.to_scaled_array()
+    assert sa.data.dtype == ml_dtypes.float4_e2m1fn
+    np.testing.assert_array_equal(_bits(sa.to_array(jnp.float32)), _bits(qa.dequantize()))
+
+    def matmul(u, v):
+        return u.astype(jnp.float32) @ v.astype(jnp.float32).T
+
+    got = jax.jit(jsa.autoscale(matmul))(sa, sb)
+    assert isinstance(got, jsa.ScaledArray)
+    expected = np.asarray(qa.dequantize(), np.float64) @ np.asarray(qb.dequantize(), np.float64).T
+    np.testing.assert_allclose(got.to_array(jnp.float32), expected, rtol=1e-5, atol=1e-6)
