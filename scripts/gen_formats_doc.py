@@ -281,28 +281,39 @@ NaN scale. `nvfp4_dequantize` and `nvfp4_fake_quantize` give the float32 values.
 against a NumPy reference of those steps on 131,072 values, special blocks included;
 stochastic rounding unbiased (`tests/quantization/test_nvfp4.py`). `block_size=(16, 16)`
 gives 2D blocks over the last two axes, as the NVFP4 recipe uses for weights: a matrix and
-its transpose then quantise identically (1D blocks do not). Not yet: a
-`block_quantize(x, "nvfp4")` entry and a ScaledArray view (issue 28).
+its transpose then quantise identically (1D blocks do not). The block API takes it too:
+`block_quantize(x, "nvfp4", block_size=16 | (16, 16), axis=..., rounding=..., key=...)`
+returns the `NVFP4Array`, `block_fake_quantize(x, "nvfp4", ...)` its values and
+`block_dequantize` reads it back (`pad` and `scale_rounding` are the MX formats' only). The
+view `NVFP4Array.to_scaled_array()` is a block-scaled ScaledArray of the E2M1 elements with
+scale `block_scales * tensor_scale` (`(M, K // 16)`, or `(M // 16, K // 16)` for 2D blocks),
+so `jsa.autoscale` computes on it: a matmul of two views is the matmul of their dequantized
+values.
 
-`jsa.ops.nvfp4_matmul(x, w, key, hadamard=True, stochastic_gradients=True,
-weight_blocks="2d")` is a linear layer's `x @ w` with the NVFP4 training recipe simulated in
-its three matmuls (a `jax.custom_vjp`, float32 accumulation): forward `x` in 1x16 blocks
-along K and `w` in 16x16 blocks; input gradient `g` (stochastically rounded) in 1x16 blocks
-along N with the forward's quantised `wᵀ`; weight gradient `xᵀ` and `g` along the tokens
-after a random Hadamard transform of size 16 along them. Each ingredient can be switched
-off; `tests/ops/test_fp4_matmul.py` checks each matmul against the same steps written with
-the public quantisers. On small synthetic operands the rotation does not lower the weight
-gradient's error (256 tokens, K 64, N 32, nearest rounding, mean of 5 keys; relative
-error without / with: Student-t(2) operands 0.130 / 0.171, Gaussian with 1% of `x` 50x
-larger 0.115 / 0.141): what it buys in training is for the 4-bit experiment to show.
+`jsa.ops.fp4_matmul(x, w, key, recipe="nvfp4", hadamard=True, stochastic_gradients=True,
+weight_blocks="2d", scale_rounding="up")` is a linear layer's `x @ w` with a 4-bit training
+recipe simulated in its three matmuls (a `jax.custom_vjp`, float32 accumulation). With `B`
+the recipe's block size: forward `x` in 1xB blocks along K and `w` in BxB blocks; input
+gradient `g` (stochastically rounded) in 1xB blocks along N with the forward's quantised
+`wᵀ`; weight gradient `xᵀ` and `g` along the tokens after a random Hadamard transform of
+size B along them. The recipes (`jsa.ops.FP4_RECIPES`): `"nvfp4"` (B 16, NVFP4 as above),
+`"mxfp4"` (B 32, OCP MXFP4: E8M0 scales, rounded `"up"` by default or `"floor"`, the OCP
+rule; 32x32 weight blocks are one E8M0 scale per tile) and `"fp4_tensor"` (E2M1 with one
+float32 scale `amax / 6` per tensor and no blocks: the naive baseline). Each ingredient can
+be switched off; `jsa.ops.nvfp4_matmul` is `fp4_matmul(recipe="nvfp4")`.
+`tests/ops/test_fp4_matmul.py` checks each matmul of each recipe against the same steps
+written with the public quantisers. On small synthetic operands the rotation does not
+lower the weight gradient's error (256 tokens, K 64, N 32, nearest rounding, mean of 5
+keys; relative error without / with: Student-t(2) operands 0.130 / 0.171, Gaussian with 1%
+of `x` 50x larger 0.115 / 0.141); in training, see `docs/experiments.md`, "4-bit training".
 
-`jsa.unit_scaling.simulate_fp4(fn, high_precision="first_and_last", ...)` applies it to a
-whole program: every linear layer's `dot_general` (`x (..., K) @ w` with a 2-D weight, or a
-tied embedding's `h @ e.T`, shapes that 16 divides) becomes `nvfp4_matmul` with the key
-`fold_in(key, i)` of its position; attention's batched products and the first and last
-linear layers (by default, as the recipe keeps them) stay in the program's precision. The
-returned function takes `key=`; `jax.grad(simulate_fp4(f))` differentiates through the
-recipe (`tests/unit_scaling/test_fp4.py`).
+`jsa.unit_scaling.simulate_fp4(fn, recipe="nvfp4", high_precision="first_and_last", ...)`
+applies it to a whole program: every linear layer's `dot_general` (`x (..., K) @ w` with a
+2-D weight, or a tied embedding's `h @ e.T`, shapes that the block size divides) becomes
+`fp4_matmul` with the key `fold_in(key, i)` of its position; attention's batched products
+and the first and last linear layers (by default, as the NVFP4 recipe keeps them) stay in
+the program's precision. The returned function takes `key=`; `jax.grad(simulate_fp4(f))`
+differentiates through the recipe (`tests/unit_scaling/test_fp4.py`).
 
 ## Random Hadamard transforms
 
