@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..lax.scaling_primitives import apply_to_data
 from ..quantization.block import SCALE_ROUNDINGS, block_fake_quantize
 from ..quantization.float_quantize import float_quantize
 from ..quantization.hadamard import random_hadamard
@@ -54,6 +55,49 @@ def recipe_block_size(recipe: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Quantizer:
+    """One operand's fake quantisation: 1-D blocks along `axis` of a 2-D array, or the
+    weight's 2D tiles (`axis` None); stochastic rounding when called with a key. Hashable,
+    for `apply_to_data`: under `jsa.autoscale` it acts on the stored data and keeps the
+    scale (the recipes' quantisers commute with power-of-two scales)."""
+
+    format: str
+    scale_rounding: str
+    axis: int | None
+
+    @property
+    def block(self) -> int:
+        return _BLOCK_SIZES[self.format]
+
+    def __call__(self, v: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        v = v.astype(jnp.float32)
+        if self.axis is None and self.format != "fp4_tensor":
+            return self._tiles(v)
+        axis = 0 if self.axis is None else self.axis
+        rounding = "nearest" if key is None else "stochastic"
+        if self.format == "nvfp4":
+            return nvfp4_fake_quantize(v, axis=axis, rounding=rounding, key=key)
+        if self.format == "mxfp4":
+            return block_fake_quantize(
+                v, "mxfp4_e2m1", self.block, axis, rounding, key,
+                scale_rounding=self.scale_rounding,
+            )  # fmt: skip
+        return _per_tensor(v, key)
+
+    def _tiles(self, w: jax.Array) -> jax.Array:
+        """``w (K, N)`` in BxB blocks."""
+        b = self.block
+        if self.format == "nvfp4":
+            return nvfp4_fake_quantize(w, block_size=(b, b))
+        k, n = w.shape
+        tiles = w.reshape(k // b, b, n // b, b).transpose(0, 2, 1, 3).reshape(k // b, n // b, b * b)
+        tiles = block_fake_quantize(
+            tiles, "mxfp4_e2m1", b * b, -1, scale_rounding=self.scale_rounding
+        )
+        return tiles.reshape(k // b, n // b, b, b).transpose(0, 2, 1, 3).reshape(k, n)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Fp4Recipe:
     format: str
     hadamard: bool
@@ -65,31 +109,15 @@ class _Fp4Recipe:
     def block(self) -> int:
         return _BLOCK_SIZES[self.format]
 
-    def quantize(self, v: jax.Array, axis: int, key: jax.Array | None = None) -> jax.Array:
-        """`v` (2-D, float32) in 1-D blocks along `axis`, stochastically rounded given a key."""
-        rounding = "nearest" if key is None else "stochastic"
-        if self.format == "nvfp4":
-            return nvfp4_fake_quantize(v, axis=axis, rounding=rounding, key=key)
-        if self.format == "mxfp4":
-            return block_fake_quantize(
-                v, "mxfp4_e2m1", self.block, axis, rounding, key,
-                scale_rounding=self.scale_rounding,
-            )  # fmt: skip
-        return _per_tensor(v, key)
+    def quantize(self, v: jax.Array, axis: int | None, key: jax.Array | None = None) -> jax.Array:
+        """`v` (2-D) in 1-D blocks along `axis` (None: 2D weight tiles), stochastically
+        rounded given a key; on the stored data under `autoscale`."""
+        fn = _Quantizer(self.format, self.scale_rounding, axis)
+        return apply_to_data(fn, v) if key is None else apply_to_data(fn, v, key)
 
     def weight(self, w: jax.Array) -> jax.Array:
         """The forward weight ``(K, N)``: BxB blocks (`"2d"`) or Bx1 along K."""
-        if self.weight_blocks == "1d" or self.format == "fp4_tensor":
-            return self.quantize(w, 0)
-        b = self.block
-        if self.format == "nvfp4":
-            return nvfp4_fake_quantize(w, block_size=(b, b))
-        k, n = w.shape
-        tiles = w.reshape(k // b, b, n // b, b).transpose(0, 2, 1, 3).reshape(k // b, n // b, b * b)
-        tiles = block_fake_quantize(
-            tiles, "mxfp4_e2m1", b * b, -1, scale_rounding=self.scale_rounding
-        )
-        return tiles.reshape(k // b, n // b, b, b).transpose(0, 2, 1, 3).reshape(k, n)
+        return self.quantize(w, None if self.weight_blocks == "2d" else 0)
 
     def weight_transposed(self, w: jax.Array) -> jax.Array:
         """``wᵀ (N, K)`` for the input gradient: the forward's matrix with 2D blocks."""

@@ -160,3 +160,43 @@ def test_bad_uses_are_refused():
         U.simulate_fp4(loss, high_precision=None)(X, PARAMS)
     with pytest.raises(ValueError, match=r"jax.grad\(simulate_fp4\(f\)\)"):
         U.simulate_fp4(jax.grad(loss, argnums=1))(X, PARAMS, key=KEY)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4", "fp4_tensor"])
+def test_composes_with_autoscale(recipe):
+    """Under `jsa.autoscale` with float16 ScaledArray inputs: ScaledArray gradients close to
+    the float32 program's on the same values (float16 roundings elsewhere flip some 4-bit
+    roundings: sums of 4-bit products often tie exactly between two E2M1 values, hence the
+    tolerance); and with the input 2**24 larger, values float16 cannot hold (the loss
+    passes 2**30), exactly the same data at scales 2**48 larger: the quantisers act on the
+    stored data and commute with power-of-two scales."""
+    params = [(RNG.standard_normal(shape) / 6).astype(np.float32) for shape in ((32, 64), (64, 32))]
+
+    def two_layers(x, ws):
+        h = jax.nn.relu(x @ ws[0])
+        return jnp.mean((h @ ws[1]).astype(jnp.float32) ** 2)
+
+    def values(a):
+        return jsa.asarray(a, jnp.float32)
+
+    simulated = U.simulate_fp4(two_layers, recipe=recipe, high_precision=None)
+    value_and_grad = jax.value_and_grad(lambda x, ws, k: simulated(x, ws, key=k), argnums=1)
+    scaled_step = jax.jit(jsa.autoscale(value_and_grad))
+    sws = [jsa.scaled_array(jnp.asarray(w, jnp.float16), 2.0**-3) for w in params]
+    x16 = jnp.asarray(X, jnp.float16)
+    value, grads = scaled_step(jsa.scaled_array(x16, 1.0), sws, KEY)
+    ref_value, ref_grads = value_and_grad(values(x16), [values(w) for w in sws], KEY)
+    assert all(isinstance(g, jsa.ScaledArray) and g.dtype == jnp.float16 for g in grads)
+    np.testing.assert_allclose(values(value), ref_value, rtol=1e-3)
+    for g, r in zip(grads, ref_grads, strict=True):
+        got, want = np.asarray(values(g)), np.asarray(r)
+        assert np.linalg.norm(got - want) < 0.1 * np.linalg.norm(want)
+
+    big_value, big_grads = scaled_step(jsa.scaled_array(x16, 2.0**24), sws, KEY)
+    assert float(jsa.asarray(big_value, jnp.float32)) > 2.0**30
+    np.testing.assert_array_equal(
+        jsa.asarray(big_value, jnp.float32), jsa.asarray(value, jnp.float32) * 2.0**48
+    )
+    for g, big in zip(grads, big_grads, strict=True):
+        np.testing.assert_array_equal(big.data, g.data)
+        np.testing.assert_array_equal(big.scale, g.scale * 2.0**48)
