@@ -30,9 +30,40 @@ def quantize_abs_bits(
     return _bits.compose(q, qexp)
 
 
+def _is_e2m1(fmt: FloatFormat) -> bool:
+    """Whether `fmt` has E2M1's values: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    return (
+        fmt.exponent_bits == 2
+        and fmt.mantissa_bits == 1
+        and fmt.exponent_bias == 1
+        and fmt.nan_encoding == "none"
+        and fmt.has_zero
+        and not fmt.unsigned
+    )
+
+
+def _e2m1_nearest(x: jax.Array) -> jax.Array:
+    """float32 `x` rounded to nearest E2M1 (ties to even), saturated to +-6, NaN kept.
+
+    The same values as the bit-level path, with a quarter of its instructions: on [0, 2)
+    the grid step is 0.5, on [2, 4) 1, on [4, 6] 2, and scaling by a power of two is exact,
+    so ``round(a / step) * step`` (`round`: half to even, as the grid's even codes are the
+    multiples of twice the step) is the nearest-even grid value. E2M1 has no infinity:
+    overflow saturates whatever `saturate`."""
+    a = jnp.minimum(jnp.abs(x), jnp.float32(6.0))
+    q = jnp.where(
+        a < 2,
+        jnp.round(a * 2) * jnp.float32(0.5),
+        jnp.where(a < 4, jnp.round(a), jnp.round(a * jnp.float32(0.5)) * 2),
+    )
+    return jnp.where(jnp.isnan(x), x, jnp.copysign(q, x))
+
+
 def _float_quantize_f32(
     x: jax.Array, fmt: FloatFormat, rounding: str, saturate: bool, rbits: jax.Array | None
 ) -> jax.Array:
+    if rounding == "nearest" and _is_e2m1(fmt):
+        return _e2m1_nearest(x.astype(jnp.float32))
     bits = _bits.to_bits(x)
     sign = bits & _bits.u32(_bits.SIGN_MASK)
     a = bits & _bits.u32(_bits.ABS_MASK)
