@@ -15,7 +15,7 @@ from jax import lax
 
 from . import _bits, nvfp4
 from ._bits import Rounding
-from .float_quantize import quantize_abs_bits
+from .float_quantize import _float_quantize_f32, quantize_abs_bits
 from .formats import FloatFormat, get_format
 from .nvfp4 import NVFP4Array, nvfp4_quantize
 
@@ -683,11 +683,71 @@ def block_fake_quantize(
         _check_nvfp4_args(pad, scale_rounding)
         size = nvfp4.BLOCK_SIZE if block_size is None else block_size
         return nvfp4.nvfp4_fake_quantize(x, axis, rounding, key, size)
+    size = _mx_block_size(block_size)
+    if rounding == "nearest" and scale_rounding in SCALE_ROUNDINGS:
+        x = jnp.asarray(x)
+        _bits.compute_dtype(x, "block_quantize")
+        fmt, _, ax = _check_block_args(
+            x.ndim, x.shape, format, size, axis, rounding, key, pad, "block_quantize"
+        )
+        if x.shape[ax] % size == 0 and x.size:
+            return _fake_quantize_nearest(x, fmt, size, ax, scale_rounding == "up")
     mx = _block_quantize(
-        x, format, _mx_block_size(block_size), axis, rounding, key, pad, scale_rounding,
-        float32_data=True,
-    )  # fmt: skip
+        x, format, size, axis, rounding, key, pad, scale_rounding, float32_data=True
+    )
     return block_dequantize(mx)
+
+
+# Shared exponents for which the float32 path below is exact: 2**-shared and 2**shared are
+# normal floats, and so is every nonzero element value (at least 2**(shared - 24)).
+_FAST_EXPONENTS = (-100, 126)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "axis", "round_up"))
+def _fake_quantize_nearest(
+    x: jax.Array, fmt: FloatFormat, block_size: int, axis: int, round_up: bool
+) -> jax.Array:
+    """`block_fake_quantize` with nearest rounding in float32 arithmetic: each block divided
+    by its power-of-two scale, rounded, multiplied back, all exact while the shared
+    exponents stay in `_FAST_EXPONENTS` (zero blocks aside); otherwise (blocks of float32
+    subnormals, or of values near float32's limits) the integer path, bit for bit."""
+    x32 = x.astype(jnp.float32)
+    moved = jnp.moveaxis(x32, axis, -1)
+    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // block_size, block_size)
+    magnitude = jnp.abs(blocks)
+    # The block maxima from the bits: XLA on CPU may treat float32 subnormals as zeros in
+    # float comparisons, the integers keep them.
+    abs_bits = _bits.to_bits(magnitude)
+    special = jnp.any(abs_bits >= _bits.u32(_bits.INF_BITS), axis=-1, keepdims=True)
+    amax_bits = jnp.max(jnp.where(special, _bits.u32(0), abs_bits), axis=-1, keepdims=True)
+    zero = amax_bits == 0
+    shared = _floor_log2(amax_bits) - fmt.max_exponent
+    if round_up:
+        amax = _bits.from_bits(amax_bits)
+        scaled_amax = jnp.ldexp(amax, -jnp.clip(shared, *_FAST_EXPONENTS))
+        shared = shared + (scaled_amax > fmt.max).astype(shared.dtype)
+    shared = jnp.where(zero | special, 0, shared)
+    low, high = _FAST_EXPONENTS
+
+    def fast(_: Any) -> jax.Array:
+        down = _bits.from_bits(lax.shift_left((127 - shared).astype(jnp.uint32), _bits.u32(23)))
+        up = _bits.from_bits(lax.shift_left((127 + shared).astype(jnp.uint32), _bits.u32(23)))
+        q = _float_quantize_f32(magnitude * down, fmt, "nearest", True, None)
+        values = jnp.copysign(q * up, blocks)
+        values = jnp.where(special, _bits.from_bits(_bits.u32(_bits.QNAN_BITS)), values)
+        return jnp.moveaxis(values.reshape(moved.shape), -1, axis)
+
+    def exact(_: Any) -> jax.Array:
+        bits = _bits.to_bits(x32)
+        special_elements = (bits & _bits.u32(_bits.ABS_MASK)) >= _bits.u32(_bits.INF_BITS)
+        data, scales = _encode_blocks(
+            bits, 0, special_elements, None, fmt, block_size, axis, "nearest",
+            np.dtype(np.float32), round_up,
+        )  # fmt: skip
+        return _block_dequantize_impl(data, scales, block_size, axis - x.ndim, x.shape[axis])
+
+    in_range = jnp.all(zero | special | ((shared >= low) & (shared <= high)))
+    return lax.cond(in_range, fast, exact, None)
 
 
 def block_dequantize(mx: MXArray | NVFP4Array) -> jax.Array:

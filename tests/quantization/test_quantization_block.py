@@ -261,7 +261,9 @@ def test_bad_arguments():
         block_quantize(jnp.float32(1.0), "float8_e4m3fn")
     with pytest.raises(ValueError, match="Unknown rounding mode 'up'"):
         block_quantize(x, "float8_e4m3fn", rounding="up")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="block_dequantize expects an MXArray or NVFP4Array, got ArrayImpl"):
+    with pytest.raises(
+        TypeError, match="block_dequantize expects an MXArray or NVFP4Array, got ArrayImpl"
+    ):
         block_dequantize(x)  # type: ignore[arg-type]
 
 

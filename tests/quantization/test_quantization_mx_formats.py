@@ -91,3 +91,38 @@ def test_unknown_or_unsuitable_formats_raise():
 
 def test_doctests():
     assert doctest.testmod(block, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def _wide_range_blocks(extreme: str) -> np.ndarray:
+    """Blocks over float32's range, mixed magnitudes inside blocks, zero, signed-zero,
+    NaN and inf blocks; `extreme` adds a block of float32 subnormals or near float32's max
+    (the fake quantiser's float path hands those to the integer path)."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((512, 64)) * np.exp2(rng.uniform(-60, 60, (512, 1)))
+    x[::5] *= np.exp2(rng.uniform(-40, 0, x[::5].shape))
+    x = x.astype(np.float32)
+    x[0], x[1], x[2, 7], x[3, 33] = 0.0, -0.0, np.nan, -np.inf
+    x[4] = np.linspace(-6.0, 6.0, 64) * 2.0**20  # ties of the small formats
+    if extreme == "subnormal":
+        x[5] = np.float32(1e-40)
+        x[6] = np.float32(1e-40) * np.arange(64)
+    elif extreme == "huge":
+        x[5] = np.float32(3e38) * np.sign(np.arange(64) - 31.5)
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("extreme", ["none", "subnormal", "huge"])
+def test_block_fake_quantize_bit_exact_over_float32_range(name, extreme):
+    """Nearest rounding takes a float32 path (scale, round, unscale) where it is exact and
+    the integer path elsewhere: bit for bit the round trip, both scale roundings, both axes."""
+    x = jnp.asarray(_wide_range_blocks(extreme))
+    for axis in (0, 1):
+        for scale_rounding in ("floor", "up"):
+            fake = block_fake_quantize(x, name, 32, axis=axis, scale_rounding=scale_rounding)
+            mx = block_quantize(x, name, 32, axis=axis, scale_rounding=scale_rounding)
+            np.testing.assert_array_equal(
+                np.asarray(fake).view(np.uint32),
+                np.asarray(block_dequantize(mx)).view(np.uint32),
+                err_msg=f"{name} axis {axis} {scale_rounding}",
+            )
