@@ -23,6 +23,10 @@ With ``B`` the recipe's block size (16, 32, 16):
   stochastically.
 
 The random bits come from `key`, split as ``k_dgrad, k_wgrad, k_hadamard = split(key, 3)``.
+
+Under `jsa.autoscale`, the quantisers act on the stored data of ScaledArray operands and
+keep their scales (every recipe's quantiser commutes with power-of-two scales), so outputs
+and gradients stay ScaledArrays and values beyond the data dtype's range are safe.
 """
 
 from __future__ import annotations
