@@ -715,23 +715,32 @@ def _fake_quantize_nearest(
     moved = jnp.moveaxis(x32, axis, -1)
     blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // block_size, block_size)
     magnitude = jnp.abs(blocks)
-    # The block maxima from the bits: XLA on CPU may treat float32 subnormals as zeros in
-    # float comparisons, the integers keep them.
-    abs_bits = _bits.to_bits(magnitude)
-    special = jnp.any(abs_bits >= _bits.u32(_bits.INF_BITS), axis=-1, keepdims=True)
-    amax_bits = jnp.max(jnp.where(special, _bits.u32(0), abs_bits), axis=-1, keepdims=True)
+    # The block maxima from the bits, one reduction: XLA on CPU may treat float32
+    # subnormals as zeros in float comparisons, the integers keep them; NaN and inf bits
+    # are the largest, so a block holding one has a maximum at least INF_BITS.
+    amax_bits = jnp.max(_bits.to_bits(magnitude), axis=-1, keepdims=True)
+    special = amax_bits >= _bits.u32(_bits.INF_BITS)
+    amax_bits = jnp.where(special, _bits.u32(0), amax_bits)
     zero = amax_bits == 0
-    shared = _floor_log2(amax_bits) - fmt.max_exponent
-    if round_up:
-        amax = _bits.from_bits(amax_bits)
-        scaled_amax = jnp.ldexp(amax, -jnp.clip(shared, *_FAST_EXPONENTS))
-        shared = shared + (scaled_amax > fmt.max).astype(shared.dtype)
-    shared = jnp.where(zero | special, 0, shared)
+    # floor(log2 amax) from the exponent field: right for normal maxima, the only ones the
+    # float path takes (a subnormal maximum gives a shared exponent below its range).
+    shared = (amax_bits >> 23).astype(jnp.int32) - 127 - fmt.max_exponent
     low, high = _FAST_EXPONENTS
 
+    def power_of_two(exponent: jax.Array) -> jax.Array:
+        """2**exponent from its bits, for exponents clipped to float32's normal range."""
+        biased = jnp.clip(exponent + 127, 1, 254).astype(jnp.uint32)
+        return _bits.from_bits(lax.shift_left(biased, _bits.u32(23)))
+
+    if round_up:  # the next power of two where the block's maximum would saturate
+        over = _bits.from_bits(amax_bits) * power_of_two(-shared) > fmt.max
+        shared = shared + over.astype(shared.dtype)
+    shared = jnp.where(zero | special, 0, shared)
+
     def fast(_: Any) -> jax.Array:
-        down = _bits.from_bits(lax.shift_left((127 - shared).astype(jnp.uint32), _bits.u32(23)))
-        up = _bits.from_bits(lax.shift_left((127 + shared).astype(jnp.uint32), _bits.u32(23)))
+        # Cheap per-block factors: XLA:CPU fuses them into the elementwise pass and
+        # recomputes them for every element.
+        down, up = power_of_two(-shared), power_of_two(shared)
         q = _float_quantize_f32(magnitude * down, fmt, "nearest", True, None)
         values = jnp.copysign(q * up, blocks)
         values = jnp.where(special, _bits.from_bits(_bits.u32(_bits.QNAN_BITS)), values)
