@@ -92,6 +92,8 @@ def results_table(runs: dict[int, dict[str, dict[str, Any]]]) -> str:
     ]
     nvfp4_gap = _mean(list(gaps.get("nvfp4", {}).values()))
     for mode in FP4_MODES:
+        if not any(mode in runs[seed] for seed in seeds):
+            continue
         cells = []
         for seed in seeds:
             log = runs[seed].get(mode)
@@ -126,6 +128,8 @@ def ablation_table(runs: dict[int, dict[str, dict[str, Any]]]) -> str:
         "| --- | --- | " + " | ".join("---" for _ in seeds) + " | --- |",
     ]
     for mode, (full, what) in ABLATIONS.items():
+        if not any(mode in runs[seed] for seed in seeds):
+            continue
         deltas = []
         for seed in seeds:
             a, b = runs[seed].get(mode), runs[seed].get(full)
