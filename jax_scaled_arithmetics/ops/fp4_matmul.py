@@ -33,14 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ..lax.scaling_primitives import apply_to_data
-from ..quantization.block import SCALE_ROUNDINGS, block_fake_quantize
+from ..quantization._bits import Rounding
+from ..quantization.block import SCALE_ROUNDINGS, ScaleRounding, block_fake_quantize
 from ..quantization.float_quantize import float_quantize
 from ..quantization.hadamard import random_hadamard
 from ..quantization.nvfp4 import nvfp4_fake_quantize
@@ -66,7 +67,7 @@ class _Quantizer:
     scale (the recipes' quantisers commute with power-of-two scales)."""
 
     format: str
-    scale_rounding: str
+    scale_rounding: ScaleRounding
     axis: int | None
 
     @property
@@ -78,7 +79,7 @@ class _Quantizer:
         if self.axis is None and self.format != "fp4_tensor":
             return self._tiles(v)
         axis = 0 if self.axis is None else self.axis
-        rounding = "nearest" if key is None else "stochastic"
+        rounding: Rounding = "nearest" if key is None else "stochastic"
         if self.format == "nvfp4":
             return nvfp4_fake_quantize(v, axis=axis, rounding=rounding, key=key)
         if self.format == "mxfp4":
@@ -107,7 +108,7 @@ class _Fp4Recipe:
     hadamard: bool
     stochastic_gradients: bool
     weight_blocks: str
-    scale_rounding: str
+    scale_rounding: ScaleRounding
 
     @property
     def block(self) -> int:
@@ -140,7 +141,7 @@ def _per_tensor(v: jax.Array, key: jax.Array | None) -> jax.Array:
     amax = jnp.max(jnp.where(jnp.isfinite(v), jnp.abs(v), f32(0)))
     # A product with the rounded reciprocal: XLA may rewrite a division by a constant so.
     scale = jnp.where(amax == 0, f32(1), jnp.maximum(amax * f32(1 / _E2M1_MAX), f32(2.0**-126)))
-    rounding = "nearest" if key is None else "stochastic"
+    rounding: Rounding = "nearest" if key is None else "stochastic"
     q = float_quantize(v / scale, "float4_e2m1fn", rounding, saturate=True, key=key)
     return q * scale
 
@@ -281,7 +282,11 @@ def _checked_matmul(
             )
         key = jax.random.key(0)  # unused
     config = _Fp4Recipe(
-        recipe, bool(hadamard), bool(stochastic_gradients), weight_blocks, scale_rounding
+        recipe,
+        bool(hadamard),
+        bool(stochastic_gradients),
+        weight_blocks,
+        cast(ScaleRounding, scale_rounding),
     )
     return _matmul(config, x, w, key)
 

@@ -15,7 +15,7 @@ from jax import lax
 
 from . import _bits, nvfp4
 from ._bits import Rounding
-from .float_quantize import _float_quantize_f32, quantize_abs_bits
+from .float_quantize import quantize_abs_bits, quantize_float32
 from .formats import FloatFormat, get_format
 from .nvfp4 import NVFP4Array, nvfp4_quantize
 
@@ -741,7 +741,7 @@ def _fake_quantize_nearest(
         # Cheap per-block factors: XLA:CPU fuses them into the elementwise pass and
         # recomputes them for every element.
         down, up = power_of_two(-shared), power_of_two(shared)
-        q = _float_quantize_f32(magnitude * down, fmt, "nearest", True, None)
+        q = quantize_float32(magnitude * down, fmt, "nearest", True, None)
         values = jnp.copysign(q * up, blocks)
         values = jnp.where(special, _bits.from_bits(_bits.u32(_bits.QNAN_BITS)), values)
         return jnp.moveaxis(values.reshape(moved.shape), -1, axis)

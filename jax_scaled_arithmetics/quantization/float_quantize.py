@@ -59,7 +59,7 @@ def _e2m1_nearest(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(x), x, jnp.copysign(q, x))
 
 
-def _float_quantize_f32(
+def quantize_float32(
     x: jax.Array, fmt: FloatFormat, rounding: str, saturate: bool, rbits: jax.Array | None
 ) -> jax.Array:
     if rounding == "nearest" and _is_e2m1(fmt):
@@ -105,7 +105,7 @@ def _float_quantize_jit(
     x: jax.Array, key: Any, fmt: FloatFormat, rounding: str, saturate: bool
 ) -> jax.Array:
     rbits = _bits.random_bits(key, x.shape) if rounding == "stochastic" else None
-    return _float_quantize_f32(x, fmt, rounding, saturate, rbits).astype(x.dtype)
+    return quantize_float32(x, fmt, rounding, saturate, rbits).astype(x.dtype)
 
 
 # The straight-through custom_jvp wraps the compiled function rather than the other way

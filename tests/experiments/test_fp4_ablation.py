@@ -58,6 +58,7 @@ def test_tables_compute_gaps_and_targets(tmp_path):
     assert (tmp_path / "fp4.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_output_gradients_are_the_linear_outputs_gradients():
     """Summed over the tokens, each captured output gradient is its bias's gradient."""
     config = train_gpt.TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2)

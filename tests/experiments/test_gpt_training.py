@@ -151,6 +151,7 @@ def test_fp4_modes_start_from_fp32_and_differ_by_ingredient(runs):
     assert len(set(trajectories.values())) == len(trajectories), trajectories
 
 
+@pytest.mark.slow
 def test_fp4_mode_draws_new_bits_each_step(text):
     """The 4-bit step's key comes from the step count carried in its state: the same
     parameters and batch give another gradient at the next step."""

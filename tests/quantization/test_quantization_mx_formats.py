@@ -111,8 +111,22 @@ def _wide_range_blocks(extreme: str) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-@pytest.mark.parametrize("extreme", ["none", "subnormal", "huge"])
+EXTREMES = ("none", "subnormal", "huge")
+
+
+@pytest.mark.parametrize(
+    "name, extreme",
+    # Each format and each extreme in the default run (5 cases); all 15 in the slow step.
+    [
+        pytest.param(
+            name,
+            extreme,
+            marks=() if i % len(EXTREMES) == EXTREMES.index(extreme) else pytest.mark.slow,
+        )
+        for i, name in enumerate(sorted(EXPECTED))
+        for extreme in EXTREMES
+    ],
+)
 def test_block_fake_quantize_bit_exact_over_float32_range(name, extreme):
     """Nearest rounding takes a float32 path (scale, round, unscale) where it is exact and
     the integer path elsewhere: bit for bit the round trip, both scale roundings, both axes."""

@@ -56,7 +56,9 @@ def test_doctests():
     "high_precision, keep",
     [
         ("first_and_last", lambda i: i in (0, 2)),
-        (None, lambda i: False),
+        # high_precision=None is also in the default run's test_other_recipes and
+        # test_options_reach_every_matmul.
+        pytest.param(None, lambda i: False, marks=pytest.mark.slow),
         (lambda index, count: index == count - 1, lambda i: i == 2),
     ],
     ids=["first_and_last", "none", "predicate"],
@@ -162,7 +164,16 @@ def test_bad_uses_are_refused():
         U.simulate_fp4(jax.grad(loss, argnums=1))(X, PARAMS, key=KEY)
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4", "fp4_tensor"])
+@pytest.mark.parametrize(
+    "recipe",
+    # The recipes differ only in the quantiser the shared apply_to_data path calls: NVFP4
+    # in the default run, the others in the slow step.
+    [
+        "nvfp4",
+        pytest.param("mxfp4", marks=pytest.mark.slow),
+        pytest.param("fp4_tensor", marks=pytest.mark.slow),
+    ],
+)
 def test_composes_with_autoscale(recipe):
     """Under `jsa.autoscale` with float16 ScaledArray inputs: ScaledArray gradients close to
     the float32 program's on the same values (float16 roundings elsewhere flip some 4-bit
