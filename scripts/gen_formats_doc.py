@@ -285,6 +285,9 @@ its transpose then quantise identically (1D blocks do not). The block API takes 
 `block_quantize(x, "nvfp4", block_size=16 | (16, 16), axis=..., rounding=..., key=...)`
 returns the `NVFP4Array`, `block_fake_quantize(x, "nvfp4", ...)` its values and
 `block_dequantize` reads it back (`pad` and `scale_rounding` are the MX formats' only). The
+MX formats take 2D blocks too: `block_quantize(w, "mxfp4_e2m1", block_size=(32, 32))` gives
+an `MXArray` with one E8M0 scale per 32x32 tile (`scales` of shape `(M // 32, N // 32)`, the
+same for `w.T` transposed), as the MXFP4 recipe quantises weights. The
 view `NVFP4Array.to_scaled_array()` is a block-scaled ScaledArray of the E2M1 elements with
 scale `block_scales * tensor_scale` (`(M, K // 16)`, or `(M // 16, K // 16)` for 2D blocks),
 so `jsa.autoscale` computes on it: a matmul of two views is the matmul of their dequantized
@@ -298,7 +301,7 @@ gradient `g` (stochastically rounded) in 1xB blocks along N with the forward's q
 `wᵀ`; weight gradient `xᵀ` and `g` along the tokens after a random Hadamard transform of
 size B along them. The recipes (`jsa.ops.FP4_RECIPES`): `"nvfp4"` (B 16, NVFP4 as above),
 `"mxfp4"` (B 32, OCP MXFP4: E8M0 scales, rounded `"up"` by default or `"floor"`, the OCP
-rule; 32x32 weight blocks are one E8M0 scale per tile) and `"fp4_tensor"` (E2M1 with one
+rule; weights in 32x32 blocks, one E8M0 scale per tile) and `"fp4_tensor"` (E2M1 with one
 float32 scale `amax / 6` per tensor and no blocks: the naive baseline). Each ingredient can
 be switched off; `jsa.ops.nvfp4_matmul` is `fp4_matmul(recipe="nvfp4")`.
 `tests/ops/test_fp4_matmul.py` checks each matmul of each recipe against the same steps

@@ -94,12 +94,7 @@ class _Quantizer:
         b = self.block
         if self.format == "nvfp4":
             return nvfp4_fake_quantize(w, block_size=(b, b))
-        k, n = w.shape
-        tiles = w.reshape(k // b, b, n // b, b).transpose(0, 2, 1, 3).reshape(k // b, n // b, b * b)
-        tiles = block_fake_quantize(
-            tiles, "mxfp4_e2m1", b * b, -1, scale_rounding=self.scale_rounding
-        )
-        return tiles.reshape(k // b, n // b, b, b).transpose(0, 2, 1, 3).reshape(k, n)
+        return block_fake_quantize(w, "mxfp4_e2m1", (b, b), scale_rounding=self.scale_rounding)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -199,7 +199,9 @@ class MXArray:
         scales: ``float8_e8m0fnu`` block scales, shape of the input with ``axis``
             of length ``ceil(length / block_size)``. NaN marks a block that held NaN/inf.
         format: Element format.
-        block_size: Number of elements sharing a scale.
+        block_size: Number of elements sharing a scale along `axis`, or ``(r, c)``: 2D
+            blocks of r x c over the last two axes (`axis` -1; ``scales`` then has the
+            shape of the data with those axes divided by r and c).
         axis: The blocked axis, as a negative index (it stays valid when batch
             dimensions are prepended, e.g. by ``jax.vmap``).
         length: Length of ``axis`` before padding.
@@ -216,7 +218,7 @@ class MXArray:
     data: jax.Array
     scales: jax.Array
     format: FloatFormat
-    block_size: int
+    block_size: int | tuple[int, int]
     axis: int
     length: int
 
@@ -333,7 +335,9 @@ def block_quantize(
             float4_e2m1fn), or an OCP MX name from :data:`MX_FORMATS` (``"mxfp8_e4m3"``,
             ``"mxfp4_e2m1"``, ...), which stands for its element format.
         block_size: Elements per block (default: 32, as in the MX specification; 16 for
-            ``"nvfp4"``, which also takes a pair for 2D blocks).
+            ``"nvfp4"``), or a pair ``(r, c)`` for 2D blocks of r x c over the last two
+            axes (then `axis` must be -1 and there is no padding): a weight and its
+            transpose then quantise identically, one scale per tile.
         axis: Axis along which blocks are formed.
         rounding: Element rounding: ``"nearest"``, ``"toward_zero"`` or ``"stochastic"``.
         key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
@@ -368,10 +372,55 @@ def block_quantize(
         return nvfp4_quantize(
             x, axis, rounding, key, nvfp4.BLOCK_SIZE if block_size is None else block_size
         )
+    if isinstance(block_size, tuple):
+        x = jnp.asarray(x)
+        r, c = _check_2d_blocks(x, block_size, axis, pad)
+        mx = _block_quantize(
+            _to_tiles(x, r, c), format, r * c, -1, rounding, key, False, scale_rounding,
+            float32_data=False,
+        )  # fmt: skip
+        data = _from_tiles(mx.data, r, c)
+        return MXArray(data, mx.scales[..., 0], mx.format, (r, c), -1, x.shape[-1])
     return _block_quantize(
         x, format, _mx_block_size(block_size), axis, rounding, key, pad, scale_rounding,
         float32_data=False,
     )  # fmt: skip
+
+
+def _check_2d_blocks(x: jax.Array, block_size: Any, axis: Any, pad: bool) -> tuple[int, int]:
+    """(rows, columns) of valid 2D blocks over the last two axes of `x`."""
+    if len(block_size) != 2 or any(
+        isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block_size
+    ):
+        raise ValueError(
+            f"block_size must be a positive integer or a pair of them, got {block_size!r}"
+        )
+    if x.ndim < 2 or axis not in (-1, x.ndim - 1):
+        raise ValueError(
+            f"2D blocks {block_size} tile the last two axes: they need an array of rank 2 or "
+            f"more and axis=-1, got rank {x.ndim} and axis {axis}"
+        )
+    if pad:
+        raise ValueError("2D blocks do not pad: the block shape must divide the last two axes")
+    for ax, size in zip((x.ndim - 2, x.ndim - 1), block_size, strict=True):
+        if x.shape[ax] % size:
+            raise ValueError(
+                f"axis {ax} has {x.shape[ax]} entries, not a multiple of the block size {size}"
+            )
+    return block_size[0], block_size[1]
+
+
+def _to_tiles(v: jax.Array, r: int, c: int) -> jax.Array:
+    """(..., M, N) -> (..., M / r, N / c, r * c): each r x c block as one row."""
+    m, n = v.shape[-2:]
+    v = v.reshape(*v.shape[:-2], m // r, r, n // c, c)
+    return jnp.swapaxes(v, -3, -2).reshape(*v.shape[:-4], m // r, n // c, r * c)
+
+
+def _from_tiles(t: jax.Array, r: int, c: int) -> jax.Array:
+    mb, nb = t.shape[-3:-1]
+    t = jnp.swapaxes(t.reshape(*t.shape[:-3], mb, nb, r, c), -3, -2)
+    return t.reshape(*t.shape[:-4], mb * r, nb * c)
 
 
 def _is_nvfp4(format: Any) -> bool:
@@ -389,15 +438,8 @@ def _check_nvfp4_args(pad: bool, scale_rounding: Any) -> None:
 
 
 def _mx_block_size(block_size: Any) -> Any:
-    """The MX block size: 32 by default; 2D blocks are NVFP4's only."""
-    if block_size is None:
-        return 32
-    if isinstance(block_size, tuple):
-        raise ValueError(
-            f"2D blocks {block_size} are available with format='nvfp4'; MX formats take an "
-            "integer block_size"
-        )
-    return block_size
+    """The MX block size along one axis: 32 by default."""
+    return 32 if block_size is None else block_size
 
 
 def _check_block_args(
@@ -683,6 +725,13 @@ def block_fake_quantize(
         _check_nvfp4_args(pad, scale_rounding)
         size = nvfp4.BLOCK_SIZE if block_size is None else block_size
         return nvfp4.nvfp4_fake_quantize(x, axis, rounding, key, size)
+    if isinstance(block_size, tuple):
+        x = jnp.asarray(x)
+        r, c = _check_2d_blocks(x, block_size, axis, pad)
+        tiles = block_fake_quantize(
+            _to_tiles(x, r, c), format, r * c, -1, rounding, key, False, scale_rounding
+        )
+        return _from_tiles(tiles, r, c)
     size = _mx_block_size(block_size)
     if rounding == "nearest" and scale_rounding in SCALE_ROUNDINGS:
         x = jnp.asarray(x)
@@ -781,6 +830,11 @@ def block_dequantize(mx: MXArray | NVFP4Array) -> jax.Array:
         raise TypeError(
             f"block_dequantize expects an MXArray or NVFP4Array, got {type(mx).__name__}"
         )
+    if isinstance(mx.block_size, tuple):  # 2D blocks over the last two axes
+        r, c = mx.block_size
+        tiles = _to_tiles(mx.data, r, c)
+        values = _block_dequantize_impl(tiles, mx.scales[..., None], r * c, -1, r * c)
+        return _from_tiles(values, r, c)
     return _block_dequantize_impl(mx.data, mx.scales, mx.block_size, mx.axis, mx.length)
 
 

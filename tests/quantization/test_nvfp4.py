@@ -216,8 +216,6 @@ def test_block_api_refuses_what_nvfp4_does_not_have():
         block_quantize(x, "nvfp4", pad=True)
     with pytest.raises(ValueError, match="nvfp4 block scales round to the nearest E4M3"):
         block_fake_quantize(x, "nvfp4", scale_rounding="up")
-    with pytest.raises(ValueError, match="2D blocks .* are available with format='nvfp4'"):
-        block_quantize(x, "mxfp4_e2m1", block_size=(16, 16))
     with pytest.raises(TypeError, match="expects an MXArray or NVFP4Array, got ndarray"):
         block_dequantize(np.ones(3))
 

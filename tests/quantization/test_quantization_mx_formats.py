@@ -140,3 +140,53 @@ def test_block_fake_quantize_bit_exact_over_float32_range(name, extreme):
                 np.asarray(block_dequantize(mx)).view(np.uint32),
                 err_msg=f"{name} axis {axis} {scale_rounding}",
             )
+
+
+def _tiled(x: np.ndarray, r: int, c: int) -> np.ndarray:
+    m, n = x.shape
+    return x.reshape(m // r, r, n // c, c).swapaxes(1, 2).reshape(m // r, n // c, r * c)
+
+
+@pytest.mark.parametrize("scale_rounding", ["floor", "up"])
+def test_2d_blocks_are_one_scale_per_tile_and_commute_with_transposition(scale_rounding):
+    """`block_size=(32, 32)`: each 32 x 32 tile is one block (the 1-D quantisation of the
+    tile's 1,024 values), so a weight and its transpose quantise identically."""
+    w = jnp.asarray(_wide_range_blocks("none")[:128])  # 4 x 2 tiles
+    mx = block_quantize(w, "mxfp4_e2m1", (32, 32), scale_rounding=scale_rounding)
+    assert mx.block_size == (32, 32) and mx.scales.shape == (4, 2) and mx.shape == w.shape
+    flat = block_quantize(
+        jnp.asarray(_tiled(np.asarray(w), 32, 32)), "mxfp4_e2m1", 1024,
+        scale_rounding=scale_rounding,
+    )  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(mx.scales.astype(jnp.float32)).ravel(),
+        np.asarray(flat.scales.astype(jnp.float32)).ravel(),
+    )
+    values = np.asarray(block_dequantize(mx))
+    np.testing.assert_array_equal(
+        _tiled(values, 32, 32).view(np.uint32), np.asarray(block_dequantize(flat)).view(np.uint32)
+    )
+    fake = block_fake_quantize(w, "mxfp4_e2m1", (32, 32), scale_rounding=scale_rounding)
+    np.testing.assert_array_equal(np.asarray(fake).view(np.uint32), values.view(np.uint32))
+    transposed = block_fake_quantize(w.T, "mxfp4_e2m1", (32, 32), scale_rounding=scale_rounding)
+    np.testing.assert_array_equal(np.asarray(transposed).view(np.uint32), values.T.view(np.uint32))
+    # The ScaledArray view: one power of two per tile.
+    view = mx.to_scaled_array()
+    assert view.scale.shape == (4, 2)
+    np.testing.assert_array_equal(np.asarray(view.to_array(jnp.float32)), values)
+
+
+@pytest.mark.parametrize(
+    "shape, kwargs, match",
+    [
+        ((64,), {}, "need an array of rank 2 or more and axis=-1"),
+        ((64, 64), {"axis": 0}, "and axis=-1, got rank 2 and axis 0"),
+        ((48, 64), {}, "axis 0 has 48 entries, not a multiple of the block size 32"),
+        ((64, 64), {"pad": True}, "2D blocks do not pad"),
+    ],
+)
+def test_bad_2d_blocks_are_refused(shape, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        block_quantize(jnp.ones(shape), "mxfp4_e2m1", (32, 32), **kwargs)
+    with pytest.raises(ValueError, match="a positive integer or a pair of them"):
+        block_fake_quantize(jnp.ones((64, 64)), "mxfp4_e2m1", (32, 0))
