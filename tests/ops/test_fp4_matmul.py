@@ -16,7 +16,6 @@ import pytest
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.quantization import block_fake_quantize, float_quantize, random_hadamard
 from jax_scaled_arithmetics.quantization import nvfp4_fake_quantize as fq
-from tests import helpers
 
 fp4_module = importlib.import_module("jax_scaled_arithmetics.ops.fp4_matmul")
 
@@ -102,19 +101,30 @@ def test_doctests():
     assert doctest.testmod(fp4_module).failed == 0
 
 
+_RECIPE_CASES = [
+    (r, sr, h, s, w)
+    for r in ("nvfp4", "mxfp4", "fp4_tensor")
+    for sr in (("up", "floor") if r == "mxfp4" else ("up",))
+    for h in (True, False)
+    for s in (True, False)
+    for w in ("2d", "1d")
+]
+# Every value of every parameter (each recipe, MXFP4's two scale roundings, each ingredient
+# on and off) in the default run; the other cases in the slow step.
+_DEFAULT_RECIPE_CASES = {
+    ("nvfp4", "up", True, True, "2d"),
+    ("mxfp4", "floor", False, True, "1d"),
+    ("mxfp4", "up", True, False, "2d"),
+    ("fp4_tensor", "up", False, False, "1d"),
+}
+
+
 @pytest.mark.parametrize(
     "recipe, scale_rounding, hadamard, stochastic, weight_blocks",
-    # Every pair of settings by default (MXFP4's scale rounding with each); all in the slow step.
-    helpers.pairwise_params(
-        [
-            (r, sr, h, s, w)
-            for r in ("nvfp4", "mxfp4", "fp4_tensor")
-            for sr in (("up", "floor") if r == "mxfp4" else ("up",))
-            for h in (True, False)
-            for s in (True, False)
-            for w in ("2d", "1d")
-        ]
-    ),
+    [
+        pytest.param(*c, marks=() if c in _DEFAULT_RECIPE_CASES else pytest.mark.slow)
+        for c in _RECIPE_CASES
+    ],
 )
 def test_each_matmul_is_the_recipe_step(
     recipe, scale_rounding, hadamard, stochastic, weight_blocks

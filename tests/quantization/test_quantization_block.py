@@ -296,3 +296,30 @@ def test_as_e8m0():
     np.testing.assert_array_equal(down, [128, 126, 127, 0, 0, 254, 0, 0, 255, 255, 255, 255])
     with pytest.raises(ValueError, match="Unknown rounding 'nearest' for as_e8m0"):
         as_e8m0(x, rounding="nearest")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    # The OCP floor rule: also test_matches_reference's, by default; here in the slow step.
+    "scale_rounding",
+    [pytest.param("floor", marks=pytest.mark.slow), "up"],
+)
+def test_mxfp4_bit_exact_on_a_hundred_thousand_values(scale_rounding):
+    """MXFP4 against the NumPy reference on 102,400 values over float32's whole range with
+    the special blocks (the fake quantiser's integer path), and on 102,400 values of
+    moderate range (its float32 path): elements, scales, dequantized and fake-quantized."""
+    wide = mx_inputs(seed=11, n_blocks=3200)
+    rng = np.random.default_rng(12)
+    moderate = rng.standard_normal((3200, 32)) * np.exp2(rng.uniform(-60, 60, (3200, 1)))
+    moderate = moderate.astype(np.float32)
+    moderate[:4] = wide[:4]  # zero, negative zero, subnormal-only and all-equal blocks
+    moderate[2] = 0.0  # (the subnormal-only block would send it to the integer path)
+    for x in (wide, moderate):
+        mx = block_quantize(jax.device_put(x), "float4_e2m1fn", 32, scale_rounding=scale_rounding)
+        elements, codes, deq = ref_block(x, "float4_e2m1fn", 32, scale_rounding)
+        np.testing.assert_array_equal(e8m0_codes(mx.scales), codes)
+        assert_same_bits(np.asarray(mx.data.astype(jnp.float32)), elements, x, "elements")
+        assert_same_bits(np.asarray(block_dequantize(mx)), deq, x, "dequantized")
+        fake = block_fake_quantize(
+            jax.device_put(x), "mxfp4_e2m1", 32, scale_rounding=scale_rounding
+        )
+        assert_same_bits(np.asarray(fake), deq, x, "fake")

@@ -56,10 +56,12 @@ def test_doctests():
     "high_precision, keep",
     [
         ("first_and_last", lambda i: i in (0, 2)),
-        # high_precision=None is also in the default run's test_other_recipes and
-        # test_options_reach_every_matmul.
+        # high_precision=None and predicates: also in the default run's test_other_recipes
+        # (None); the slow step runs these.
         pytest.param(None, lambda i: False, marks=pytest.mark.slow),
-        (lambda index, count: index == count - 1, lambda i: i == 2),
+        pytest.param(
+            lambda index, count: index == count - 1, lambda i: i == 2, marks=pytest.mark.slow
+        ),
     ],
     ids=["first_and_last", "none", "predicate"],
 )
@@ -74,6 +76,7 @@ def test_value_and_gradients_are_the_recipe_on_the_chosen_matmuls(high_precision
     assert not np.allclose(value, loss(X, PARAMS))
 
 
+@pytest.mark.slow  # the default run passes options through test_other_recipes
 def test_options_reach_every_matmul():
     off = {"hadamard": False, "stochastic_gradients": False, "weight_blocks": "1d"}
     simulated = U.simulate_fp4(loss, high_precision=None, **off)
@@ -86,7 +89,7 @@ def test_options_reach_every_matmul():
 @pytest.mark.parametrize(
     "recipe, options",
     [
-        ("mxfp4", {"scale_rounding": "floor"}),
+        ("mxfp4", {"scale_rounding": "floor", "weight_blocks": "1d"}),
         ("fp4_tensor", {"hadamard": False, "stochastic_gradients": False}),
     ],
 )
