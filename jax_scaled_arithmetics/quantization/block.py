@@ -15,6 +15,7 @@ from jax import lax
 
 from . import _bits, nvfp4
 from ._bits import Rounding
+from ._tiles import tiles, untiles
 from .float_quantize import quantize_abs_bits, quantize_float32
 from .formats import FloatFormat, get_format
 from .nvfp4 import NVFP4Array, nvfp4_quantize
@@ -376,10 +377,10 @@ def block_quantize(
         x = jnp.asarray(x)
         r, c = _check_2d_blocks(x, block_size, axis, pad)
         mx = _block_quantize(
-            _to_tiles(x, r, c), format, r * c, -1, rounding, key, False, scale_rounding,
+            tiles(x, (r, c)), format, r * c, -1, rounding, key, False, scale_rounding,
             float32_data=False,
         )  # fmt: skip
-        data = _from_tiles(mx.data, r, c)
+        data = untiles(mx.data, (r, c))
         return MXArray(data, mx.scales[..., 0], mx.format, (r, c), -1, x.shape[-1])
     return _block_quantize(
         x, format, _mx_block_size(block_size), axis, rounding, key, pad, scale_rounding,
@@ -408,19 +409,6 @@ def _check_2d_blocks(x: jax.Array, block_size: Any, axis: Any, pad: bool) -> tup
                 f"axis {ax} has {x.shape[ax]} entries, not a multiple of the block size {size}"
             )
     return block_size[0], block_size[1]
-
-
-def _to_tiles(v: jax.Array, r: int, c: int) -> jax.Array:
-    """(..., M, N) -> (..., M / r, N / c, r * c): each r x c block as one row."""
-    m, n = v.shape[-2:]
-    v = v.reshape(*v.shape[:-2], m // r, r, n // c, c)
-    return jnp.swapaxes(v, -3, -2).reshape(*v.shape[:-4], m // r, n // c, r * c)
-
-
-def _from_tiles(t: jax.Array, r: int, c: int) -> jax.Array:
-    mb, nb = t.shape[-3:-1]
-    t = jnp.swapaxes(t.reshape(*t.shape[:-3], mb, nb, r, c), -3, -2)
-    return t.reshape(*t.shape[:-4], mb * r, nb * c)
 
 
 def _is_nvfp4(format: Any) -> bool:
@@ -728,10 +716,10 @@ def block_fake_quantize(
     if isinstance(block_size, tuple):
         x = jnp.asarray(x)
         r, c = _check_2d_blocks(x, block_size, axis, pad)
-        tiles = block_fake_quantize(
-            _to_tiles(x, r, c), format, r * c, -1, rounding, key, False, scale_rounding
+        quantized = block_fake_quantize(
+            tiles(x, (r, c)), format, r * c, -1, rounding, key, False, scale_rounding
         )
-        return _from_tiles(tiles, r, c)
+        return untiles(quantized, (r, c))
     size = _mx_block_size(block_size)
     if rounding == "nearest" and scale_rounding in SCALE_ROUNDINGS:
         x = jnp.asarray(x)
@@ -832,9 +820,9 @@ def block_dequantize(mx: MXArray | NVFP4Array) -> jax.Array:
         )
     if isinstance(mx.block_size, tuple):  # 2D blocks over the last two axes
         r, c = mx.block_size
-        tiles = _to_tiles(mx.data, r, c)
-        values = _block_dequantize_impl(tiles, mx.scales[..., None], r * c, -1, r * c)
-        return _from_tiles(values, r, c)
+        rows = tiles(mx.data, (r, c))
+        values = _block_dequantize_impl(rows, mx.scales[..., None], r * c, -1, r * c)
+        return untiles(values, (r, c))
     return _block_dequantize_impl(mx.data, mx.scales, mx.block_size, mx.axis, mx.length)
 
 

@@ -31,6 +31,7 @@ import ml_dtypes
 
 from . import _bits
 from ._bits import Rounding
+from ._tiles import tiles, untiles
 from .float_quantize import float_quantize
 
 if TYPE_CHECKING:
@@ -193,21 +194,6 @@ def nvfp4_quantize(
     return NVFP4Array(data, scales, tensor_scale, shape, axis - x.ndim)
 
 
-def _tiles(v: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """(..., M, N) -> (..., M / r, N / c, r * c): the blocks of the last two axes."""
-    r, c = shape
-    m, n = v.shape[-2:]
-    v = v.reshape(*v.shape[:-2], m // r, r, n // c, c)
-    return jnp.swapaxes(v, -3, -2).reshape(*v.shape[:-4], m // r, n // c, r * c)
-
-
-def _untiles(t: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    r, c = shape
-    mb, nb = t.shape[-3:-1]
-    t = jnp.swapaxes(t.reshape(*t.shape[:-3], mb, nb, r, c), -3, -2)
-    return t.reshape(*t.shape[:-4], mb * r, nb * c)
-
-
 def _blocks_and_scales(
     blocks: jax.Array, key: jax.Array | None, mode: str
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -259,11 +245,11 @@ def _e4m3_nearest(r: jax.Array) -> jax.Array:
 
 def _to_blocks(x: jax.Array, axis: int, shape: tuple[int, int]) -> jax.Array:
     moved = jnp.moveaxis(x, axis, -1)
-    return _tiles(moved[None] if moved.ndim == 1 else moved, shape)
+    return tiles(moved[None] if moved.ndim == 1 else moved, shape)
 
 
 def _from_blocks(t: jax.Array, axis: int, shape: tuple[int, int], ndim: int) -> jax.Array:
-    v = _untiles(t, shape)
+    v = untiles(t, shape)
     return jnp.moveaxis(v[0] if ndim == 1 else v, -1, axis)
 
 
