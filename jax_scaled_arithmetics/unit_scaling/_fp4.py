@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..core import _compat
 from ..core.walker import Frame, JaxprWalker
 from ..ops.fp4_matmul import FP4_RECIPES, fp4_matmul, recipe_block_size
 from ._rewrite import rewrite_call, sub_jaxprs
@@ -61,8 +62,13 @@ class _Fp4Rewriter(JaxprWalker):
         self.index = 0
 
     def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
-        transposed = _linear_operands(eqn, recipe_block_size(self.options["recipe"]))
+        block = recipe_block_size(self.options["recipe"])
+        transposed = _linear_operands(eqn, block)
         if transposed is None:
+            if eqn.primitive is _compat.scan_p and self.key is not None:
+                body, _, _ = _compat.scan_layout(eqn.params)
+                if _count_linear(body.jaxpr, block):
+                    return self._scan_with_fresh_bits(eqn.params, invals, frame.context)
             return self.eval_higher_order(eqn, invals, frame.context)
         index = self.index
         self.index += 1
@@ -72,6 +78,35 @@ class _Fp4Rewriter(JaxprWalker):
         key = None if self.key is None else jax.random.fold_in(self.key, index)
         y = fp4_matmul(x, w.T if transposed else w, key, **self.options)
         return [y.astype(eqn.outvars[0].aval.dtype)]
+
+    def _scan_with_fresh_bits(self, params: Any, invals: list[Any], context: Any) -> list[Any]:
+        """A `scan` whose body holds linear matmuls, rebuilt so that iteration `i` draws
+        from ``fold_in(key, i)``: each layer of a scanned stack, each step of a loop, gets
+        its own random bits."""
+        body, num_consts, num_carry = _compat.scan_layout(params)
+        consts = invals[:num_consts]
+        carry = invals[num_consts : num_consts + num_carry]
+        xs = invals[num_consts + num_carry :]
+        outer_key = self.key
+
+        def step(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+            iteration, *x = x
+            self.key = jax.random.fold_in(outer_key, iteration)
+            try:
+                outs = self.run_closed(body, [*consts, *c, *x], context)
+            finally:
+                self.key = outer_key
+            return outs[:num_carry], outs[num_carry:]
+
+        carry_out, ys = jax.lax.scan(
+            step,
+            carry,
+            [jnp.arange(params["length"], dtype=jnp.uint32), *xs],
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
+        return [*carry_out, *ys]
 
 
 def _first_and_last(index: int, count: int) -> bool:
@@ -105,8 +140,9 @@ def simulate_fp4(
 
     The returned function takes a `key=` keyword (a PRNG key; required unless both
     `hadamard` and `stochastic_gradients` are off): matmul `i` draws from
-    ``fold_in(key, i)``, so pass a new key each step. A matmul inside a `scan` body gets
-    the same bits at every iteration. Use `jax.grad` outside: `jax.grad(simulate_fp4(f))`.
+    ``fold_in(key, i)``, so pass a new key each step; inside a `scan` (a stack of layers
+    run as a loop), iteration `t` folds `t` into the key first, so every iteration draws
+    new bits. Use `jax.grad` outside: `jax.grad(simulate_fp4(f))`.
 
     Examples:
         >>> import jax, jax.numpy as jnp

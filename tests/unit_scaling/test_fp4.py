@@ -214,3 +214,28 @@ def test_composes_with_autoscale(recipe):
     for g, big in zip(grads, big_grads, strict=True):
         np.testing.assert_array_equal(big.data, g.data)
         np.testing.assert_array_equal(big.scale, g.scale * 2.0**48)
+
+
+def test_scan_iterations_draw_new_bits():
+    """The same input and weight at two iterations of a scan: the stochastically rounded
+    input gradients differ between the iterations (each folds its index into the key),
+    and equal the loop written out with those keys."""
+    w = PARAMS[0]  # (32, 48)
+    xs = np.stack([X, X])  # two identical iterations
+    g = RNG.standard_normal((2, 32, 48)).astype(np.float32)
+    g[1] = g[0]
+
+    def scanned(xs, w):
+        _, ys = jax.lax.scan(lambda c, x: (c, x @ w), 0.0, xs)
+        return jnp.sum(ys * g)
+
+    simulated = U.simulate_fp4(scanned, high_precision=None, hadamard=False)
+    dxs = jax.jit(jax.grad(lambda xs, k: simulated(xs, w, key=k)))(xs, KEY)
+    assert not np.array_equal(dxs[0], dxs[1])
+
+    def by_hand(xs):
+        keys = [jax.random.fold_in(jax.random.fold_in(KEY, t), 0) for t in range(2)]
+        ys = [jsa.ops.fp4_matmul(xs[t], w, keys[t], hadamard=False) for t in range(2)]
+        return jnp.sum(jnp.stack(ys) * g)
+
+    np.testing.assert_allclose(dxs, jax.grad(by_hand)(xs), rtol=1e-6, atol=1e-6)
