@@ -77,3 +77,11 @@ def test_output_gradients_are_the_linear_outputs_gradients():
     errors = ranges_fp4.scaling_errors({"g": grads["block 0 fc"]})
     assert errors["E2M1, no scale"]["g"][1] > 0.9  # unscaled E2M1 flushes small gradients
     assert errors["NVFP4 along features"]["g"][0] < errors["E2M1, one scale per tensor"]["g"][0]
+
+
+def test_plot_modes_are_the_training_modes():
+    """The plot script lists the modes without importing the training script (no JAX):
+    its list must stay the training script's."""
+    assert plot_fp4.FP4_MODES == ("fp32", *train_gpt.FP4_RECIPES)
+    assert set(plot_fp4.ABLATIONS) <= set(train_gpt.FP4_RECIPES)
+    assert {full for full, _ in plot_fp4.ABLATIONS.values()} <= set(train_gpt.FP4_RECIPES)
