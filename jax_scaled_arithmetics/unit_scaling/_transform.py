@@ -68,6 +68,9 @@ class _Context:
     output_chain: set[int]  # tail eqns every path to the output goes through (a loss's mean)
     child_mode: dict[int, str]  # eqn index -> mode of its sub-jaxprs
     mode: str  # "search" | "tail" | "none"
+    branches: dict[int, frozenset[int]]  # residual add -> the eqns of its branch
+    readout: int | None  # the first matmul of the tail (the logits' projection)
+    producer: dict[Any, int]  # variable -> index of the eqn computing it
 
 
 _SHAPE_ONLY = {
@@ -134,6 +137,7 @@ def _analyse(jaxpr: Any, mode: str) -> _Context:
             computed_vars.update(v for v in eqn.outvars if not _compat.is_drop_var(v))
 
     residual: dict[int, int] = {}
+    branches: dict[int, frozenset[int]] = {}
     branch_reads: dict[tuple[int, int], list[int]] = {}
     for k, eqn in enumerate(jaxpr.eqns):
         if not _is_residual_candidate(eqn):
@@ -158,6 +162,7 @@ def _analyse(jaxpr: Any, mode: str) -> _Context:
         if not any(_multiplies_matrices(jaxpr.eqns[j]) for j in in_branch if j != node[skip]):
             continue  # x + f(x) without a matmul in f (inside a GELU, say): not a residual
         residual[k] = skip_pos
+        branches[k] = frozenset(j for j in in_branch if j != node[skip])
         for j in range(k):
             if not (branch_mask >> j & 1):
                 continue
@@ -191,8 +196,23 @@ def _analyse(jaxpr: Any, mode: str) -> _Context:
             if last not in residual and not readout:
                 child_mode[last] = "search"
     output_chain = _output_chain(jaxpr) & tail if mode != "none" else set()
+    readout = None
+    if mode == "search":
+        readout = next(
+            (j for j in sorted(tail) if jaxpr.eqns[j].primitive.name == "dot_general"), None
+        )
     return _Context(
-        jaxpr, residual, branch_reads, computed_vars, tail, output_chain, child_mode, mode
+        jaxpr,
+        residual,
+        branch_reads,
+        computed_vars,
+        tail,
+        output_chain,
+        child_mode,
+        mode,
+        branches,
+        readout,
+        {v: j for v, j in node.items() if j < n},
     )
 
 
@@ -237,6 +257,51 @@ def _running_mean_tau(depth: int) -> float:
     return 1.0 / math.sqrt(depth)
 
 
+TAU_RULES = ("running_mean", "umup", "reference")
+
+
+def _residual_tau(rule: Any, index: int, kinds: tuple[str, ...]) -> float:
+    """tau of residual branch `index` (from 0) of the branches `kinds`, by `rule`."""
+    if rule == "running_mean":
+        return _running_mean_tau(index + 1)
+    if isinstance(rule, (int, float)):
+        return float(rule)
+    if rule == "umup":  # u-muP: the embedding weighs as much as half the branches
+        return 1.0 / math.sqrt(len(kinds) / 2 + index)
+    if rule == "reference":
+        return 0.01 if kinds[index] == "attention" else 0.5
+    tau = rule(index, kinds)
+    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
+        raise ValueError(f"unit_scale: tau({index}, ...) gave {tau!r}; it must be positive.")
+    return float(tau)
+
+
+def _is_attention_eqn(eqn: Any, softmax_code: Any) -> bool:
+    name = str(eqn.params.get("name", "")) + eqn.primitive.name
+    if "attention" in name:
+        return True
+    if softmax_code is not None and any(c is softmax_code for c, _ in _compat.eqn_code_frames(eqn)):
+        return True
+    return any(_is_attention_eqn(e, softmax_code) for inner in _sub_jaxprs(eqn) for e in inner.eqns)
+
+
+def _residual_kinds(jaxpr: Any, by_code: dict[Any, str]) -> list[str]:
+    """ "attention" or "mlp" for every residual add of the program, in program order (a branch
+    is attention when it calls a softmax or an attention function)."""
+    softmax_code = next((c for c, k in by_code.items() if k == "softmax"), None)
+    context = _analyse(jaxpr, "none")
+    kinds: list[str] = []
+    for j, eqn in enumerate(jaxpr.eqns):
+        for inner in _sub_jaxprs(eqn):
+            kinds.extend(_residual_kinds(inner, by_code))
+        if j in context.residual:
+            attention = any(
+                _is_attention_eqn(jaxpr.eqns[i], softmax_code) for i in context.branches[j]
+            )
+            kinds.append("attention" if attention else "mlp")
+    return kinds
+
+
 def _tau_weights(tau: float) -> tuple[float, float]:
     norm = math.sqrt(1.0 + tau * tau)
     return tau / norm, 1.0 / norm
@@ -261,21 +326,28 @@ class _UnitScaleRewriter(JaxprWalker):
         entries: dict[str, Callable[..., Any] | None],
         by_code: dict[Any, str],
         by_name: dict[str, str],
-        tau: float | None,
+        tau: Any,
         constraint: Any,
+        readout: str = "unit",
+        attention: str = "plain",
     ):
         self.entries = entries  # key -> replacement (None: the library's unit-scaled version)
         self.by_code = by_code  # code object -> key
         self.by_name = by_name  # jit name -> key
         self.tau = tau
         self.constraint = constraint
+        self.readout = readout
+        self.attention = attention
         self.depth = 0
         self.replaced = 0
         self.taus: dict[tuple[int, int], float] = {}
+        self.kinds: tuple[str, ...] = ()  # "attention" | "mlp" of every residual branch
 
     # --- analysis plumbing ---------------------------------------------------------------
 
     def enter(self, frame: Frame, parent: Any) -> _Context:
+        if parent is None:
+            self.kinds = tuple(_residual_kinds(frame.jaxpr, self.by_code))
         return _analyse(frame.jaxpr, "search" if parent is None else parent)
 
     def groups(self, jaxpr: Any, context: Any) -> list[Group]:
@@ -287,11 +359,9 @@ class _UnitScaleRewriter(JaxprWalker):
     def tau_of(self, context: _Context, k: int, now: int) -> float:
         key = (id(context.jaxpr), k)
         if key not in self.taus:
-            if self.tau is not None:
-                self.taus[key] = float(self.tau)
-            else:
-                ahead = sum(1 for r in context.residual if now <= r < k)
-                self.taus[key] = _running_mean_tau(self.depth + ahead + 1)
+            ahead = sum(1 for r in context.residual if now <= r < k)
+            index = min(self.depth + ahead, max(len(self.kinds) - 1, 0))
+            self.taus[key] = _residual_tau(self.tau, index, self.kinds)
         return self.taus[key]
 
     def split(self, context: _Context, index: int, position: int, value: Any) -> Any:
@@ -308,6 +378,8 @@ class _UnitScaleRewriter(JaxprWalker):
         self, key: str, eqns: list[Any], invals: list[Any], outvars: Any, constraint: Any
     ) -> list[Any] | None:
         replacement = self.entries[key]
+        if key == "softmax" and self.attention == "plain":
+            return None
         if replacement is not None:
             outs = replacement(*invals)
         else:
@@ -362,6 +434,12 @@ class _UnitScaleRewriter(JaxprWalker):
             dimension_numbers = params.pop("dimension_numbers")
             rhs = eqn.invars[1]
             rhs_computed = not isinstance(rhs, _compat.Literal) and rhs in context.computed
+            lhs_atom = eqn.invars[0]
+            lhs_computed = (
+                not isinstance(lhs_atom, _compat.Literal) and lhs_atom in context.computed
+            )
+            if lhs_computed and rhs_computed and self.attention == "plain":
+                return None  # a product of two activations (attention's): kept as written
             lhs, rhs_value = invals
             out = _ops.dot_general_with_rows(
                 lhs,
@@ -373,6 +451,10 @@ class _UnitScaleRewriter(JaxprWalker):
                 rhs_grad_rows=_vmapped_rows(lhs, rhs_value),
                 **params,
             )
+            if index == context.readout and self.readout == "umup":
+                (contracting, _), _ = dimension_numbers
+                fan_in = math.prod(eqn.invars[0].aval.shape[d] for d in contracting)
+                out = _fwd_bwd.scale_fwd(out, fan_in**-0.5)
             return [out]
         if prim == "conv_general_dilated":
             self.replaced += 1
@@ -528,8 +610,10 @@ def unit_scale(
     fn: Callable[..., Any],
     replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
     *,
-    tau: float | None = None,
-    constraint: Constraint = "gmean",
+    tau: Any = "umup",
+    constraint: Constraint = "to_output_scale",
+    readout: str = "unit",
+    attention: str = "plain",
 ) -> Callable[..., Any]:
     """A unit-scaled version of a plain JAX function (a model's apply, a loss).
 
@@ -550,12 +634,29 @@ def unit_scale(
             `function` (recognised from the frames JAX records, or by the name of a `jit`)
             are replaced by `replacement` called on the call's array inputs in the order the
             function first uses them; it must return the same number of arrays, same shapes.
-        tau: the residual weight of every residual add (`a = tau / sqrt(1 + tau^2)` on the
-            branch, `b = 1 / sqrt(1 + tau^2)` on the skip). None (the default): the k-th
-            residual add uses `tau = 1/sqrt(k)`, so that the input and every branch add the
-            same variance to the residual stream (a residual add inside a `scan` body is
-            counted once).
-        constraint: the constraint of the ops before the final residual add.
+        tau: the residual weight of each residual add (`a = tau / sqrt(1 + tau^2)` on the
+            branch, `b = 1 / sqrt(1 + tau^2)` on the skip): a number (every add), or a rule
+            for branch `i` (from 0) of the program's L residual branches:
+            `"umup"` (the default; u-muP's transformer rule with equal weights:
+            `tau_i = 1 / sqrt(L / 2 + i)`, so the embedding weighs as much as all the
+            attention branches together, and as all the MLP branches), `"running_mean"`
+            (`tau_i = 1 / sqrt(i + 1)`: the input and every branch weigh the same),
+            `"reference"` (the PyTorch library's `unit_scale`: 0.01 on an attention branch,
+            0.5 on the others), or a function `tau(i, kinds)`, `kinds` the tuple of
+            `"attention"`/`"mlp"` of every branch (attention: the branch calls a softmax or an
+            attention function). A residual add inside a `scan` body is counted once.
+        constraint: the constraint of the ops before the final residual add (see
+            `U.Constraint`); "to_output_scale" (the default) keeps their forward factors
+            those of unit outputs, as the reference library's default does.
+        readout: the factor of the readout (the first matmul after the final residual add):
+            `"unit"` (1/sqrt(fan-in): logits of unit variance at initialisation) or
+            `"umup"` (1/fan-in: u-muP's readout, logits near zero at initialisation, so the
+            loss starts at log(vocabulary)).
+        attention: `"plain"` (the default): products of two activations (attention's
+            `q k^T` and `weights @ v`) and `jax.nn.softmax` are kept as written (with the
+            user's own `1/sqrt(d)`, an attention's output is a weighted average of unit
+            values); `"unit"`: they become :func:`dot_general` and :func:`softmax` (factors
+            for full, unmasked rows: a causal mask then leaves early positions large).
 
     Raises:
         TypeError: `fn`, a `replace` key or a replacement is not callable.
@@ -581,16 +682,38 @@ def unit_scale(
     if not callable(fn):
         raise TypeError(f"unit_scale expects a callable, got {type(fn).__name__}.")
     entries, by_code, by_name = _resolve_replace(replace)
-    if tau is not None and not (isinstance(tau, (int, float)) and tau > 0):
-        raise ValueError(f"unit_scale: tau must be a positive number or None, got {tau!r}.")
+    if not (
+        (isinstance(tau, (int, float)) and not isinstance(tau, bool) and tau > 0)
+        or tau in TAU_RULES
+        or callable(tau)
+    ):
+        raise ValueError(
+            f"unit_scale: tau must be a positive number, one of {TAU_RULES} or a function, "
+            f"got {tau!r}."
+        )
     _fwd_bwd.apply_constraint(constraint, 1.0, 1.0)  # validates the constraint's name
+    if readout not in ("unit", "umup"):
+        raise ValueError(f"unit_scale: readout must be 'unit' or 'umup', got {readout!r}.")
+    if attention not in ("plain", "unit"):
+        raise ValueError(f"unit_scale: attention must be 'plain' or 'unit', got {attention!r}.")
     inner, rewrap = unwrap_outer(fn)
     if inner is not fn:  # unit_scale(autoscale(f)) is autoscale(unit_scale(f)), likewise FP8
-        return rewrap(unit_scale(inner, replace, tau=tau, constraint=constraint))
+        return rewrap(
+            unit_scale(
+                inner,
+                replace,
+                tau=tau,
+                constraint=constraint,
+                readout=readout,
+                attention=attention,
+            )
+        )
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        rewriter = _UnitScaleRewriter(entries, by_code, by_name, tau, constraint)
+        rewriter = _UnitScaleRewriter(
+            entries, by_code, by_name, tau, constraint, readout, attention
+        )
         out = rewrite_call("unit_scale", fn, rewriter, args, kwargs)
         if rewriter.replaced == 0:
             raise ValueError(

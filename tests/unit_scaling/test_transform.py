@@ -1,5 +1,6 @@
 """`U.unit_scale`: the graph transform, checked against the same model written with U ops."""
 
+import functools
 import math
 
 import jax
@@ -51,13 +52,20 @@ def loss(x, p):
     return jnp.mean(model(x, p))
 
 
-RUNNING_MEAN_TAU = (1.0, 1.0 / math.sqrt(2.0))  # the default: tau = 1/sqrt(k) for the k-th add
+# The default "umup" rule, tau_i = 1/sqrt(L/2 + i) with L = 2 branches (the same as the
+# running mean 1/sqrt(i + 1) for two branches).
+UMUP_TAU = (1.0, 1.0 / math.sqrt(2.0))
 
 
-def manual_model(x, p, tail_constraint=None, tau=RUNNING_MEAN_TAU):
-    """`model` written by hand with U ops: what unit_scale(model) must compute."""
+def manual_model(
+    x, p, tail_constraint=None, tau=UMUP_TAU, constraint="to_output_scale", attention="plain"
+):
+    """`model` written by hand with U ops: what unit_scale(model) must compute (with the
+    default arguments: attention as written, `to_output_scale` constraints)."""
 
-    def mm(a, b, constraint="gmean", constrain_rhs=False):
+    def mm(a, b, constraint=constraint, constrain_rhs=False):
+        if constrain_rhs and attention == "plain":
+            return a @ b  # a product of two activations: kept as written
         return U.dot_general(a, b, MATMUL, constraint=constraint, constrain_rhs=constrain_rhs)
 
     def bias(b):  # summed over the rows on the way back: unit-scaled like a weight gradient
@@ -68,12 +76,15 @@ def manual_model(x, p, tail_constraint=None, tau=RUNNING_MEAN_TAU):
     h = layer_norm(residual)
     q, k, v = mm(h, p["wq"]), mm(h, p["wk"]), mm(h, p["wv"])
     scores = mm(q, k.T, constrain_rhs=True) * (1.0 / math.sqrt(D))
-    weights = U.softmax(scores, axis=-1)
+    if attention == "plain":
+        weights = jax.nn.softmax(scores, axis=-1)
+    else:
+        weights = U.softmax(scores, axis=-1, constraint=constraint)
     x = U.residual_add(
         mm(mm(weights, v, constrain_rhs=True), p["wo"]) + bias(p["bo"]), skip, tau[0]
     )
     residual, skip = U.residual_split(x, tau[1])
-    hidden = U.gelu(mm(layer_norm(residual), p["w1"]) + bias(p["b1"]))
+    hidden = U.gelu(mm(layer_norm(residual), p["w1"]) + bias(p["b1"]), constraint=constraint)
     x = U.residual_add(mm(hidden, p["w2"]) + bias(p["b2"]), skip, tau[1])
     return mm(layer_norm(x), p["wout"], constraint=tail_constraint)
 
@@ -162,6 +173,15 @@ def test_fixed_tau_is_used_for_every_residual_add(inputs):
     x, params = inputs
     ours = U.unit_scale(model, tau=0.5)
     _close(ours(x, params), manual_model(x, params, tau=(0.5, 0.5)))
+
+
+def test_unit_attention_gmean_and_running_mean_give_the_model_written_so(inputs):
+    x, params = inputs
+    ours = U.unit_scale(model, tau="running_mean", constraint="gmean", attention="unit")
+    manual = functools.partial(manual_model, constraint="gmean", attention="unit")
+    _close(ours(x, params), manual(x, params))
+    cotangent = jax.random.normal(jax.random.PRNGKey(2), (SEQ, VOCAB))
+    _close(jax.vjp(ours, x, params)[1](cotangent), jax.vjp(manual, x, params)[1](cotangent))
 
 
 def test_replace_swaps_a_user_function(inputs):
@@ -484,7 +504,10 @@ def test_without_residual_adds_the_readout_is_the_unconstrained_tail(inputs):
         return jnp.mean(jax.nn.gelu(v @ w1) @ w2)
 
     def manual(v, w1, w2):
-        logits = U.dot_general(U.gelu(U.dot_general(v, w1, MATMUL)), w2, MATMUL, constraint=None)
+        hidden = U.gelu(
+            U.dot_general(v, w1, MATMUL, constraint="to_output_scale"), constraint="to_output_scale"
+        )
+        logits = U.dot_general(hidden, w2, MATMUL, constraint=None)
         return U.scale_bwd(jnp.sum(logits), float(logits.size)) / logits.size
 
     args = (x, params["w1"], params["w2"])
