@@ -495,6 +495,11 @@ def _vmapped_rows(value: Any, other: Any) -> int:
     return math.prod(size for level, size in mine.items() if level not in others)
 
 
+def _is_computed(atom: Any, context: _Context) -> bool:
+    """Computed by arithmetic from the inputs (an activation), not only reshaped from one."""
+    return not isinstance(atom, _compat.Literal) and atom in context.computed
+
+
 def _is_parameter(atom: Any, context: _Context) -> bool:
     """A floating input of the function (or a reshaping of one): a weight or a bias."""
     if isinstance(atom, _compat.Literal) or atom in context.computed:
