@@ -12,6 +12,7 @@ Examples:
     1.0
 """
 
+from . import _optim as optim
 from ._fp4 import simulate_fp4 as simulate_fp4
 from ._fp8 import simulate_fp8 as simulate_fp8
 from ._fwd_bwd import Constraint as Constraint
@@ -57,6 +58,7 @@ __all__ = [
     "linear_readout",
     "matmul",
     "mse_loss",
+    "optim",
     "residual_add",
     "residual_split",
     "rms_norm",
