@@ -50,3 +50,13 @@ def test_examples_run_and_show_unit_scale(printed):
     assert 0.7 < float(printed["stream gradient std"]) < 1.3
     fp8 = re.findall(r"[0-9.]+", printed["FP8 unit-scaled loss"])
     assert len(fp8) == 2 and 1.0 < float(fp8[1]) < 10.0
+
+
+def test_optim_example(printed):
+    """The u-muP optimizer section: the multipliers of the rules, a loss that falls, and the
+    same optimizer with a float16 scaled state."""
+    kernels = printed["u-muP kernel multipliers"]
+    assert kernels == "{'Dense_0': 0.0357, 'Dense_1': 0.0625, 'Dense_2': 1.0}"
+    first, last = (float(v) for v in printed["u-muP AdamW loss, first and last step"].split())
+    assert last < 0.5 * first
+    assert printed["u-muP AdamW scaled step, first moment"] == "ScaledArray float16"
