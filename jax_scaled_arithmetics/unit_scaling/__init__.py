@@ -39,6 +39,7 @@ from ._ops import scaled_dot_product_attention as scaled_dot_product_attention
 from ._ops import silu as silu
 from ._ops import silu_glu as silu_glu
 from ._ops import softmax as softmax
+from ._params import parameter_specs as parameter_specs
 from ._transform import unit_init as unit_init
 from ._transform import unit_scale as unit_scale
 
@@ -59,6 +60,7 @@ __all__ = [
     "matmul",
     "mse_loss",
     "optim",
+    "parameter_specs",
     "residual_add",
     "residual_split",
     "rms_norm",
