@@ -175,6 +175,50 @@ def test_fixed_tau_is_used_for_every_residual_add(inputs):
     _close(ours(x, params), manual_model(x, params, tau=(0.5, 0.5)))
 
 
+def _stack(x, p, layers=3):
+    """`layers` blocks sharing their parameters: 2 * layers residual branches."""
+    for _ in range(layers):
+        x = block(x, p)
+    return x
+
+
+def test_tau_rules_weigh_each_branch_by_its_index_and_kind(inputs):
+    x, params = inputs
+    seen = []
+
+    def rule(index, kinds):
+        seen.append((index, kinds))
+        return 0.3 + 0.1 * index
+
+    U.unit_scale(_stack, tau=rule)(x, params)
+    kinds = ("attention", "mlp") * 3
+    assert seen == [(i, kinds) for i in range(6)]
+    # Each named rule is the function of its definition.
+    named = {
+        "umup": lambda i, kinds: 1.0 / math.sqrt(len(kinds) / 2 + i),
+        "running_mean": lambda i, kinds: 1.0 / math.sqrt(i + 1),
+        "reference": lambda i, kinds: 0.01 if kinds[i] == "attention" else 0.5,
+    }
+    for name, fn in named.items():
+        _close(U.unit_scale(_stack, tau=name)(x, params), U.unit_scale(_stack, tau=fn)(x, params))
+    assert not np.allclose(
+        U.unit_scale(_stack, tau="umup")(x, params),
+        U.unit_scale(_stack, tau="running_mean")(x, params),
+    )
+
+
+def test_umup_readout_divides_the_logits_by_the_square_root_of_the_fan_in_again(inputs):
+    x, params = inputs
+    unit, umup = (U.unit_scale(model, readout=r)(x, params) for r in ("unit", "umup"))
+    _close(umup, unit / math.sqrt(D))
+    # Only the forward pass: the weight gradients are those of the unit readout's function
+    # times one constant (an unconstrained tail).
+    cotangent = jax.random.normal(jax.random.PRNGKey(2), (SEQ, VOCAB))
+    g_unit = jax.vjp(lambda p: U.unit_scale(model)(x, p), params)[1](cotangent)[0]
+    g_umup = jax.vjp(lambda p: U.unit_scale(model, readout="umup")(x, p), params)[1](cotangent)[0]
+    _close(g_umup, g_unit)
+
+
 def test_unit_attention_gmean_and_running_mean_give_the_model_written_so(inputs):
     x, params = inputs
     ours = U.unit_scale(model, tau="running_mean", constraint="gmean", attention="unit")
@@ -276,6 +320,14 @@ def test_bad_input_errors(inputs):
         U.unit_scale(model, tau=-1.0)
     with pytest.raises(ValueError, match="constraint"):
         U.unit_scale(model, constraint="sideways")
+    with pytest.raises(ValueError, match="tau must be a positive number, one of"):
+        U.unit_scale(model, tau="deep")
+    with pytest.raises(ValueError, match=r"tau\(1, \.\.\.\) gave -0.5; it must be positive"):
+        U.unit_scale(model, tau=lambda i, kinds: 1.0 - 1.5 * i)(x, params)
+    with pytest.raises(ValueError, match="readout must be 'unit' or 'umup'"):
+        U.unit_scale(model, readout="mup")
+    with pytest.raises(ValueError, match="attention must be 'plain' or 'unit'"):
+        U.unit_scale(model, attention="fused")
     with pytest.raises(ValueError, match="returned shape"):
         U.unit_scale(jax.nn.gelu, replace={jax.nn.gelu: lambda v: v[:1]})(x)
 
