@@ -137,10 +137,54 @@ def windows(ids: np.ndarray, offsets: np.ndarray, block: int) -> tuple[jax.Array
     return jnp.asarray(ids[index]), jnp.asarray(ids[index + 1])
 
 
-def make_loss(mode: str, n_head: int, unit_options: dict[str, Any]) -> Callable[..., Any]:
-    def loss(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
-        return loss_fn(params, x, y, n_head)
+MODELS = ("char-gpt", "linen-lm")
+"""`char-gpt`: the model above; `linen-lm`: the Flax linen language model of the test zoo
+(`tests/integration/zoo.py`: `nn.MultiHeadDotProductAttention`, a head tied to the
+embedding), at the same sizes."""
 
+
+def _linen_lm(config: Config) -> Any:
+    from tests.integration import zoo
+
+    return zoo.TransformerLM(
+        vocab_size=config.vocab_size,
+        max_len=config.block_size,
+        d_model=config.n_embd,
+        num_heads=config.n_head,
+        num_layers=config.n_layer,
+        mlp_dim=4 * config.n_embd,
+    )
+
+
+def model_init(model: str, config: Config) -> Params:
+    """The model's float32 parameters, initialised as its code does."""
+    key = jax.random.PRNGKey(config.seed)
+    if model == "linen-lm":
+        tokens = jnp.zeros((1, config.block_size), jnp.int32)
+        return _linen_lm(config).init(key, tokens)  # type: ignore[no-any-return]
+    return init_params(key, config)
+
+
+def plain_loss(model: str, config: Config) -> Callable[..., Any]:
+    """The model's mean next-character cross-entropy, as its users write it."""
+    if model == "linen-lm":
+        apply = _linen_lm(config).apply
+
+        def linen_loss(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
+            logits = apply(params, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        return linen_loss
+
+    def loss(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
+        return loss_fn(params, x, y, config.n_head)
+
+    return loss
+
+
+def make_loss(
+    mode: str, loss: Callable[..., Any], unit_options: dict[str, Any]
+) -> Callable[..., Any]:
     if mode == "fp32":
         return loss
     unit = U.unit_scale(loss, **unit_options)
@@ -163,21 +207,23 @@ def train(
     *,
     umup: bool = False,
     unit_options: dict[str, Any] | None = None,
+    model: str = "char-gpt",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """One run; returns its log (config, curves, final validation loss)."""
     unit_options = dict(unit_options or {})
     train_ids, val_ids, vocab = char_ids(text)
     config = dataclasses.replace(config, vocab_size=vocab)
-    params = init_params(jax.random.PRNGKey(config.seed), config)
+    params = model_init(model, config)
     if mode != "fp32":
         params = U.unit_init(params)
-    loss = make_loss(mode, config.n_head, unit_options)
+    written = plain_loss(model, config)
+    loss = make_loss(mode, written, unit_options)
     train_off, val_off = batch_offsets(len(train_ids), len(val_ids), config)
     specs = None
     if umup:
         x0, y0 = windows(train_ids, train_off[0], config.block_size)
-        specs = U.parameter_specs(make_loss("unit", config.n_head, unit_options), params, x0, y0)
+        specs = U.parameter_specs(written, params, x0, y0)
     opt = make_optimizer(lr, config, umup, specs)
     state = opt.init(params)
 
@@ -206,6 +252,7 @@ def train(
     final = curve[-1][1]
     return {
         "mode": mode,
+        "model": model,
         "lr": lr,
         "umup": umup,
         "unit_options": {k: repr(v) for k, v in unit_options.items()},
@@ -220,6 +267,7 @@ def train(
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", nargs="+", default=["unit"], choices=MODES)
+    parser.add_argument("--model", default="char-gpt", choices=MODELS)
     parser.add_argument("--lr", type=float, nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--n-layer", type=int, default=Config.n_layer)
@@ -249,13 +297,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     results = []
     for mode in args.mode:
         for lr in args.lr or [1e-3 if mode == "fp32" else 2e-2]:
-            result = train(mode, lr, config, text, umup=args.umup, unit_options=options)
+            result = train(
+                mode, lr, config, text, umup=args.umup, unit_options=options, model=args.model
+            )
             print(f"{mode} lr={lr:g}: final validation loss {result['final_val_loss']}")
             results.append(result)
             if args.out_dir:
                 out = Path(args.out_dir)
                 out.mkdir(parents=True, exist_ok=True)
-                name = f"{mode}{args.tag}-d{config.n_embd}-l{config.n_layer}-lr{lr:g}.json"
+                prefix = "" if args.model == "char-gpt" else f"{args.model}-"
+                name = f"{prefix}{mode}{args.tag}-d{config.n_embd}-l{config.n_layer}-lr{lr:g}.json"
                 (out / name).write_text(json.dumps(result, indent=1))
     return results
 
