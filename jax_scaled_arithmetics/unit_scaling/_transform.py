@@ -342,6 +342,7 @@ class _UnitScaleRewriter(JaxprWalker):
         self.replaced = 0
         self.taus: dict[tuple[int, int], float] = {}
         self.kinds: tuple[str, ...] = ()  # "attention" | "mlp" of every residual branch
+        self.matmul_factor: dict[Any, float] = {}  # matmul output variable -> forward factor
 
     # --- analysis plumbing ---------------------------------------------------------------
 
@@ -363,6 +364,19 @@ class _UnitScaleRewriter(JaxprWalker):
             index = min(self.depth + ahead, max(len(self.kinds) - 1, 0))
             self.taus[key] = _residual_tau(self.tau, index, self.kinds)
         return self.taus[key]
+
+    def bias_factor(self, bias: Any, other: Any, context: _Context) -> float | None:
+        """The forward factor of the matmul whose output `other` is, when `bias` is a
+        parameter (or a broadcast of one) added to it; None otherwise."""
+        if isinstance(bias, _compat.Literal) or isinstance(other, _compat.Literal):
+            return None
+        if other not in self.matmul_factor:
+            return None
+        source = bias
+        j = context.producer.get(bias)
+        if j is not None and context.jaxpr.eqns[j].primitive.name == "broadcast_in_dim":
+            source = context.jaxpr.eqns[j].invars[0]
+        return self.matmul_factor[other] if _is_parameter(source, context) else None
 
     def split(self, context: _Context, index: int, position: int, value: Any) -> Any:
         """`residual_split`: a read of a skip connection that starts a residual branch gives
@@ -441,24 +455,43 @@ class _UnitScaleRewriter(JaxprWalker):
             if lhs_computed and rhs_computed and self.attention == "plain":
                 return None  # a product of two activations (attention's): kept as written
             lhs, rhs_value = invals
+            lhs_rows, rhs_rows = _vmapped_rows(rhs_value, lhs), _vmapped_rows(lhs, rhs_value)
             out = _ops.dot_general_with_rows(
                 lhs,
                 rhs_value,
                 dimension_numbers,
                 constraint=constraint,
                 constrain_rhs=rhs_computed,
-                lhs_grad_rows=_vmapped_rows(rhs_value, lhs),
-                rhs_grad_rows=_vmapped_rows(lhs, rhs_value),
+                lhs_grad_rows=lhs_rows,
+                rhs_grad_rows=rhs_rows,
                 **params,
+            )
+            fwd, _, _ = _ops.dot_general_factors(
+                _ops._shape(lhs),
+                _ops._shape(rhs_value),
+                dimension_numbers,
+                constraint,
+                rhs_computed,
             )
             if index == context.readout and self.readout == "umup":
                 (contracting, _), _ = dimension_numbers
                 fan_in = math.prod(eqn.invars[0].aval.shape[d] for d in contracting)
                 out = _fwd_bwd.scale_fwd(out, fan_in**-0.5)
+                fwd *= fan_in**-0.5
+            self.matmul_factor[eqn.outvars[0]] = fwd
             return [out]
         if prim == "conv_general_dilated":
             self.replaced += 1
-            return [_unit_conv(eqn, invals, constraint)]
+            out, self.matmul_factor[eqn.outvars[0]] = _unit_conv(eqn, invals, constraint)
+            return [out]
+        if prim == "add":
+            # A bias added to a matmul's output enters the scaled product (as in the
+            # reference's `U.linear`): it is multiplied by the matmul's forward factor, so its
+            # effect per unit of parameter is the weight's (u-muP's bias rule assumes so).
+            for p, atom in enumerate(eqn.invars):
+                factor = self.bias_factor(atom, eqn.invars[1 - p], context)
+                if factor is not None:
+                    invals[p] = _fwd_bwd.scale_fwd(invals[p], factor)
         if prim in ("broadcast_in_dim", "add", "sub", "mul"):
             # A bias or a gain (any parameter) broadcast over rows: its gradient is a sum
             # over the rows, scaled back to unit like a weight gradient.
@@ -553,8 +586,9 @@ def _library_call(
     return None
 
 
-def _unit_conv(eqn: Any, invals: list[Any], constraint: Any) -> Any:
-    """`conv_general_dilated` times 1/sqrt(fan-in) forward, with unit-scaled gradients."""
+def _unit_conv(eqn: Any, invals: list[Any], constraint: Any) -> tuple[Any, float]:
+    """`conv_general_dilated` times 1/sqrt(fan-in) forward, with unit-scaled gradients; and
+    that forward factor."""
     lhs, rhs = invals
     params = eqn.params
     _, rhs_spec, out_spec = params["dimension_numbers"]
@@ -574,7 +608,7 @@ def _unit_conv(eqn: Any, invals: list[Any], constraint: Any) -> Any:
         _fwd_bwd.scale_bwd(rhs, kernel_scale / output_scale),
         **bind_params,
     )
-    return out * jnp.asarray(output_scale, out.dtype)
+    return out * jnp.asarray(output_scale, out.dtype), output_scale
 
 
 def _resolve_replace(
@@ -627,7 +661,8 @@ def unit_scale(
     `jax.nn.gelu`, `jax.nn.silu` and `jax.nn.softmax` their unit-scaled versions; every
     residual add (an `add` of a value and something computed from it through a matmul) a
     :func:`residual_add` whose branch gets the matching :func:`residual_split` gradient
-    weight; a bias or gain broadcast over rows a gradient scaled by 1/sqrt(rows); the ops
+    weight; a bias or gain broadcast over rows a gradient scaled by 1/sqrt(rows) (and a bias
+    added to a matmul's output the matmul's forward factor); the ops
     after the final residual add unconstrained, with the constant multiplications on the
     path to a loss (a mean's `1/N`) on the forward pass only. Other primitives
     pass through unchanged. Combine with :func:`unit_init` on the parameters.

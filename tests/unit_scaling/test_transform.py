@@ -207,6 +207,29 @@ def test_tau_rules_weigh_each_branch_by_its_index_and_kind(inputs):
     )
 
 
+def test_a_bias_enters_its_matmul_s_scaled_product(inputs):
+    x, params = inputs
+    # Non-zero biases (after training): each is multiplied by its matmul's forward factor
+    # (to_output_scale: 1/sqrt(fan-in)), as the reference's `U.linear` adds its bias.
+    trained = dict(params, bo=jnp.ones(D), b1=jnp.full(4 * D, 0.5), b2=jnp.full(D, -1.0))
+    scaled = dict(
+        trained,
+        bo=trained["bo"] / math.sqrt(D),
+        b1=trained["b1"] / math.sqrt(D),
+        b2=trained["b2"] / math.sqrt(4 * D),
+    )
+    _close(U.unit_scale(model)(x, trained), manual_model(x, scaled))
+    # The biases' gradients are those of the function written with the scaled biases, times
+    # the factors (a forward-only scaling): the same direction.
+    cotangent = jax.random.normal(jax.random.PRNGKey(2), (SEQ, VOCAB))
+    ours = jax.vjp(lambda p: U.unit_scale(model)(x, p), trained)[1](cotangent)[0]
+    manual = jax.vjp(lambda p: manual_model(x, p), scaled)[1](cotangent)[0]
+    for name in ("bo", "b1", "b2"):
+        _close(
+            ours[name] / jnp.linalg.norm(ours[name]), manual[name] / jnp.linalg.norm(manual[name])
+        )
+
+
 def test_umup_readout_divides_the_logits_by_the_square_root_of_the_fan_in_again(inputs):
     x, params = inputs
     unit, umup = (U.unit_scale(model, readout=r)(x, params) for r in ("unit", "umup"))
