@@ -173,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=Config.seed)
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--tag", default="", help="added to the log's file name")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     config = Config(steps=args.steps, seed=args.seed)
@@ -186,7 +187,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.out_dir:
                 out = Path(args.out_dir)
                 out.mkdir(parents=True, exist_ok=True)
-                name = f"reference-{mode}-d{config.n_embd}-l{config.n_layer}-lr{lr:g}.json"
+                name = (
+                    f"reference-{mode}{args.tag}-d{config.n_embd}-l{config.n_layer}-lr{lr:g}.json"
+                )
                 (out / name).write_text(json.dumps(result, indent=1))
 
 
