@@ -4,7 +4,8 @@ parametrisation (standard: `--mode fp32`, tag `-sp`; u-muP: `--mode unit --umup`
 `-umup`), and print the best learning rate of each width and its shift per doubling.
 
 Run: python experiments/unit_scaling/plot_transfer.py \\
-         --runs experiments/results/unit-scaling/transfer --out docs/images/unit_scaling_transfer.png
+         --runs experiments/results/unit-scaling/transfer \\
+         --out docs/images/unit_scaling_transfer.png
 """
 
 from __future__ import annotations
@@ -46,15 +47,24 @@ def summary(table: dict[str, Any]) -> list[str]:
         optima = {key: best(curve) for key, curve in sorted(curves.items())}
         for (width, depth), (lr, loss) in optima.items():
             lines.append(f"{name} width {width} depth {depth}: best lr {lr:g}, loss {loss:.3f}")
-        widths = sorted(optima)
-        if len(widths) >= 2:
-            first, last = optima[widths[0]][0], optima[widths[-1]][0]
-            doublings = math.log2(widths[-1][0] / widths[0][0]) or 1.0
-            shift = math.log2(last / first)
-            lines.append(
-                f"{name}: optimum moves {shift:+.0f} factor-2 steps from width {widths[0][0]} to "
-                f"{widths[-1][0]} ({shift / doublings:+.2f} per width doubling)"
-            )
+        for depth in sorted({d for _, d in optima}):
+            widths = sorted(w for w, d in optima if d == depth)
+            if len(widths) >= 2:
+                first, last = optima[(widths[0], depth)][0], optima[(widths[-1], depth)][0]
+                shift = math.log2(last / first)
+                doublings = math.log2(widths[-1] / widths[0])
+                lines.append(
+                    f"{name} depth {depth}: optimum moves {shift:+.0f} factor-2 steps from width "
+                    f"{widths[0]} to {widths[-1]} ({shift / doublings:+.2f} per width doubling)"
+                )
+        for width in sorted({w for w, _ in optima}):
+            depths = sorted(d for w, d in optima if w == width)
+            if len(depths) >= 2:
+                first, last = optima[(width, depths[0])][0], optima[(width, depths[-1])][0]
+                lines.append(
+                    f"{name} width {width}: optimum moves {math.log2(last / first):+.0f} "
+                    f"factor-2 steps from depth {depths[0]} to {depths[-1]}"
+                )
     return lines
 
 
