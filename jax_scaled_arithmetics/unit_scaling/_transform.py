@@ -367,7 +367,8 @@ class _UnitScaleRewriter(JaxprWalker):
 
     def bias_factor(self, bias: Any, other: Any, context: _Context) -> float | None:
         """The forward factor of the matmul whose output `other` is, when `bias` is a
-        parameter (or a broadcast of one) added to it; None otherwise."""
+        parameter broadcast over its rows (a vector, or a broadcast of one) added to it;
+        None otherwise."""
         if isinstance(bias, _compat.Literal) or isinstance(other, _compat.Literal):
             return None
         if other not in self.matmul_factor:
@@ -376,7 +377,13 @@ class _UnitScaleRewriter(JaxprWalker):
         j = context.producer.get(bias)
         if j is not None and context.jaxpr.eqns[j].primitive.name == "broadcast_in_dim":
             source = context.jaxpr.eqns[j].invars[0]
-        return self.matmul_factor[other] if _is_parameter(source, context) else None
+        if not _is_parameter(source, context):
+            return None
+        # A bias is broadcast over the output's rows (a parameter as large as the output is
+        # an input, such as the stream entering a block).
+        if math.prod(source.aval.shape) >= math.prod(other.aval.shape):
+            return None
+        return self.matmul_factor[other]
 
     def split(self, context: _Context, index: int, position: int, value: Any) -> Any:
         """`residual_split`: a read of a skip connection that starts a residual branch gives
@@ -484,7 +491,7 @@ class _UnitScaleRewriter(JaxprWalker):
             self.replaced += 1
             out, self.matmul_factor[eqn.outvars[0]] = _unit_conv(eqn, invals, constraint)
             return [out]
-        if prim == "add":
+        if prim == "add" and index not in context.residual:
             # A bias added to a matmul's output enters the scaled product (as in the
             # reference's `U.linear`): it is multiplied by the matmul's forward factor, so its
             # effect per unit of parameter is the weight's (u-muP's bias rule assumes so).

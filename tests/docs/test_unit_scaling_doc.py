@@ -57,6 +57,8 @@ def test_optim_example(printed):
     same optimizer with a float16 scaled state."""
     kernels = printed["u-muP kernel multipliers"]
     assert kernels == "{'Dense_0': 0.0357, 'Dense_1': 0.0625, 'Dense_2': 1.0}"
+    read = "{'Dense_0': 'weight', 'Dense_1': 'weight', 'Dense_2': 'output'}"
+    assert printed["read from the program"] == read
     first, last = (float(v) for v in printed["u-muP AdamW loss, first and last step"].split())
     assert last < 0.5 * first
     assert printed["u-muP AdamW scaled step, first moment"] == "ScaledArray float16"

@@ -230,6 +230,17 @@ def test_a_bias_enters_its_matmul_s_scaled_product(inputs):
         )
 
 
+def test_a_stream_given_as_input_is_a_skip_not_a_bias(inputs):
+    x, _ = inputs
+    w = jnp.zeros((D, D))  # the branch is zero: the output is the skip's share, b * x
+
+    def residual_block(stream, w):
+        return stream + jnp.tanh(stream @ w) @ w
+
+    tau = 1.0 / math.sqrt(0.5)  # u-muP's rule for the first of L = 1 branches
+    _close(U.unit_scale(residual_block)(x, w), x / math.sqrt(1.0 + tau**2))
+
+
 def test_umup_readout_divides_the_logits_by_the_square_root_of_the_fan_in_again(inputs):
     x, params = inputs
     unit, umup = (U.unit_scale(model, readout=r)(x, params) for r in ("unit", "umup"))
