@@ -196,9 +196,9 @@ def _analyse(jaxpr: Any, mode: str) -> _Context:
             if last not in residual and not readout:
                 child_mode[last] = "search"
     output_chain = _output_chain(jaxpr) & tail if mode != "none" else set()
-    readout = None
+    readout_eqn = None
     if mode == "search":
-        readout = next(
+        readout_eqn = next(
             (j for j in sorted(tail) if jaxpr.eqns[j].primitive.name == "dot_general"), None
         )
     return _Context(
@@ -211,7 +211,7 @@ def _analyse(jaxpr: Any, mode: str) -> _Context:
         child_mode,
         mode,
         branches,
-        readout,
+        readout_eqn,
         {v: j for v, j in node.items() if j < n},
     )
 
