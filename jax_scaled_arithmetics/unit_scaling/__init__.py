@@ -33,12 +33,14 @@ from ._ops import linear_readout as linear_readout
 from ._ops import matmul as matmul
 from ._ops import mse_loss as mse_loss
 from ._ops import residual_add as residual_add
+from ._ops import residual_apply as residual_apply
 from ._ops import residual_split as residual_split
 from ._ops import rms_norm as rms_norm
 from ._ops import scaled_dot_product_attention as scaled_dot_product_attention
 from ._ops import silu as silu
 from ._ops import silu_glu as silu_glu
 from ._ops import softmax as softmax
+from ._ops import transformer_residual_scaling_rule as transformer_residual_scaling_rule
 from ._params import parameter_specs as parameter_specs
 from ._transform import unit_init as unit_init
 from ._transform import unit_scale as unit_scale
@@ -62,6 +64,7 @@ __all__ = [
     "optim",
     "parameter_specs",
     "residual_add",
+    "residual_apply",
     "residual_split",
     "rms_norm",
     "scale_bwd",
@@ -72,6 +75,7 @@ __all__ = [
     "softmax",
     "simulate_fp4",
     "simulate_fp8",
+    "transformer_residual_scaling_rule",
     "unit_init",
     "unit_scale",
 ]

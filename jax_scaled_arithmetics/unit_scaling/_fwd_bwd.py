@@ -22,20 +22,45 @@ import numpy as np
 
 from ..core.types import Array
 
-Constraint: TypeAlias = Literal["gmean", "to_output_scale", "to_grad_input_scale"] | None
+Constraint: TypeAlias = (
+    Literal[
+        "gmean",
+        "hmean",
+        "amean",
+        "to_output_scale",
+        "to_grad_input_scale",
+        "to_left_grad_scale",
+        "to_right_grad_scale",
+    ]
+    | None
+)
 """How an op ties its output factor to the grad factors of its activation operands.
 
 - `None`: unconstrained, every factor as computed (unit output and unit gradients).
-- `"gmean"`: the output factor and the grad factors on the path all become their
-  geometric mean, as the `gmean` constraint of the PyTorch unit-scaling library does.
+- `"gmean"`, `"hmean"`, `"amean"`: the output factor and the grad factors on the path all
+  become their geometric, harmonic or arithmetic mean.
 - `"to_output_scale"`: the grad factors on the path become the output factor.
 - `"to_grad_input_scale"`: the output factor (and every grad factor on the path)
   becomes the grad factor (their geometric mean when several operands are on the path).
+- `"to_left_grad_scale"`, `"to_right_grad_scale"`: for an op with two operands on the
+  path (`add`, `silu_glu`, a matmul of two activations), every factor becomes the left
+  (first) or right (second) operand's grad factor; a `ValueError` for any other op.
 
 Only operands "on the path" (activations) are tied; a weight's grad factor never is.
+These are the constraints of the PyTorch library `unit-scaling`, whose ops default to
+`"to_output_scale"`; its `gmean` (as its `hmean` and `amean`) also averages over every
+factor it is given, which for its `matmul` includes the right operand's, a weight's.
 """
 
-CONSTRAINTS: tuple[str, ...] = ("gmean", "to_output_scale", "to_grad_input_scale")
+CONSTRAINTS: tuple[str, ...] = (
+    "gmean",
+    "hmean",
+    "amean",
+    "to_output_scale",
+    "to_grad_input_scale",
+    "to_left_grad_scale",
+    "to_right_grad_scale",
+)
 
 __all__ = [
     "CONSTRAINTS",
@@ -62,6 +87,14 @@ def _gmean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def _hmean(values: Sequence[float]) -> float:
+    return len(values) / sum(1.0 / v for v in values)
+
+
+def _amean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
 def apply_constraint(
     constraint: Constraint, output_scale: float, *grad_input_scales: float
 ) -> tuple[float, tuple[float, ...]]:
@@ -76,11 +109,18 @@ def apply_constraint(
     Returns:
         `(output_scale, grad_input_scales)` after the constraint.
 
+    Raises:
+        ValueError: for an unknown constraint, a factor that is not positive and finite,
+            or `"to_left_grad_scale"`/`"to_right_grad_scale"` with other than two grad
+            factors.
+
     Examples:
         >>> apply_constraint("gmean", 0.25, 1.0)
         (0.5, (0.5,))
         >>> apply_constraint("to_output_scale", 0.25, 1.0, 2.0)
         (0.25, (0.25, 0.25))
+        >>> apply_constraint("to_right_grad_scale", 0.25, 1.0, 2.0)
+        (2.0, (2.0, 2.0))
         >>> apply_constraint(None, 0.25, 1.0)
         (0.25, (1.0,))
     """
@@ -88,14 +128,24 @@ def apply_constraint(
     scales = (float(output_scale), *(float(s) for s in grad_input_scales))
     if any(not (math.isfinite(s) and s > 0.0) for s in scales):
         raise ValueError(f"Scale factors must be positive and finite, got {scales}.")
+    if constraint in ("to_left_grad_scale", "to_right_grad_scale") and len(scales) != 3:
+        raise ValueError(
+            f"Constraint {constraint!r} needs an op with two operands on the path (a left "
+            f"and a right one), but this op has {len(scales) - 1}; use 'to_grad_input_scale' "
+            "or another constraint (for a matmul of two activations, pass constrain_rhs=True)."
+        )
     if constraint is None or not grad_input_scales:
         return scales[0], scales[1:]
     if constraint == "to_output_scale":
         tied = scales[0]
     elif constraint == "to_grad_input_scale":
         tied = _gmean(scales[1:])
+    elif constraint == "to_left_grad_scale":
+        tied = scales[1]
+    elif constraint == "to_right_grad_scale":
+        tied = scales[2]
     else:
-        tied = _gmean(scales)
+        tied = {"gmean": _gmean, "hmean": _hmean, "amean": _amean}[constraint](scales)
     return tied, (tied,) * len(grad_input_scales)
 
 

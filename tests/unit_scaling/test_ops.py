@@ -14,7 +14,7 @@ the deviation their tied factor implies (stated next to the case):
 | linear 32->8192 + bias, None  | 1.009 (1)           | 0.989, 1.008, 1.011 (1, 1, 1)        | .02 |
 | linear 256->1024, gmean       | 0.703 (0.707)       | 1.407, 0.994 (1.414, 1)              | .03 |
 | linear 256->1024, to_output   | 0.995 (1)           | 1.990, 0.994 (2, 1)                  | .04 |
-| linear_readout 64->1000       | 0.994 (1)           | 0.997, 0.996 (1, 1)                  | .02 |
+| linear_readout 64->1000       | 0.124 (0.125)       | 0.997, 0.996 (1, 1)                  | .02 |
 | conv1d SAME                   | 1.027 (1)           | 1.023, 0.994 (1, 1)                  | .03 |
 | conv2d stride 2, 2 groups     | 1.009 (1)           | 1.021, 1.011 (1, 1)                  | .03 |
 | gelu (tanh / erf), None       | 1.000 (1)           | 1.002 (1)                            | .02 |
@@ -29,9 +29,11 @@ the deviation their tied factor implies (stated next to the case):
 | rms_norm n=4096 (x, w)        | 1.000 (1)           | 1.002, 1.010 (1, 1)                  | .02 |
 | embedding V=512, 8192 ids     | 0.999 (1)           | 1.008 (1)                            | .03 |
 | add, None                     | 0.998 (1)           | 1.000, 1.000 (1, 1)                  | .02 |
-| add, gmean                    | 1.187 (1.189)       | 0.841, 0.841 (.841, .841)            | .02 |
+| add, gmean                    | 1.257 (1.260)       | 0.891, 0.891 (.891, .891)            | .02 |
+| add (64, 4096) + (4096,)      | 1.006 (1)           | 1.000, 1.019 (1, 1)                  | .02 |
 | residual_add tau=0.5          | 0.998 (1)           | 1.000, 1.000 (1, 1)                  | .02 |
 | residual_split tau=0.5        | 0.998, 0.998 (1, 1) | 1.001 (1)                            | .02 |
+| residual_apply tau=0.5        | 0.999 (1)           | 1.000 (1)                            | .02 |
 | attention 128x128 d=64, None  | 0.976 (1)           | 0.981, 0.983, 1.001 (1, 1, 1)        | .03 |
 | attention causal 96x128 dv=32 | 0.981 (1)           | 1.023, 1.033, 0.995 (1, 1, 1)        | .04 |
 | attention 128x128 d=64, gmean | 0.991 (1.015)       | 0.963, 0.972, 1.016 (.98, .99, 1.02) | .03 |
@@ -174,7 +176,10 @@ UNIT_CASES = {
         (2.0, 1.0),
         0.04,
     ),
-    "linear_readout": Case(U.linear_readout, normals((512, 64), (64, 1000)), 1.0, (1.0, 1.0), 0.02),
+    # u-muP's readout: output factor 1/fan_in, logits of std 1/sqrt(64); unit gradients.
+    "linear_readout": Case(
+        U.linear_readout, normals((512, 64), (64, 1000)), 0.125, (1.0, 1.0), 0.02
+    ),
     "conv1d": Case(U.conv1d, normals((8, 128, 32), (3, 32, 32)), 1.0, (1.0, 1.0), 0.03),
     # 16x16 input, stride 2, "SAME": padding and strides enter the counts.
     "conv2d_strided_grouped": Case(
@@ -228,13 +233,28 @@ UNIT_CASES = {
     "add": Case(
         lambda a, b: U.add(a, b, constraint=None), normals((N,), (N,)), 1.0, (1.0, 1.0), 0.02
     ),
-    # gmean of 2^(-1/2) and 1 is 2^(-1/4); the output sqrt(2) 2^(-1/4) = 2^(1/4).
-    "add_gmean": Case(U.add, normals((N,), (N,)), 2**0.25, (2**-0.25, 2**-0.25), 0.02),
+    # gmean of 2^(-1/2), 1 and 1 is 2^(-1/6); the output sqrt(2) 2^(-1/6) = 2^(1/3).
+    "add_gmean": Case(U.add, normals((N,), (N,)), 2 ** (1 / 3), (2 ** (-1 / 6),) * 2, 0.02),
+    # A row vector broadcast over 64 rows: its gradient sums 64 unit terms.
+    "add_broadcast": Case(
+        lambda a, b: U.add(a, b, constraint=None),
+        normals((64, 4096), (4096,)),
+        1.0,
+        (1.0, 1.0),
+        0.02,
+    ),
     "residual_add": Case(
         lambda r, s: U.residual_add(r, s, tau=0.5), normals((N,), (N,)), 1.0, (1.0, 1.0), 0.02
     ),
     "residual_split": Case(
         lambda x: U.residual_split(x, tau=0.5), normals((N,)), [1.0, 1.0], (1.0,), 0.02
+    ),
+    "residual_apply": Case(
+        lambda x: U.residual_apply(lambda h: jnp.roll(h, 1), x, tau=0.5),
+        normals((N,)),
+        1.0,
+        (1.0,),
+        0.02,
     ),
     "scaled_dot_product_attention": Case(
         lambda q, k, v: U.scaled_dot_product_attention(q, k, v, constraint=None),
@@ -293,8 +313,17 @@ def test_table_covers_every_op():
     assert ops <= covered | set(_NOT_OURS), sorted(ops - covered)
 
 
-# Names other sub-modules add to the package (FP8 simulation, graph transform).
-_NOT_OURS = {"simulate_fp4", "simulate_fp8", "unit_init", "unit_scale"}
+# Names other sub-modules add to the package (FP8 simulation, graph transform, optimizer
+# rules), and a rule that is not an op (tested in test_ops_umup.py).
+_NOT_OURS = {
+    "optim",
+    "parameter_specs",
+    "simulate_fp4",
+    "simulate_fp8",
+    "transformer_residual_scaling_rule",
+    "unit_init",
+    "unit_scale",
+}
 
 
 # ---------------------------------------------------------------------------------------
@@ -575,7 +604,7 @@ def test_apply_constraint():
     out, grads = _fwd_bwd.apply_constraint("gmean", 0.25, 4.0)
     assert out == pytest.approx(1.0) and grads == (out,)
     assert _fwd_bwd.apply_constraint("gmean", 0.5) == (0.5, ())
-    with pytest.raises(ValueError, match="'gmean', 'to_output_scale', 'to_grad_input_scale'"):
+    with pytest.raises(ValueError, match="'gmean', 'hmean', 'amean', 'to_output_scale', "):
         _fwd_bwd.apply_constraint("mean", 1.0, 1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive and finite"):
         _fwd_bwd.apply_constraint(None, 0.0, 1.0)
@@ -757,7 +786,7 @@ BAD_INPUTS = [
         "strides",
     ),
     (lambda: U.silu_glu(_X, jnp.ones((4, 4))), ValueError, "x and gate must have the same shape"),
-    (lambda: U.add(_X, jnp.ones(8)), ValueError, "same shape"),
+    (lambda: U.add(_X, jnp.ones(4)), ValueError, "must broadcast together, got shapes"),
     (lambda: U.dropout(_X, 1.0, jax.random.key(0)), ValueError, "rate must be in \\[0, 1\\)"),
     (lambda: U.dropout(_X, -0.1, jax.random.key(0)), ValueError, "rate must be in"),
     (lambda: U.dropout(_X, jnp.float32(0.5), jax.random.key(0)), TypeError, "Python number"),
@@ -791,8 +820,9 @@ def test_public_names():
     ours = {
         "Constraint", "add", "apply_constraint", "conv1d", "conv2d", "cross_entropy",
         "dot_general", "dropout", "embedding", "gelu", "layer_norm", "linear", "linear_readout",
-        "matmul", "mse_loss", "residual_add", "residual_split", "rms_norm", "scale_bwd",
-        "scale_fwd", "scaled_dot_product_attention", "silu", "silu_glu", "softmax",
+        "matmul", "mse_loss", "residual_add", "residual_apply", "residual_split", "rms_norm",
+        "scale_bwd", "scale_fwd", "scaled_dot_product_attention", "silu", "silu_glu", "softmax",
+        "transformer_residual_scaling_rule",
     }  # fmt: skip
     assert ours <= set(U.__all__)
     assert all(hasattr(U, n) for n in U.__all__)
