@@ -1305,7 +1305,6 @@ def scaled_dot_product_attention(
     mult: float = 1.0,
     scale: float | str | None = None,
     constraint: Constraint = "gmean",
-    dropout_key: Array | None = None,
 ) -> Array:
     """Unit-scaled attention `dropout(softmax(mult * scale * q k^T)) @ v`.
 
@@ -1337,7 +1336,6 @@ def scaled_dot_product_attention(
             "1/d" (1/head_dim), or a positive number.
         constraint: see `Constraint`; q, k and v are all on the path, and the default
             "gmean" ties the four factors to their geometric mean.
-        dropout_key: another name for `key` (give one of them).
 
     Examples:
         >>> import jax
@@ -1362,9 +1360,6 @@ def scaled_dot_product_attention(
     dropout_p = _static_number(dropout_p, "dropout_p")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}.")
-    if key is not None and dropout_key is not None:
-        raise ValueError("give the dropout key as key= or as dropout_key=, not both.")
-    key = dropout_key if key is None else key
     if deterministic:
         dropout_p = 0.0
     if dropout_p > 0.0 and key is None:
