@@ -3,32 +3,39 @@
 Measured std of the output and of each input's gradient (unit-normal inputs and output
 gradient, the shapes of UNIT_CASES; loss gradients for a cotangent of 1), the expected
 value and the tolerance each is checked to. Unconstrained ops expect 1; constrained ones
-the deviation their tied factor implies (stated next to the case):
+the deviation their tied factor implies (stated next to the case). The default constraint,
+"to_output_scale" ("default" below), keeps every output at 1 and puts the deviation on
+the input gradients on the path; "gmean" splits it between the output and them:
 
 | case                          | output (expected)   | gradients (expected)                 | tol |
 |-------------------------------|---------------------|--------------------------------------|-----|
 | dot_general batch dims, None  | 0.987 (1)           | 0.996, 0.998 (1, 1)                  | .02 |
+| dot_general K256 N64, default | 0.987 (1)           | 0.498, 0.998 (0.5, 1)                | .02 |
 | dot_general K=256 N=64, gmean | 1.395 (1.414)       | 0.704, 0.998 (0.707, 1)              | .02 |
 | matmul, weight broadcast      | 0.993 (1)           | 1.000, 0.992 (1, 1)                  | .02 |
-| linear 256->256, gmean        | 0.997 (1)           | 0.997, 0.996 (1, 1)                  | .02 |
+| linear 256->256, default      | 0.997 (1)           | 0.997, 0.996 (1, 1)                  | .02 |
 | linear 32->8192 + bias, None  | 1.009 (1)           | 0.989, 1.008, 1.011 (1, 1, 1)        | .02 |
 | linear 256->1024, gmean       | 0.703 (0.707)       | 1.407, 0.994 (1.414, 1)              | .03 |
-| linear 256->1024, to_output   | 0.995 (1)           | 1.990, 0.994 (2, 1)                  | .04 |
+| linear 256->1024, default     | 0.995 (1)           | 1.990, 0.994 (2, 1)                  | .04 |
 | linear_readout 64->1000       | 0.124 (0.125)       | 0.997, 0.996 (1, 1)                  | .02 |
-| conv1d SAME                   | 1.027 (1)           | 1.023, 0.994 (1, 1)                  | .03 |
+| conv1d SAME, default          | 1.027 (1)           | 1.023, 0.994 (1, 1)                  | .03 |
 | conv2d stride 2, 2 groups     | 1.009 (1)           | 1.021, 1.011 (1, 1)                  | .03 |
 | gelu (tanh / erf), None       | 1.000 (1)           | 1.002 (1)                            | .02 |
+| gelu, default                 | 1.000 (1)           | 1.150 (1.148)                        | .02 |
 | gelu, gmean                   | 0.934 (0.933)       | 1.073 (1.072)                        | .02 |
 | silu, None                    | 1.000 (1)           | 1.002 (1)                            | .02 |
 | silu_glu, None                | 0.996 (1)           | 1.001, 0.998 (1, 1)                  | .02 |
+| silu_glu, default             | 0.996 (1)           | 1.001, 1.030 (1, 1.033)              | .02 |
 | softmax n=512, None           | 0.985 (1)           | 0.994 (1)                            | .03 |
 | softmax n=8, None             | 0.996 (1)           | 1.003 (1)                            | .03 |
+| softmax n=512, default        | 0.985 (1)           | 1.240 (1.248)                        | .03 |
 | softmax n=512, gmean          | 0.882 (0.895)       | 1.110 (1.117)                        | .03 |
 | dropout rate 0.25             | 0.998 (1)           | 0.998 (1)                            | .02 |
 | layer_norm n=4096 (x, w, b)   | 1.000 (1)           | 1.002, 1.009, 1.019 (1, 1, 1)        | .02 |
 | rms_norm n=4096 (x, w)        | 1.000 (1)           | 1.002, 1.010 (1, 1)                  | .02 |
 | embedding V=512, 8192 ids     | 0.999 (1)           | 1.008 (1)                            | .03 |
 | add, None                     | 0.998 (1)           | 1.000, 1.000 (1, 1)                  | .02 |
+| add, default                  | 0.998 (1)           | 0.707, 0.707 (.707, .707)            | .02 |
 | add, gmean                    | 1.257 (1.260)       | 0.891, 0.891 (.891, .891)            | .02 |
 | add (64, 4096) + (4096,)      | 1.006 (1)           | 1.000, 1.019 (1, 1)                  | .02 |
 | residual_add tau=0.5          | 0.998 (1)           | 1.000, 1.000 (1, 1)                  | .02 |
@@ -36,6 +43,7 @@ the deviation their tied factor implies (stated next to the case):
 | residual_apply tau=0.5        | 0.999 (1)           | 1.000 (1)                            | .02 |
 | attention 128x128 d=64, None  | 0.976 (1)           | 0.981, 0.983, 1.001 (1, 1, 1)        | .03 |
 | attention causal 96x128 dv=32 | 0.981 (1)           | 1.023, 1.033, 0.995 (1, 1, 1)        | .04 |
+| attn 128x128 d=64, default    | 0.976 (1)           | 0.949, 0.958, 1.001 (.97, .97, 1)    | .03 |
 | attention 128x128 d=64, gmean | 0.991 (1.015)       | 0.963, 0.972, 1.016 (.98, .99, 1.02) | .03 |
 | cross_entropy V=1000, mean    | (loss)              | 1.000 (1)                            | .02 |
 | cross_entropy V=8, none       | (losses)            | 1.008 (1)                            | .03 |
@@ -126,6 +134,7 @@ RBG_KEY = jax.random.key(3, impl="rbg")  # compiles in a fraction of threefry's 
 N = 1 << 18  # elementwise sample size
 GELU_F, GELU_B = _ops._elementwise_factors("gelu_tanh")
 SOFTMAX_P, SOFTMAX_DX, _ = _ops.softmax_moments(512)
+_, SILU_SECOND, SILU_GRAD = _ops.gaussian_moments("silu")
 ATT = [1 / math.sqrt(v) for v in _ops.attention_moments(128, 128, 64, False)]
 ATT_T = gmean(*ATT)
 
@@ -146,9 +155,17 @@ UNIT_CASES = {
         (1.0, 1.0),
         0.02,
     ),
+    # The default, to_output_scale: lhs grad factor 1/sqrt(256) on a sum over 64: 1/2.
+    "dot_general_to_output": Case(
+        lambda a, b: U.dot_general(a, b, BATCH_DN),
+        normals((4, 128, 256), (4, 256, 64)),
+        1.0,
+        (0.5, 1.0),
+        0.02,
+    ),
     # gmean: fwd = lhs grad factor = (256 * 64)^(-1/4): output (256/64)^(1/4), lhs grad inverse.
     "dot_general_gmean": Case(
-        lambda a, b: U.dot_general(a, b, BATCH_DN),
+        lambda a, b: U.dot_general(a, b, BATCH_DN, constraint="gmean"),
         normals((4, 128, 256), (4, 256, 64)),
         math.sqrt(2.0),
         (1 / math.sqrt(2.0), 1.0),
@@ -166,11 +183,16 @@ UNIT_CASES = {
     ),
     # gmean, in=256, out=1024: output (in/out)^(1/4) = 0.71, x grad (out/in)^(1/4) = 1.41.
     "linear_gmean_wide": Case(
-        U.linear, normals((512, 256), (256, 1024)), 2**-0.5, (2**0.5, 1.0), 0.03
+        lambda x, w: U.linear(x, w, constraint="gmean"),
+        normals((512, 256), (256, 1024)),
+        2**-0.5,
+        (2**0.5, 1.0),
+        0.03,
     ),
-    # to_output_scale: the x grad factor 1/sqrt(in) on a sum over out: sqrt(out/in) = 2.
+    # The default, to_output_scale: the x grad factor 1/sqrt(in) on a sum over out:
+    # sqrt(out/in) = 2.
     "linear_to_output": Case(
-        lambda x, w: U.linear(x, w, constraint="to_output_scale"),
+        U.linear,
         normals((512, 256), (256, 1024)),
         1.0,
         (2.0, 1.0),
@@ -193,8 +215,10 @@ UNIT_CASES = {
     "gelu_erf": Case(
         lambda x: U.gelu(x, approximate=False, constraint=None), normals((N,)), 1.0, (1.0,), 0.02
     ),
+    # The default: the grad factor is the output's, the gradient std GELU_F / GELU_B.
+    "gelu_to_output": Case(U.gelu, normals((N,)), 1.0, (GELU_F / GELU_B,), 0.02),
     "gelu_gmean": Case(
-        U.gelu,
+        lambda x: U.gelu(x, constraint="gmean"),
         normals((N,)),
         gmean(GELU_F, GELU_B) / GELU_F,
         (gmean(GELU_F, GELU_B) / GELU_B,),
@@ -204,14 +228,21 @@ UNIT_CASES = {
     "silu_glu": Case(
         lambda x, g: U.silu_glu(x, g, constraint=None), normals((N,), (N,)), 1.0, (1.0, 1.0), 0.02
     ),
+    # The default: the gate's grad factor is the output's, E[f'^2]^(1/2) / E[f^2]^(1/2).
+    "silu_glu_to_output": Case(
+        U.silu_glu, normals((N,), (N,)), 1.0, (1.0, (SILU_GRAD / SILU_SECOND) ** 0.5), 0.02
+    ),
     "softmax": Case(
         lambda x: U.softmax(x, constraint=None), normals((256, 512)), 1.0, (1.0,), 0.03
     ),
     "softmax_short": Case(
         lambda x: U.softmax(x, axis=0, constraint=None), normals((8, 1 << 14)), 1.0, (1.0,), 0.03
     ),
+    "softmax_to_output": Case(
+        U.softmax, normals((256, 512)), 1.0, ((SOFTMAX_DX / SOFTMAX_P) ** 0.5,), 0.03
+    ),
     "softmax_gmean": Case(
-        U.softmax,
+        lambda x: U.softmax(x, constraint="gmean"),
         normals((256, 512)),
         (SOFTMAX_P / SOFTMAX_DX) ** 0.25,
         ((SOFTMAX_DX / SOFTMAX_P) ** 0.25,),
@@ -234,7 +265,15 @@ UNIT_CASES = {
         lambda a, b: U.add(a, b, constraint=None), normals((N,), (N,)), 1.0, (1.0, 1.0), 0.02
     ),
     # gmean of 2^(-1/2), 1 and 1 is 2^(-1/6); the output sqrt(2) 2^(-1/6) = 2^(1/3).
-    "add_gmean": Case(U.add, normals((N,), (N,)), 2 ** (1 / 3), (2 ** (-1 / 6),) * 2, 0.02),
+    # The default: both grad factors are the output's, 1/sqrt(2).
+    "add_to_output": Case(U.add, normals((N,), (N,)), 1.0, (2**-0.5,) * 2, 0.02),
+    "add_gmean": Case(
+        lambda a, b: U.add(a, b, constraint="gmean"),
+        normals((N,), (N,)),
+        2 ** (1 / 3),
+        (2 ** (-1 / 6),) * 2,
+        0.02,
+    ),
     # A row vector broadcast over 64 rows: its gradient sums 64 unit terms.
     "add_broadcast": Case(
         lambda a, b: U.add(a, b, constraint=None),
@@ -270,8 +309,15 @@ UNIT_CASES = {
         (1.0, 1.0, 1.0),
         0.04,
     ),
-    "scaled_dot_product_attention_gmean": Case(
+    "scaled_dot_product_attention_to_output": Case(
         U.scaled_dot_product_attention,
+        normals((4, 4, 128, 64), (4, 4, 128, 64), (4, 4, 128, 64)),
+        1.0,
+        (ATT[0] / ATT[1], ATT[0] / ATT[2], ATT[0] / ATT[3]),
+        0.03,
+    ),
+    "scaled_dot_product_attention_gmean": Case(
+        lambda q, k, v: U.scaled_dot_product_attention(q, k, v, constraint="gmean"),
         normals((4, 4, 128, 64), (4, 4, 128, 64), (4, 4, 128, 64)),
         ATT_T / ATT[0],
         (ATT_T / ATT[1], ATT_T / ATT[2], ATT_T / ATT[3]),
@@ -385,7 +431,8 @@ def test_factors_cost_one_multiply_at_run_time():
     x = jnp.ones((4, 512))
     for unit, plain in ((U.softmax, jax.nn.softmax), (U.gelu, jax.nn.gelu)):
         n_plain = len(jax.make_jaxpr(plain)(x).jaxpr.eqns)
-        # gmean ties the two factors: one multiply by a literal is all that is added.
+        # The default ties the grad factor to the output's: one multiply by a literal is
+        # all that is added.
         eqns = jax.make_jaxpr(unit)(x).jaxpr.eqns
         assert len(eqns) == n_plain + 1 and eqns[-1].primitive.name == "mul"
         # Unconstrained, the input is wrapped in scale_bwd (a custom_vjp call).
@@ -449,16 +496,21 @@ def test_dot_general_exact_values_and_params():
 
 def test_matmul_linear_conv_factors():
     x, w, bias = normal(0, (3, 16, 64)), normal(1, (64, 128)), normal(2, (128,))
-    # matmul broadcasts w over 3 x 16 rows: its grad factor counts them all.
+    # matmul broadcasts w over 3 x 16 rows: its grad factor counts them all. The default
+    # (to_output_scale) gives x's grad the output factor 1/sqrt(64).
     out, (gx, gw) = vjp_pairs(U.matmul, jnp.matmul, (x, w))
+    assert_scaled(out, 64**-0.5), assert_scaled(gx, 64**-0.5), assert_scaled(gw, 48**-0.5)
+    unit = lambda x, w, c="gmean": U.matmul(x, w, constraint=c)
+    out, (gx, gw) = vjp_pairs(unit, jnp.matmul, (x, w))
     t = (64 * 128) ** -0.25
     assert_scaled(out, t), assert_scaled(gx, t), assert_scaled(gw, 48**-0.5)
-    unit = lambda x, w, b: U.linear(x, w, b, constraint=None)
-    plain = lambda x, w, b: x @ w * 64**-0.5 + jnp.broadcast_to(b, (3, 16, 128))
-    _, (gx, gw, gb) = vjp_pairs(unit, plain, (x, w, bias))
-    assert_scaled(gx, 128**-0.5 / 64**-0.5), assert_scaled(gw, 48**-0.5 / 64**-0.5)
-    assert_scaled(gb, 48**-0.5)
-    np.testing.assert_allclose(unit(x, w, bias), plain(x, w, bias), rtol=1e-6, atol=1e-6)
+    # The bias enters the scaled product; its gradient gets the weight's factor only.
+    plain = lambda x, w, b: x @ w + jnp.broadcast_to(b, (3, 16, 128))
+    for constraint, gx_factor in ((None, 128**-0.5), ("to_output_scale", 64**-0.5)):
+        unit = lambda x, w, b, c=constraint: U.linear(x, w, b, constraint=c)
+        out, (gx, gw, gb) = vjp_pairs(unit, plain, (x, w, bias))
+        assert_scaled(out, 64**-0.5), assert_scaled(gx, gx_factor)
+        assert_scaled(gw, 48**-0.5), assert_scaled(gb, 48**-0.5)
     # "VALID" conv, stride 1: fan-in 3 x 3 x 8, x grad 3 x 3 x 4 (interior), kernel 2 x 6 x 6.
     x, k = normal(0, (2, 8, 8, 8)), normal(1, (3, 3, 8, 4))
     conv = lambda x, k: lax.conv_general_dilated(
@@ -496,6 +548,74 @@ def test_elementwise_values_and_gradients_are_plain_times_factors():
 
 def partial_gelu_erf(x):
     return jax.nn.gelu(x, approximate=False)
+
+
+# ---------------------------------------------------------------------------------------
+# The defaults: a bias inside the scaled product, and what `unit_scale` computes.
+
+
+def test_default_linear_and_conv_add_their_bias_inside_the_scaled_product():
+    x, w, b = normal(0, (3, 16, 64)), normal(1, (64, 128)), normal(2, (128,))
+    expected = (x @ w + jnp.broadcast_to(b, (3, 16, 128))) / math.sqrt(64)
+    np.testing.assert_allclose(U.linear(x, w, b), expected, rtol=1e-5, atol=1e-6)
+    # The readout's factor 1/in multiplies its bias too.
+    expected = (x @ w + jnp.broadcast_to(b, (3, 16, 128))) / 64
+    np.testing.assert_allclose(U.linear_readout(x, w, b), expected, rtol=1e-5, atol=1e-6)
+    # "VALID", stride 1: every output sums 3 taps x 8 channels.
+    x, k, b = normal(3, (2, 12, 8)), normal(4, (3, 8, 4)), normal(5, (4,))
+    conv = lax.conv_general_dilated(x, k, (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"))
+    expected = (conv + jnp.broadcast_to(b, conv.shape)) / math.sqrt(24)
+    np.testing.assert_allclose(U.conv1d(x, k, b, padding="VALID"), expected, rtol=1e-5, atol=1e-6)
+
+
+ROWS, WIDTH, HIDDEN, OUT = 32, 64, 256, 48
+
+
+def _mlp_params() -> dict[str, jax.Array]:
+    shapes = {
+        "w1": (WIDTH, HIDDEN),
+        "b1": (HIDDEN,),
+        "w2": (HIDDEN, WIDTH),
+        "b2": (WIDTH,),
+        "w_out": (WIDTH, OUT),
+    }
+    return {name: normal(10 + i, s) for i, (name, s) in enumerate(shapes.items())}
+
+
+def _plain_mlp(x, p, readout):
+    """A plain residual MLP block (non-zero biases), and optionally a readout after it."""
+    hidden = jax.nn.gelu(x @ p["w1"] + p["b1"][None, :])
+    x = x + (hidden @ p["w2"] + p["b2"][None, :])
+    return x @ p["w_out"] if readout else x
+
+
+def _unit_mlp(x, p, readout):
+    """`_plain_mlp` written by hand with U ops and their default constraint; u-muP's
+    `tau` for one residual branch (the transform's default rule), an unconstrained readout
+    (the transform leaves the ops after the final residual add unconstrained)."""
+    tau = 1 / math.sqrt(0.5)
+    residual, skip = U.residual_split(x, tau)
+    hidden = U.gelu(U.linear(residual, p["w1"], p["b1"]))
+    x = U.residual_add(U.linear(hidden, p["w2"], p["b2"]), skip, tau)
+    return U.linear(x, p["w_out"], constraint=None) if readout else x
+
+
+@pytest.mark.parametrize("readout", [False, True])
+def test_a_model_written_with_default_ops_is_unit_scale_of_the_plain_model(readout):
+    x, params = normal(0, (ROWS, WIDTH)), _mlp_params()
+    transformed = lambda x, p: U.unit_scale(_plain_mlp)(x, p, readout)
+    by_hand = lambda x, p: _unit_mlp(x, p, readout)
+
+    @jax.jit
+    def run(x, params):
+        out_t, vjp_t = jax.vjp(transformed, x, params)
+        out_h, vjp_h = jax.vjp(by_hand, x, params)
+        cot = normal(99, out_t.shape)
+        return (out_t, vjp_t(cot)), (out_h, vjp_h(cot))
+
+    ours, hand = run(x, params)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(hand), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(jnp.abs(b).max()))
 
 
 def test_attention_is_plain_attention_times_factors():

@@ -325,10 +325,9 @@ def test_scale_power_linear_readout_and_convs():
     plain = lambda x, w, b: x @ w + jnp.broadcast_to(b, (3, 16, 128))
     for powers in ((1.0, 0.5, 0.5), (0.25, 1.0, 0.0)):
         unit = lambda x, w, b, p=powers: U.linear(x, w, b, constraint=None, scale_power=p)
-        # The bias is added after the output factor: compare the output without it.
-        out = unit(x, w, jnp.zeros(128))
-        assert_scaled((out, x @ w), 64 ** -powers[0])
-        _, (gx, gw, gb) = vjp_pairs(unit, plain, (x, w, b))
+        # The bias enters the scaled product; its gradient gets the weight's factor only.
+        out, (gx, gw, gb) = vjp_pairs(unit, plain, (x, w, b))
+        assert_scaled(out, 64 ** -powers[0])
         assert_scaled(gx, 128 ** -powers[1])
         assert_scaled(gw, 48 ** -powers[2]), assert_scaled(gb, 48 ** -powers[2])
     # The readout's default: u-muP's 1/fan_in, unconstrained.
@@ -354,6 +353,7 @@ def test_scale_power_linear_readout_and_convs():
     # Counts: 3 x 8 = 24 per output; 2 x 10 rows per kernel element and bias; an input
     # element enters 3 taps x 4 outputs x 10/12 (the windows of "VALID") = 10 products.
     out, (gx, gk, gb) = vjp_pairs(unit, conv1, (x, k, bias))
+    assert_scaled(out, 24**-1.0)  # the bias inside the scaled product
     assert_scaled(gk, 20**-0.75), assert_scaled(gb, 20**-0.75), assert_scaled(gx, 10.0**-0.25)
 
 
