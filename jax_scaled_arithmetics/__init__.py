@@ -14,6 +14,7 @@ from . import lax as lax
 from . import mp as mp
 from . import ops as ops
 from . import quantization as quantization
+from . import sharding as sharding
 from . import tree as tree
 from . import unit_scaling as unit_scaling
 from .core.config import AutoScaleConfig as AutoScaleConfig
@@ -70,6 +71,7 @@ __all__ = [
     "register_scaled_op",
     "scaled_array",
     "scalify",
+    "sharding",
     "scaled_axes",
     "tree",
     "unit_scaling",

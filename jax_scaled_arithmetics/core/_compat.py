@@ -8,6 +8,7 @@ of our own, so that a JAX upgrade is a change to this file only.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -289,6 +290,48 @@ def varying_axes(aval: Any) -> frozenset[Any]:
     mat = getattr(aval, "mat", None)
     varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
     return frozenset(varying or ())
+
+
+def vary_like_plain(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Operands for binding `eqn`'s primitive again, typed (inside `shard_map`) as varying
+    over the mesh axes the plain program's variables varied over.
+
+    A value the interpreter computed can vary over other axes than the plain program's
+    variable did: fewer (a cotangent built from a constant, data split from its scale) or
+    more (a scale computed per device where the plain program had a constant). Each operand
+    is first made to vary like its variable; when the equation's operands all varied alike
+    in the plain program (JAX's check for most primitives), they are then made to vary
+    alike again, over the union, as `jax.lax` does when it binds them."""
+    import jax
+
+    variables = eqn.invars
+    plain = [frozenset() if isinstance(v, Literal) else varying_axes(v.aval) for v in variables]
+    out = list(invals)
+    for i, (value, wanted) in enumerate(zip(invals, plain)):
+        if wanted and hasattr(value, "shape"):
+            missing = wanted - varying_axes(typeof(value))
+            if missing:
+                out[i] = jax.lax.pcast(value, tuple(sorted(missing, key=str)), to="varying")
+    if len(out) < 2 or any(p != plain[0] for p in plain) or eqn.params.get("jaxpr") is not None:
+        return out
+    have = [varying_axes(typeof(v)) if hasattr(v, "shape") else frozenset() for v in out]
+    if all(h == have[0] for h in have):
+        return out
+    return list(match_varying(*out))
+
+
+def bind_pvary(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any] | None:
+    """Bind a `pvary` equation over only the axes its operand does not vary over yet (the
+    interpreter's value may already vary where the plain program's did not); None for any
+    other equation."""
+    if eqn.primitive.name != "pvary" or len(invals) != 1:
+        return None
+    value = invals[0]
+    axes = tuple(a for a in eqn.params["axes"] if a not in varying_axes(typeof(value)))
+    if not axes:
+        return [value]
+    out = eqn.primitive.bind(value, **{**eqn.params, "axes": axes})
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def eqn_source_summary(eqn: JaxprEqn, exclude: str = "") -> str:

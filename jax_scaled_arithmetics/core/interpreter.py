@@ -317,7 +317,8 @@ class _Autoscale(JaxprWalker):
                 for out, k in zip(outs, _fold_known_call(eqn, in_known))
             ]
         else:
-            outs = bind_equation(eqn, invals)
+            invals = _compat.vary_like_plain(eqn, invals)
+            outs = _compat.bind_pvary(eqn, invals) or bind_equation(eqn, invals)
             out_known = _fold_known(eqn, in_known)
         for index, (var, k) in enumerate(zip(eqn.outvars, out_known)):
             if isinstance(var, _compat.Var) and not _compat.is_drop_var(var):

@@ -1,0 +1,409 @@
+"""Sharded ScaledArrays and collectives with a low-precision wire format.
+
+JAX's own engine does the distribution: `jax.sharding.Mesh`, `NamedSharding`, `jax.jit`'s
+in/out shardings and `jax.shard_map`. A ScaledArray is a pytree of two arrays, so it is
+sharded like any pytree; this module gives its scales the layout they need and moves data
+between devices in a narrow format with one scale shared by all devices.
+
+- :func:`like`: the shardings of a ScaledArray tree from its parameters' shardings (data as
+  the parameter, per-tensor scales replicated, block scales sharded with their blocks).
+- :func:`device_put`: `jax.device_put` of a tree with those shardings.
+- :func:`all_gather`, :func:`psum_scatter`, :func:`psum`: inside `shard_map`, the collective
+  on the represented values, with the data on the wire in `dtype` (e.g. float8_e4m3fn or
+  bfloat16) at one power-of-two scale agreed on by a scalar all-reduce of the largest
+  magnitude. They work on plain arrays and, under `jsa.autoscale`, on ScaledArrays.
+- :func:`gather_params`: the FSDP recipe: parameter shards all-gathered in `dtype` for the
+  forward pass, their gradients reduce-scattered in `grad_dtype` with a shared scale
+  (replicated parameters' gradients all-reduced the same way).
+
+Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> import jax_scaled_arithmetics as jsa
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    >>> params = jsa.as_scaled_array({"w": jnp.ones((4, 2))}, dtype=jnp.float16)
+    >>> shardings = jsa.sharding.like(params, {"w": NamedSharding(mesh, P("fsdp"))})
+    >>> shardings["w"].scale.spec == P()  # a per-tensor scale: replicated
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .core.datatype import ScaledArray, is_scaled_leaf
+from .lax.scaling_primitives import apply_to_data, get_data_scale, set_scaling
+
+__all__ = [
+    "all_gather",
+    "device_put",
+    "gather_params",
+    "like",
+    "psum",
+    "psum_scatter",
+    "wire_bytes",
+]
+
+
+# --- shardings of ScaledArray trees ------------------------------------------------------
+
+
+def _replicated(sharding: Any) -> Any:
+    """A sharding that replicates a value over `sharding`'s devices."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    if isinstance(sharding, jax.sharding.Sharding):
+        devices = sharding._device_assignment  # noqa: SLF001 (no public accessor for order)
+        mesh = jax.sharding.Mesh(np.array(devices), ("_all",))
+        return NamedSharding(mesh, PartitionSpec())
+    raise TypeError(f"jsa.sharding.like: expected a jax.sharding.Sharding, got {sharding!r}.")
+
+
+def _spec_entries(spec: PartitionSpec, ndim: int) -> list[Any]:
+    entries = list(spec)
+    return entries + [None] * (ndim - len(entries))
+
+
+def _mesh_size(mesh: Any, entry: Any) -> int:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def _scale_sharding(data_sharding: Any, data_shape: tuple[int, ...], scale: Any) -> Any:
+    """Per-tensor scale: replicated. Block scale: the data's spec on every axis where the
+    blocks split evenly over the mesh axes (each device then holds its blocks' scales)."""
+    scale_shape = tuple(np.shape(scale))
+    if not scale_shape or not isinstance(data_sharding, NamedSharding):
+        return _replicated(data_sharding)
+    entries: list[Any] = []
+    for entry, n_data, n_scale in zip(
+        _spec_entries(data_sharding.spec, len(data_shape)), data_shape, scale_shape, strict=True
+    ):
+        if entry is None or n_scale == 1:
+            entries.append(None)
+            continue
+        parts = _mesh_size(data_sharding.mesh, entry)
+        block = n_data // n_scale
+        # Each device's slice of the data must hold whole blocks.
+        fits = n_scale % parts == 0 and (n_data // parts) % block == 0
+        entries.append(entry if fits else None)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return NamedSharding(data_sharding.mesh, PartitionSpec(*entries))
+
+
+def like(tree: Any, shardings: Any) -> Any:
+    """The shardings of `tree` (ScaledArrays included) from its values' shardings.
+
+    Args:
+        tree: parameters, optimizer states... with ScaledArray leaves (or their
+            `jax.ShapeDtypeStruct`s, e.g. from `jax.eval_shape`).
+        shardings: one `jax.sharding.Sharding` for every leaf, or a tree of shardings with
+            `tree`'s structure in which a ScaledArray's place holds the sharding of the
+            array it represents (the plain parameters' shardings), or a ScaledArray of
+            shardings.
+
+    Returns:
+        A tree of shardings with `tree`'s structure, for `jax.device_put` or `jax.jit`'s
+        `in_shardings`/`out_shardings`: a ScaledArray's data sharded as given, a per-tensor
+        scale replicated on the same devices, a block scale sharded with its blocks where
+        every device holds whole blocks (replicated along other axes). Leaves that are not
+        arrays (None, Python scalars) get None.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        >>> import jax_scaled_arithmetics as jsa
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("dp",))
+        >>> x = jsa.as_scaled_array(jnp.ones((8, 4)), dtype=jnp.bfloat16)
+        >>> s = jsa.sharding.like(x, NamedSharding(mesh, P("dp", None)))
+        >>> s.data.spec == P("dp", None), s.scale.spec == P()
+        (True, True)
+    """
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(
+            lambda leaf: _leaf_shardings(leaf, shardings), tree, is_leaf=is_scaled_leaf
+        )
+    return jax.tree.map(
+        _leaf_shardings,
+        tree,
+        shardings,
+        is_leaf=is_scaled_leaf,
+    )
+
+
+def _leaf_shardings(leaf: Any, sharding: Any) -> Any:
+    if isinstance(sharding, ScaledArray):
+        return sharding
+    if leaf is None or not hasattr(leaf, "shape"):
+        return None
+    if isinstance(leaf, ScaledArray):
+        if not isinstance(sharding, jax.sharding.Sharding):
+            raise TypeError(
+                f"jsa.sharding.like: a ScaledArray of shape {leaf.shape} needs a "
+                f"jax.sharding.Sharding for its data, got {sharding!r}."
+            )
+        return ScaledArray(sharding, _scale_sharding(sharding, leaf.shape, leaf.scale))
+    return sharding
+
+
+def device_put(tree: Any, shardings: Any) -> Any:
+    """`jax.device_put(tree, like(tree, shardings))`: place a ScaledArray tree on devices.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        >>> import jax_scaled_arithmetics as jsa
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("dp",))
+        >>> x = jsa.sharding.device_put(
+        ...     jsa.as_scaled_array(jnp.ones(4), dtype=jnp.float16), NamedSharding(mesh, P("dp"))
+        ... )
+        >>> x.data.sharding.spec == P("dp"), x.scale.sharding.spec == P()
+        (True, True)
+    """
+    return jax.device_put(tree, like(tree, shardings))
+
+
+# --- collectives with a low-precision wire format ----------------------------------------
+#
+# Each is written with the scaling primitives, so that one program means the same inside
+# and outside `autoscale`: `set_scaling(x, t)` puts a ScaledArray's data at the shared
+# scale `t` (the identity on a plain array), and `c = t / get_data_scale(...)[1]` is then 1
+# for a ScaledArray and `t` for a plain array, so `data / c` is the payload `value / t`
+# either way. All-gathers and reduce-scatters run inside `apply_to_data` on the payload
+# (every device's data is at `t`, so the scale needs no collective of its own); an
+# all-reduce goes through JAX's `psum` (under `autoscale`, its scaled rule).
+
+_NO_MAGNITUDE = -(1 << 20)  # the exponent bound of an all-zero (or all non-finite) tensor
+
+
+def _axis_size(axis_name: Any) -> int:
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    return math.prod(int(jax.lax.axis_size(name)) for name in names)
+
+
+def _max_exponent(dtype: Any) -> int:
+    """The largest e with 2^e <= the format's largest finite value."""
+    return int(math.floor(math.log2(float(jnp.finfo(dtype).max))))
+
+
+def _headroom(axis_name: Any) -> int:
+    """Binades left free for a sum over the devices of `axis_name`."""
+    return max(0, math.ceil(math.log2(_axis_size(axis_name))))
+
+
+def _shared_scale(x: Any, axis_name: Any, wire_dtype: Any, headroom: int) -> Any:
+    """A power of two `t`, the same on every device of `axis_name`, with every finite
+    `|value| / t` of every device below `2^(e - headroom)`, `e` the largest exponent both
+    the wire format and `x`'s dtype hold (the payload is `x`'s data at scale `t`)."""
+    data, scale = get_data_scale(x)
+    magnitude = jnp.abs(data.astype(jnp.float32))
+    amax = jnp.max(jnp.where(jnp.isfinite(magnitude), magnitude, 0.0), initial=0.0)
+    # amax < 2^e_data and scale < 2^e_scale (frexp's exponents), so |value| < 2^(sum).
+    _, e_data = jnp.frexp(amax)
+    _, e_scale = jnp.frexp(jnp.max(jnp.asarray(scale, jnp.float32)))
+    local = jnp.where(amax > 0, e_data + e_scale, _NO_MAGNITUDE)
+    exponent = jax.lax.pmax(local, axis_name)
+    top = min(_max_exponent(wire_dtype), _max_exponent(x.dtype))
+    exponent = jnp.clip(exponent + headroom - top, -126, 127).astype(jnp.int32)
+    # 2^exponent from its bits (a normal float32: biased exponent, zero mantissa).
+    bits = jax.lax.shift_left(exponent + 127, jnp.int32(23))
+    return jax.lax.stop_gradient(jax.lax.bitcast_convert_type(bits, jnp.float32))
+
+
+def _to_wire(data: Any, c: Any, dtype: Any) -> Any:
+    """`data / c` in the wire dtype, finite values clamped to its range."""
+    payload = data.astype(jnp.float32) / c
+    bound = float(jnp.finfo(dtype).max)
+    payload = jnp.where(jnp.isfinite(payload), jnp.clip(payload, -bound, bound), payload)
+    return payload.astype(dtype)
+
+
+def _from_wire(payload: Any, c: Any, dtype: Any) -> Any:
+    return (payload.astype(jnp.float32) * c).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WireCollective:
+    """An all-gather or reduce-scatter of `data / c` in `wire_dtype`, back to `data * c`."""
+
+    kind: str  # "all_gather" | "psum_scatter"
+    axis_name: Any
+    axis: int
+    tiled: bool
+    wire_dtype: Any
+
+    def __call__(self, data: Any, c: Any) -> Any:
+        payload = _to_wire(data, c, self.wire_dtype)
+        if self.kind == "all_gather":
+            # Sent as bytes: XLA:CPU would widen an 8-bit float gather to float16.
+            as_bits = jnp.dtype(f"uint{8 * payload.dtype.itemsize}")
+            bits = jax.lax.bitcast_convert_type(payload, as_bits)
+            bits = jax.lax.all_gather(bits, self.axis_name, axis=self.axis, tiled=self.tiled)
+            payload = jax.lax.bitcast_convert_type(bits, self.wire_dtype)
+        else:
+            payload = jax.lax.psum_scatter(
+                payload, self.axis_name, scatter_dimension=self.axis, tiled=self.tiled
+            )
+        return _from_wire(payload, c, data.dtype)
+
+
+def _wire_dtype(x: Any, dtype: Any) -> Any:
+    wire = jnp.dtype(x.dtype if dtype is None else dtype)
+    if not (jnp.issubdtype(wire, jnp.floating) and jnp.issubdtype(x.dtype, jnp.floating)):
+        raise TypeError(
+            f"jsa.sharding: the operand and the wire dtype must be floating, got an operand "
+            f"of {jnp.dtype(x.dtype)} and dtype={dtype!r}."
+        )
+    return wire
+
+
+def _collective(x: Any, kind: str, axis_name: Any, axis: int, tiled: bool, dtype: Any) -> Any:
+    headroom = 0 if kind == "all_gather" else _headroom(axis_name)
+    shared = _shared_scale(x, axis_name, dtype, headroom)
+    x = set_scaling(x, shared)
+    c = shared / get_data_scale(x)[1]
+    return apply_to_data(_WireCollective(kind, axis_name, axis, tiled, dtype), x, c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather(x: Any, config: tuple[Any, ...]) -> Any:
+    axis_name, axis, tiled, dtype, _ = config
+    return _collective(x, "all_gather", axis_name, axis, tiled, dtype)
+
+
+def _gather_fwd(x: Any, config: tuple[Any, ...]) -> tuple[Any, None]:
+    return _gather(x, config), None
+
+
+def _gather_bwd(config: tuple[Any, ...], _: None, ct: Any) -> tuple[Any]:
+    axis_name, axis, tiled, _, grad_dtype = config
+    return (_collective(ct, "psum_scatter", axis_name, axis, tiled, grad_dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scatter(x: Any, config: tuple[Any, ...]) -> Any:
+    axis_name, axis, tiled, dtype, _ = config
+    return _collective(x, "psum_scatter", axis_name, axis, tiled, dtype)
+
+
+def _scatter_fwd(x: Any, config: tuple[Any, ...]) -> tuple[Any, None]:
+    return _scatter(x, config), None
+
+
+def _scatter_bwd(config: tuple[Any, ...], _: None, ct: Any) -> tuple[Any]:
+    axis_name, axis, tiled, _, grad_dtype = config
+    return (_collective(ct, "all_gather", axis_name, axis, tiled, grad_dtype),)
+
+
+_scatter.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+def all_gather(
+    x: Any,
+    axis_name: Any,
+    *,
+    axis: int = 0,
+    tiled: bool = False,
+    dtype: Any = None,
+    grad_dtype: Any = None,
+) -> Any:
+    """`jax.lax.all_gather` with the data sent in `dtype` at one shared power-of-two scale.
+
+    For use inside `shard_map`. The devices agree on the scale with a scalar all-reduce of
+    the largest magnitude's exponent; each sends `value / scale` cast to `dtype` (finite
+    values clamped to its range: an FP8 format saturates; FP8's missing infinity gives
+    NaN), and the result holds the gathered values at that scale in `x`'s dtype. Under
+    `jsa.autoscale` a ScaledArray's data is what travels (1 byte an entry in FP8), at the
+    shared scale; without it, the values do. Its gradient is the reduce-scatter
+    :func:`psum_scatter` with `dtype=grad_dtype`. `dtype`/`grad_dtype` None: `x`'s dtype.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> import jax_scaled_arithmetics as jsa
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
+        >>> gather = jax.shard_map(
+        ...     lambda w: jsa.sharding.all_gather(w, "i", tiled=True, dtype=jnp.float8_e4m3fn),
+        ...     mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+        ... )
+        >>> gather(jnp.array([1000.0, 3.0]))  # FP8 (3 mantissa bits) at a shared scale
+        Array([1024.,    3.], dtype=float32)
+    """
+    config = (axis_name, axis, tiled, _wire_dtype(x, dtype), _wire_dtype(x, grad_dtype))
+    return _gather(x, config)
+
+
+def psum_scatter(
+    x: Any,
+    axis_name: Any,
+    *,
+    scatter_dimension: int = 0,
+    tiled: bool = False,
+    dtype: Any = None,
+    grad_dtype: Any = None,
+) -> Any:
+    """`jax.lax.psum_scatter` summed in `dtype` at one shared power-of-two scale.
+
+    The shared scale leaves `ceil(log2(devices))` binades of the format free, so the sum
+    does not overflow it. Its gradient is :func:`all_gather` in `grad_dtype`. See
+    :func:`all_gather`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> import jax_scaled_arithmetics as jsa
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
+        >>> scatter = jax.shard_map(
+        ...     lambda g: jsa.sharding.psum_scatter(g, "i", tiled=True, dtype=jnp.bfloat16),
+        ...     mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+        ... )
+        >>> scatter(jnp.array([2.0**-100, 3.0]))  # bfloat16 data at a shared scale
+        Array([7.888609e-31, 3.000000e+00], dtype=float32)
+    """
+    config = (
+        axis_name,
+        scatter_dimension,
+        tiled,
+        _wire_dtype(x, dtype),
+        _wire_dtype(x, grad_dtype),
+    )
+    return _scatter(x, config)
+
+
+def psum(x: Any, axis_name: Any, *, dtype: Any = None) -> Any:
+    """`jax.lax.psum` summed in `dtype` at one shared power-of-two scale (an all-reduce of
+    gradients in bfloat16, say). See :func:`psum_scatter`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> import jax_scaled_arithmetics as jsa
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
+        >>> total = jax.shard_map(
+        ...     lambda g: jsa.sharding.psum(g, "i", dtype=jnp.bfloat16),
+        ...     mesh=mesh, in_specs=P("i"), out_specs=P(),
+        ... )
+        >>> total(jnp.array([2.0**-100, 3.0]))
+        Array([7.888609e-31, 3.000000e+00], dtype=float32)
+    """
+    wire = _wire_dtype(x, dtype)
+    shared = _shared_scale(x, axis_name, wire, _headroom(axis_name))
+    x = set_scaling(x, shared)
+    c = shared / get_data_scale(x)[1]
+    payload = apply_to_data(functools.partial(_to_wire, dtype=wire), x, c)
+    total = jax.lax.psum(payload, axis_name)
+    return apply_to_data(functools.partial(_from_wire, dtype=jnp.dtype(x.dtype)), total, c)
