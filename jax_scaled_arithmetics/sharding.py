@@ -49,7 +49,6 @@ __all__ = [
     "like",
     "psum",
     "psum_scatter",
-    "wire_bytes",
 ]
 
 
@@ -407,3 +406,107 @@ def psum(x: Any, axis_name: Any, *, dtype: Any = None) -> Any:
     payload = apply_to_data(functools.partial(_to_wire, dtype=wire), x, c)
     total = jax.lax.psum(payload, axis_name)
     return apply_to_data(functools.partial(_from_wire, dtype=jnp.dtype(x.dtype)), total, c)
+
+
+# --- FSDP ---------------------------------------------------------------------------------
+
+
+def _axis_names(axis_name: Any) -> tuple[Any, ...]:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _replicated_param(x: Any, config: tuple[Any, ...]) -> Any:
+    axis_names, _ = config
+    return jax.lax.pcast(x, axis_names, to="varying")
+
+
+def _replicated_fwd(x: Any, config: tuple[Any, ...]) -> tuple[Any, None]:
+    return _replicated_param(x, config), None
+
+
+def _replicated_bwd(config: tuple[Any, ...], _: None, ct: Any) -> tuple[Any]:
+    axis_names, grad_dtype = config
+    return (psum(ct, axis_names, dtype=grad_dtype),)
+
+
+_replicated_param.defvjp(_replicated_fwd, _replicated_bwd)
+
+
+def gather_params(
+    params: Any, specs: Any, axis_name: Any, *, dtype: Any = None, grad_dtype: Any = None
+) -> Any:
+    """FSDP inside `shard_map`: every parameter shard all-gathered over `axis_name` in
+    `dtype`, its gradient reduce-scattered in `grad_dtype`, each at one shared scale.
+
+    `params` are the shards `shard_map` passes for `in_specs=specs`; every floating leaf
+    whose spec names a mesh axis of `axis_name` on some dimension is gathered along that
+    dimension with :func:`all_gather` (under `jsa.autoscale`: a ScaledArray's data, so FP8
+    data moves 1 byte an entry, plus one scalar all-reduce for the shared scale). Leaves
+    replicated over `axis_name` are passed through, and their gradient is all-reduced
+    with :func:`psum` in `grad_dtype`. Gradients are sums over the devices of `axis_name`
+    (as JAX's transposes of the collectives give): differentiate the `pmean` of the
+    per-device loss for the mean. Other leaves (integers, None) pass through.
+
+    Args:
+        params: parameter shards (a pytree; ScaledArrays under `autoscale`).
+        specs: their `PartitionSpec`s, as given to `shard_map`'s `in_specs` (a tree with
+            `params`' structure, a spec where `params` has an array).
+        axis_name: the mesh axis (or axes) the parameters are sharded and the batch split
+            over.
+        dtype: the all-gather's wire dtype (e.g. `jnp.float8_e4m3fn`); None: the data's.
+        grad_dtype: the reduce-scatter's (e.g. `jnp.bfloat16`); None: the gradient's own.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> import jax_scaled_arithmetics as jsa
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+        >>> specs = {"w": P("fsdp", None), "b": P()}
+        >>> def loss(params, x):
+        ...     p = jsa.sharding.gather_params(params, specs, "fsdp", dtype=jnp.float8_e4m3fn)
+        ...     return jax.lax.pmean(jnp.sum(x @ p["w"] + p["b"]), "fsdp")
+        >>> grad = jax.shard_map(
+        ...     jax.grad(loss), mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=specs
+        ... )
+        >>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+        >>> grad(params, jnp.ones((4, 3)))["w"]
+        Array([[4., 4.],
+               [4., 4.],
+               [4., 4.]], dtype=float32)
+    """
+    names = _axis_names(axis_name)
+
+    def gather_leaf(spec: Any, x: Any) -> Any:
+        if x is None or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if spec is None:
+            spec = PartitionSpec()
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"jsa.sharding.gather_params: expected a PartitionSpec for a parameter of "
+                f"shape {tuple(x.shape)}, got {spec!r}."
+            )
+        sharded = False
+        for dim, entry in enumerate(_spec_entries(spec, x.ndim)):
+            axes = tuple(a for a in _axis_names(entry) if a in names) if entry else ()
+            if axes and len(axes) != len(_axis_names(entry)):
+                raise NotImplementedError(
+                    f"jsa.sharding.gather_params: dimension {dim} of a parameter of shape "
+                    f"{tuple(x.shape)} is split over {entry!r}, of which only {axes!r} are "
+                    f"in axis_name: gathering part of a dimension's axes is not supported."
+                )
+            if axes:
+                sharded = True
+                axes_arg = axes if len(axes) > 1 else axes[0]
+                x = all_gather(
+                    x, axes_arg, axis=dim, tiled=True, dtype=dtype, grad_dtype=grad_dtype
+                )
+        if sharded:
+            return x
+        grad_wire = _wire_dtype(x, grad_dtype)
+        return _replicated_param(x, (names, grad_wire))
+
+    return jax.tree.map(
+        gather_leaf, specs, params, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec)
+    )
