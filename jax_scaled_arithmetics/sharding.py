@@ -402,7 +402,8 @@ def psum(x: Any, axis_name: Any, *, dtype: Any = None) -> Any:
     wire = _wire_dtype(x, dtype)
     shared = _shared_scale(x, axis_name, wire, _headroom(axis_name))
     x = set_scaling(x, shared)
-    c = shared / get_data_scale(x)[1]
+    # (The same on every device: the result of the sum does not vary over the axes.)
+    c = shared / jax.lax.pmax(get_data_scale(x)[1], axis_name)
     payload = apply_to_data(functools.partial(_to_wire, dtype=wire), x, c)
     total = jax.lax.psum(payload, axis_name)
     return apply_to_data(functools.partial(_from_wire, dtype=jnp.dtype(x.dtype)), total, c)
@@ -465,7 +466,7 @@ def gather_params(
         >>> specs = {"w": P("fsdp", None), "b": P()}
         >>> def loss(params, x):
         ...     p = jsa.sharding.gather_params(params, specs, "fsdp", dtype=jnp.float8_e4m3fn)
-        ...     return jax.lax.pmean(jnp.sum(x @ p["w"] + p["b"]), "fsdp")
+        ...     return jax.lax.pmean(jnp.sum(x @ p["w"] + p["b"][None]), "fsdp")
         >>> grad = jax.shard_map(
         ...     jax.grad(loss), mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=specs
         ... )

@@ -3,10 +3,11 @@
 Each device may hold its own scale (data-dependent rescaling inside `shard_map`
 gives each shard its own). Reductions, gathers and all-to-alls therefore first
 bring the data to the largest scale over the axes (a `pmax` of the scalar
-scales), then apply the collective to the data; `ppermute`, `pbroadcast` and
-`pvary` move or retype data and scale alike. `shard_map` is re-emitted with
-`jax.shard_map` over leaves, a scale being a replicated scalar: the largest over
-the mesh axes, for every floating output.
+scales; for sums times `2^ceil(log2 n)` over n devices, so that the sum of data
+at the top of a format does not overflow it), then apply the collective to the
+data; `ppermute`, `pbroadcast` and `pvary` move or retype data and scale alike.
+`shard_map` is re-emitted with `jax.shard_map` over leaves, a scale being a
+replicated scalar: the largest over the mesh axes, for every floating output.
 """
 
 from __future__ import annotations
@@ -36,12 +37,27 @@ def _axis_common_scale(x: ScaledArray, axes: Any, axis_index_groups: Any = None)
     return jax.lax.pmax(scale, axes, axis_index_groups=axis_index_groups)
 
 
-def _register_common_scale_collective(prim: Any, axes_param: str) -> None:
+def _sum_headroom(axes: Any, axis_index_groups: Any) -> float:
+    """`2^ceil(log2 n)` for a sum over `n` devices: the factor a sum's common scale takes
+    on, so that `n` data at the top of their format do not overflow it."""
+    if axis_index_groups is not None:
+        n = max(len(group) for group in axis_index_groups)
+    else:
+        n = 1
+        for name in _as_axes(axes):
+            n *= int(jax.lax.axis_size(name))
+    return float(2.0 ** max(0, int(np.ceil(np.log2(n))))) if n > 1 else 1.0
+
+
+def _register_common_scale_collective(prim: Any, axes_param: str, sums: bool = False) -> None:
     if prim is None or registry.has_scaled_rule(prim):
         return
 
     def rule(x: ScaledArray, **params: Any) -> ScaledArray:
-        common = _axis_common_scale(x, params[axes_param], params.get("axis_index_groups"))
+        groups = params.get("axis_index_groups")
+        common = _axis_common_scale(x, params[axes_param], groups)
+        if sums:
+            common = common * np.float32(_sum_headroom(params[axes_param], groups))
         data = rescale(x.data, safe_div(jnp.asarray(x.scale), common))
         return ScaledArray(prim.bind(data, **params), common)
 
@@ -91,15 +107,19 @@ def _collective_primitive(fn: Any, name: str) -> Any:
 
 
 _P = _compat.primitives
-for _prim, _axes in (
-    (_P.psum_p, "axes"),
-    (_P.pmax_p, "axes"),
-    (_P.pmin_p, "axes"),
-    (_P.all_gather_p, "axis_name"),
-    (_P.all_to_all_p, "axis_name"),
-    (_collective_primitive(lambda x: jax.lax.psum_scatter(x, "i"), "reduce_scatter"), "axis_name"),
+for _prim, _axes, _sums in (
+    (_P.psum_p, "axes", True),
+    (_P.pmax_p, "axes", False),
+    (_P.pmin_p, "axes", False),
+    (_P.all_gather_p, "axis_name", False),
+    (_P.all_to_all_p, "axis_name", False),
+    (
+        _collective_primitive(lambda x: jax.lax.psum_scatter(x, "i"), "reduce_scatter"),
+        "axis_name",
+        True,
+    ),
 ):
-    _register_common_scale_collective(_prim, _axes)
+    _register_common_scale_collective(_prim, _axes, _sums)
 _register_leafwise_collective(_P.ppermute_p, "axis_name")
 
 
@@ -172,7 +192,7 @@ pbroadcast_p = _shard_map_primitive(
     # A replicated argument (JAX 0.11's inferred specs) made to vary first.
     lambda x: jax.lax.pbroadcast(jax.lax.pcast(x, "i", to="varying"), "i", 0),
 )
-_register_common_scale_collective(psum_invariant_p, "axes")
+_register_common_scale_collective(psum_invariant_p, "axes", sums=True)
 _register_leafwise_collective(pvary_p, None)
 _register_leafwise_collective(pbroadcast_p, "axis_name")
 

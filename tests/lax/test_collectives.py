@@ -374,3 +374,31 @@ def test_collectives_over_a_named_vmap_axis_with_a_scale_per_element(name, offse
     assert isinstance(out, jsa.ScaledArray) and out.scale.shape == (4,) + (1,) * (out.ndim - 1)
     value = np.asarray(out.to_array(np.float32), np.float64)
     assert_close(value, expected, RTOL[np.dtype(np.float16)])
+
+
+@pytest.mark.parametrize("groups", [None, [[0, 1], [2, 3]]], ids=["all", "pairs"])
+@pytest.mark.parametrize("kind", ["psum", "psum_scatter"])
+def test_sums_of_data_at_the_top_of_float16_do_not_overflow(kind, groups):
+    """The sum's common scale leaves ceil(log2 n) binades free: float16 data near 65504 on
+    every device sums to a finite value, as float32 on the represented values does."""
+    x = jsa.scaled_array(jnp.full((8,), 60000.0, jnp.float16), np.float32(2.0**-10))
+    n = N_DEVICES if groups is None else 2
+
+    def body(v):
+        if kind == "psum":
+            return jax.lax.psum(v, "i", axis_index_groups=groups)
+        return jax.lax.psum_scatter(v, "i", tiled=True, axis_index_groups=groups)
+
+    out_spec = P() if kind == "psum" and groups is None else P("i")
+    fn = jax.shard_map(
+        body,
+        mesh=MESH,
+        in_specs=P("i") if kind == "psum" else P(),
+        out_specs=out_spec,
+        check_vma=False,
+    )
+    out = jax.jit(jsa.autoscale(fn))(x)
+    values = np.asarray(out.to_array(jnp.float32))
+    assert np.all(np.isfinite(values))
+    np.testing.assert_allclose(values, n * 60000.0 * 2.0**-10, rtol=1e-3)
+    assert float(out.scale) == 2.0**-10 * 2 ** int(np.ceil(np.log2(n)))

@@ -1,0 +1,352 @@
+"""`jsa.sharding`: ScaledArray trees on a mesh, collectives with a low-precision wire format,
+and the FSDP recipe, on the test session's 4 CPU devices."""
+
+from __future__ import annotations
+
+import doctest
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics import sharding
+
+N = 4
+MESH = Mesh(np.array(jax.devices()[:N]), ("i",))
+RNG = np.random.default_rng(0)
+
+
+def test_doctests():
+    result = doctest.testmod(sharding, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 6 and result.failed == 0
+
+
+# --- like / device_put ---------------------------------------------------------------------
+
+
+def test_like_replicates_per_tensor_scales_and_keeps_the_tree():
+    params = {
+        "w": jsa.as_scaled_array(jnp.ones((8, 4)), dtype=jnp.float16),
+        "b": jnp.zeros(4),
+        "step": 3,
+        "frozen": None,
+    }
+    data = NamedSharding(MESH, P("i", None))
+    replicated = NamedSharding(MESH, P())
+    out = sharding.like(params, {"w": data, "b": replicated, "step": None, "frozen": None})
+    assert isinstance(out["w"], jsa.ScaledArray)
+    assert out["w"].data == data and out["w"].scale.spec == P()
+    assert out["b"] == replicated and out["step"] is None and out["frozen"] is None
+    # One sharding for every leaf.
+    every = sharding.like(params, data)
+    assert every["w"].data == data and every["b"] == data and every["step"] is None
+
+
+def test_like_shards_block_scales_with_their_blocks():
+    w = jsa.as_scaled_array(jnp.ones((8, 6)), dtype=jnp.bfloat16, scale_shape=(8, 1))
+    rows = sharding.like(w, NamedSharding(MESH, P("i", None)))
+    assert rows.scale.spec == P("i")  # 2 rows of scales per device, with their rows
+    cols = sharding.like(w, NamedSharding(MESH, P(None, "i")))
+    assert cols.scale.spec == P()  # one scale column: replicated
+    # 2 blocks of 4 rows do not split over 4 devices: replicated.
+    coarse = jsa.as_scaled_array(jnp.ones((8, 6)), dtype=jnp.bfloat16, scale_shape=(2, 1))
+    assert sharding.like(coarse, NamedSharding(MESH, P("i", None))).scale.spec == P()
+
+
+def test_like_refuses_what_is_not_a_sharding():
+    x = jsa.as_scaled_array(jnp.ones(4))
+    with pytest.raises(TypeError, match="needs a jax.sharding.Sharding"):
+        sharding.like({"x": x}, {"x": P("i")})
+
+
+def test_device_put_and_jit_keep_the_layout():
+    w = jsa.as_scaled_array(jnp.arange(32.0).reshape(8, 4), dtype=jnp.float16)
+    shardings = sharding.like(w, NamedSharding(MESH, P("i", None)))
+    placed = sharding.device_put(w, NamedSharding(MESH, P("i", None)))
+    assert placed.data.sharding.spec == P("i", None) and placed.scale.sharding.spec == P()
+    assert len(placed.data.addressable_shards) == N
+    step = jax.jit(jsa.autoscale(lambda a: a * 2.0 + 1.0), out_shardings=shardings)
+    out = step(placed)
+    assert out.data.sharding.spec == P("i", None) and out.scale.sharding.spec == P()
+    np.testing.assert_array_equal(out.to_array(jnp.float32), np.arange(32.0).reshape(8, 4) * 2 + 1)
+
+
+def _result_types(stablehlo: str, name: str) -> list[str]:
+    """The result type of every `stablehlo.<name>` of a lowered program."""
+    types = []
+    for match in re.finditer(rf'"stablehlo\.{name}"', stablehlo):
+        result = re.search(r"-> (tensor<[^>]*>)", stablehlo[match.end() :])
+        assert result is not None
+        types.append(result.group(1))
+    return types
+
+
+# --- collectives with a wire dtype ------------------------------------------------------------
+
+
+def _exponent_bound(values: np.ndarray) -> int:
+    """The e of `_shared_scale`: every finite |value| < 2^e (frexp's exponent)."""
+    finite = np.abs(values[np.isfinite(values)]).astype(np.float64)
+    return int(np.frexp(finite.max())[1])
+
+
+def _quantized(values: np.ndarray, wire: np.dtype, headroom: int, storage=np.float32) -> np.ndarray:
+    """value / t rounded to the wire format (finite values clamped), times t."""
+    top = min(
+        int(np.floor(np.log2(float(ml_dtypes.finfo(wire).max)))),
+        int(np.floor(np.log2(float(ml_dtypes.finfo(storage).max)))),
+    )
+    t = 2.0 ** (_exponent_bound(values) + headroom - top)
+    bound = float(ml_dtypes.finfo(wire).max)
+    payload = values.astype(np.float64) / t
+    payload = np.where(np.isfinite(payload), np.clip(payload, -bound, bound), payload)
+    return payload.astype(wire).astype(np.float64) * t
+
+
+WIRES = [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float16]
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=lambda d: jnp.dtype(d).name)
+def test_all_gather_sends_the_values_rounded_at_one_shared_scale(wire):
+    values = (RNG.standard_normal((8, 3)) * 2.0 ** RNG.integers(-6, 6, (8, 1))).astype(np.float32)
+    gather = jax.jit(
+        jax.shard_map(
+            lambda w: sharding.all_gather(w, "i", tiled=True, dtype=wire),
+            mesh=MESH,
+            in_specs=P("i"),
+            out_specs=P("i"),
+        )
+    )
+    out = np.asarray(gather(values)).reshape(N, 8, 3)
+    expected = _quantized(values, np.dtype(wire), 0)
+    for device in range(N):  # every device holds the whole gathered tensor
+        np.testing.assert_array_equal(out[device], expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("data_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("log2_scale", [-40, 0, 40])
+@pytest.mark.parametrize("kind", ["all_gather", "psum_scatter", "psum"])
+def test_collectives_under_autoscale_move_the_data_and_match_plain(kind, log2_scale, data_dtype):
+    """A ScaledArray's data travels; the represented result equals the plain function on
+    the values (the same payloads), whatever the scale."""
+    wire = jnp.float8_e4m3fn if kind == "all_gather" else jnp.bfloat16
+    data = RNG.standard_normal((8, 4)).astype(data_dtype)
+    scale = np.float32(2.0**log2_scale)
+    x = jsa.scaled_array(jnp.asarray(data), scale)
+    values = np.asarray(data, np.float32).astype(np.float64) * float(scale)
+    in_spec, out_spec = {
+        "all_gather": (P("i"), P("i")),
+        "psum_scatter": (P(), P("i")),
+        "psum": (P(), P()),
+    }[kind]
+
+    def body(v):
+        if kind == "all_gather":
+            return sharding.all_gather(v, "i", tiled=True, dtype=wire)
+        if kind == "psum_scatter":
+            return sharding.psum_scatter(v, "i", tiled=True, dtype=wire)
+        return sharding.psum(v, "i", dtype=wire)
+
+    fn = jax.shard_map(body, mesh=MESH, in_specs=in_spec, out_specs=out_spec, check_vma=False)
+    out = jax.jit(jsa.autoscale(fn))(x)
+    assert isinstance(out, jsa.ScaledArray) and out.dtype == data_dtype
+    got = np.asarray(out.data, np.float32).astype(np.float64) * float(out.scale)
+    # The same program on the values (float64 reference of the payloads).
+    factor = 1 if kind == "all_gather" else N
+    headroom = 0 if kind == "all_gather" else 2
+    rounded = _quantized(values, np.dtype(wire), headroom, storage=np.dtype(data_dtype))
+    if kind == "all_gather":
+        expected = np.tile(rounded, (N, 1))
+    elif kind == "psum_scatter":
+        expected = factor * rounded
+    else:
+        expected = factor * rounded
+    np.testing.assert_allclose(got, expected, rtol=2e-3 if data_dtype != jnp.float32 else 1e-6)
+
+
+def test_reduce_scatter_of_float16_data_at_the_top_of_its_range_does_not_overflow():
+    x = jsa.scaled_array(jnp.full((8,), 60000.0, jnp.float16), np.float32(2.0**20))
+    for dtype in (None, jnp.float16, jnp.bfloat16):
+        fn = jax.shard_map(
+            lambda v, dtype=dtype: sharding.psum_scatter(v, "i", tiled=True, dtype=dtype),
+            mesh=MESH,
+            in_specs=P(),
+            out_specs=P("i"),
+        )
+        out = jax.jit(jsa.autoscale(fn))(x)
+        np.testing.assert_allclose(
+            out.to_array(jnp.float32), np.full(8, 4 * 60000.0 * 2**20), rtol=4e-3
+        )
+
+
+def test_non_finite_values_and_zeros():
+    values = np.array([np.inf, -1.0, 3.0, np.nan, 0.0, 0.0, 0.0, 0.0], np.float32)
+
+    def gathered(wire):
+        fn = jax.shard_map(
+            lambda w: sharding.all_gather(w, "i", tiled=True, dtype=wire),
+            mesh=MESH,
+            in_specs=P("i"),
+            out_specs=P("i"),
+        )
+        return np.asarray(jax.jit(fn)(values))[:8]
+
+    bf16 = gathered(jnp.bfloat16)
+    np.testing.assert_array_equal(bf16[[0, 1, 2]], [np.inf, -1.0, 3.0])
+    assert np.isnan(bf16[3]) and np.all(bf16[4:] == 0)
+    e4m3 = gathered(jnp.float8_e4m3fn)  # no infinity in the format: NaN
+    assert np.isnan(e4m3[0]) and np.isnan(e4m3[3])
+    np.testing.assert_array_equal(e4m3[[1, 2, 4]], [-1.0, 3.0, 0.0])
+    zeros = jax.jit(
+        jax.shard_map(
+            lambda w: sharding.psum(w, "i", dtype=jnp.float8_e5m2),
+            mesh=MESH,
+            in_specs=P("i"),
+            out_specs=P(),
+        )
+    )(np.zeros(8, np.float32))
+    np.testing.assert_array_equal(zeros, np.zeros(2))
+
+
+def test_wire_dtype_must_be_floating():
+    fn = jax.shard_map(
+        lambda w: sharding.all_gather(w, "i", dtype=jnp.int8),
+        mesh=MESH,
+        in_specs=P("i"),
+        out_specs=P("i"),
+    )
+    with pytest.raises(TypeError, match="must be floating"):
+        fn(np.ones(8, np.float32))
+
+
+@pytest.mark.parametrize("grad_dtype", [None, jnp.bfloat16])
+def test_gradient_of_all_gather_is_a_reduce_scatter_in_grad_dtype(grad_dtype):
+    w = RNG.standard_normal(8).astype(np.float32)
+    weights = RNG.standard_normal(8).astype(np.float32)
+
+    def loss(shard):
+        full = sharding.all_gather(
+            shard, "i", tiled=True, dtype=jnp.float8_e4m3fn, grad_dtype=grad_dtype
+        )
+        return jnp.sum(jnp.sin(full) * weights)
+
+    grad = jax.jit(jax.shard_map(jax.grad(loss), mesh=MESH, in_specs=P("i"), out_specs=P("i")))
+    full = _quantized(w, np.dtype(jnp.float8_e4m3fn), 0)
+    # Every device computed the same full cotangent: the reduce-scatter sums N copies.
+    expected = N * np.cos(full) * weights
+    rtol = 1e-6 if grad_dtype is None else 2**-8
+    np.testing.assert_allclose(grad(w), expected, rtol=rtol, atol=1e-6)
+    scaled = jax.jit(jsa.autoscale(grad))(jsa.as_scaled_array(w, scale=np.float32(2.0**-30)))
+    np.testing.assert_allclose(scaled.to_array(), expected, rtol=max(rtol, 1e-5), atol=1e-6)
+    text = grad.lower(w).as_text()
+    assert _result_types(text, "all_gather") == ["tensor<8xui8>"]
+    wire = "bf16" if grad_dtype is not None else "f32"
+    assert _result_types(text, "reduce_scatter") == [f"tensor<2x{wire}>"]
+
+
+# --- FSDP ----------------------------------------------------------------------------------
+
+SPECS = {"w1": P("i", None), "b1": P(), "w2": P(None, "i"), "b2": P("i")}
+
+
+def _mlp_params():
+    return {
+        "w1": RNG.standard_normal((16, 32)).astype(np.float32) * 0.3,
+        "b1": RNG.standard_normal(32).astype(np.float32) * 0.1,
+        "w2": RNG.standard_normal((32, 8)).astype(np.float32) * 0.3,
+        "b2": np.zeros(8, np.float32),
+    }
+
+
+def _mlp_loss(p, x):
+    h = jnp.tanh(x @ p["w1"] + p["b1"][None])
+    return jnp.mean((h @ p["w2"] + p["b2"][None]) ** 2)
+
+
+def _fsdp_grad(**wire):
+    def local(params, x):
+        def mean_loss(p):
+            full = sharding.gather_params(p, SPECS, "i", **wire)
+            return jax.lax.pmean(_mlp_loss(full, x), "i")
+
+        return jax.value_and_grad(mean_loss)(params)
+
+    return jax.shard_map(local, mesh=MESH, in_specs=(SPECS, P("i")), out_specs=(P(), SPECS))
+
+
+def test_fsdp_gradients_match_one_device():
+    params = _mlp_params()
+    x = RNG.standard_normal((8, 16)).astype(np.float32)
+    loss, grads = jax.jit(_fsdp_grad())(params, x)
+    want_loss, want = jax.value_and_grad(_mlp_loss)(params, x)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for name in params:
+        np.testing.assert_allclose(grads[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_fsdp_under_autoscale_with_fp8_gathers_and_bf16_reductions(dtype):
+    params = _mlp_params()
+    x = RNG.standard_normal((8, 16)).astype(np.float32)
+    scaled = jsa.as_scaled_array(params, dtype=dtype)
+    step = jax.jit(jsa.autoscale(_fsdp_grad(dtype=jnp.float8_e4m3fn, grad_dtype=jnp.bfloat16)))
+    loss, grads = step(scaled, x)
+    # The same recipe on the values, without autoscale: FP8 rounding of the same payloads.
+    plain_loss, plain = jax.jit(_fsdp_grad(dtype=jnp.float8_e4m3fn, grad_dtype=jnp.bfloat16))(
+        jsa.asarray(scaled, jnp.float32), x
+    )
+    _, exact = jax.value_and_grad(_mlp_loss)(params, x)
+    np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(plain_loss), rtol=2e-2)
+    for name in params:
+        got = np.asarray(grads[name].to_array(jnp.float32))
+        assert isinstance(grads[name], jsa.ScaledArray) and grads[name].dtype == dtype
+        assert np.all(np.isfinite(got))
+        scale = np.abs(exact[name]).max()
+        # FP8 weights (3 mantissa bits) against float32 weights: a few percent of the largest.
+        np.testing.assert_allclose(got, plain[name], atol=2e-2 * scale, err_msg=name)
+        np.testing.assert_allclose(got, exact[name], atol=0.1 * scale, err_msg=name)
+
+
+def test_fsdp_moves_one_byte_per_parameter_and_bf16_gradients():
+    params = _mlp_params()
+    x = RNG.standard_normal((8, 16)).astype(np.float32)
+    scaled = jsa.as_scaled_array(params, dtype=jnp.float16)
+    step = jax.jit(jsa.autoscale(_fsdp_grad(dtype=jnp.float8_e4m3fn, grad_dtype=jnp.bfloat16)))
+    text = step.lower(scaled, x).as_text()
+    gathers = _result_types(text, "all_gather")
+    assert len(gathers) == 3 and all("ui8" in g for g in gathers), gathers  # w1, w2, b2
+    scatters = _result_types(text, "reduce_scatter")
+    assert len(scatters) == 3 and all("bf16" in s for s in scatters), scatters
+    reduces = _result_types(text, "all_reduce")
+    assert any("bf16" in r for r in reduces), reduces  # b1, replicated: an all-reduce
+
+
+def test_gather_params_errors():
+    bad = {"w1": "i", "b1": P(), "w2": P(None, "i"), "b2": P("i")}
+
+    def run(specs):
+        def local(params, x):
+            return _mlp_loss(sharding.gather_params(params, specs, "i"), x)
+
+        good = dict(SPECS)
+        return jax.shard_map(
+            local, mesh=MESH, in_specs=(good, P("i")), out_specs=P("i"), check_vma=False
+        )(_mlp_params(), np.ones((8, 16), np.float32))
+
+    with pytest.raises(TypeError, match="expected a PartitionSpec"):
+        run(bad)
+    mesh2 = Mesh(np.array(jax.devices()[:N]).reshape(2, 2), ("i", "j"))
+
+    def partial(w):
+        return sharding.gather_params({"w": w}, {"w": P(("i", "j"))}, "i")["w"]
+
+    with pytest.raises(NotImplementedError, match="only"):
+        jax.shard_map(partial, mesh=mesh2, in_specs=P(("i", "j")), out_specs=P(("i", "j")))(
+            np.ones(8, np.float32)
+        )
