@@ -16,6 +16,11 @@ float8_e4m3fn, ...) and `scale`, so a restore gives back the same bits.
   stored dtypes and shapes against the template first (:func:`check_compatible`). A save
   that fails or is killed leaves the previous checkpoint whole (docs/design.md,
   "Checkpoints: what a failed save leaves").
+- Sharded state: :func:`save` writes arrays sharded over the devices of this process as
+  they are (each shard once), and :func:`restore` reads them onto any mesh: the template's
+  shardings, or `shardings=` (one `jax.sharding.Sharding`, or a tree as
+  `jsa.sharding.like` gives: data as the parameter, per-tensor scales replicated, block
+  scales with their blocks). The bits are the same whatever the meshes.
 
 Neither Flax nor Orbax is needed to import this module.
 
@@ -32,6 +37,12 @@ Examples:
     >>> jsa.checkpoint.save(path, params)
     >>> jsa.checkpoint.restore(path, params)["w"].data
     Array([ 1.5, -2. ], dtype=float16)
+    >>> import jax, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    >>> back = jsa.checkpoint.restore(path, params, shardings=NamedSharding(mesh, P("fsdp")))
+    >>> back["w"].data.sharding.spec, back["w"].scale.sharding.spec
+    (P('fsdp',), P())
 """
 
 from __future__ import annotations
@@ -48,7 +59,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .core.datatype import ScaledArray
+from . import sharding as jsa_sharding
+from .core.datatype import ScaledArray, is_scaled_leaf
 from .quantization.block import MXArray
 
 __all__ = [
@@ -220,8 +232,8 @@ def _key_name(key: Any) -> str:
     return str(key)
 
 
-def _flat(tree: Any) -> dict[tuple[str, ...], Any]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+def _flat(tree: Any, is_leaf: Any = None) -> dict[tuple[str, ...], Any]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
     return {tuple(_key_name(k) for k in path): leaf for path, leaf in leaves}
 
 
@@ -367,6 +379,8 @@ def save(directory: str | os.PathLike[str], tree: Any, *, force: bool = False) -
     The checkpoint is written beside `directory`, in a hidden staging directory, and
     renamed into place when complete: a save that fails (or is killed) leaves the previous
     checkpoint at `directory`, whole. Saves to one `directory` must not run concurrently.
+    Arrays sharded over this process's devices are saved as they are, each shard once
+    (:func:`restore` can read them onto another mesh).
 
     Args:
         directory: the checkpoint's directory (created; it must not exist unless `force`).
@@ -424,13 +438,77 @@ def _checkpoint_directory(path: str) -> str:
     raise FileNotFoundError(f"No checkpoint at {path}: no such directory.")
 
 
-def restore(directory: str | os.PathLike[str], template: Any) -> Any:
+def _path_name(path: tuple[Any, ...]) -> str:
+    return "/".join(_key_name(k) for k in path) or "the root"
+
+
+def _aligned_shardings(template: Any, shardings: Any) -> Any:
+    """`shardings` as a tree of `template`'s structure (leaves matched by path), expanded
+    by `jsa.sharding.like`: a ScaledArray of shardings where the template has a ScaledArray."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jsa_sharding.like(template, shardings)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_scaled_leaf)
+    wanted = [tuple(_key_name(k) for k in path) for path, _ in leaves]
+    given = _flat(shardings, is_leaf=is_scaled_leaf)
+    missing = [p for p in wanted if p not in given]
+    extra = [p for p in given if p not in set(wanted)]
+    if missing or extra:
+        problems = [f"{'/'.join(p)}: in the template, not in the shardings" for p in missing]
+        problems += [f"{'/'.join(p)}: in the shardings, not in the template" for p in extra]
+        more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        lines = "\n  ".join(problems[:10])
+        raise ValueError(f"The shardings do not match the template:\n  {lines}{more}")
+    for path in wanted:
+        placement = given[path]
+        parts = (
+            [placement.data, placement.scale] if isinstance(placement, ScaledArray) else [placement]
+        )
+        for part in parts:
+            if part is not None and not isinstance(part, jax.sharding.Sharding):
+                raise TypeError(
+                    f"jsa.checkpoint.restore: the shardings hold {part!r} at "
+                    f"{'/'.join(path) or 'the root'}: expected a jax.sharding.Sharding "
+                    "(or None)."
+                )
+    aligned = jax.tree_util.tree_unflatten(treedef, [given[p] for p in wanted])
+    return jsa_sharding.like(template, aligned)
+
+
+def _sharded_target(template: Any, shardings: Any) -> Any:
+    """`template` with `jax.ShapeDtypeStruct`s carrying `shardings` (None: kept as is)."""
+
+    def place(path: tuple[Any, ...], leaf: Any, sharding: Any) -> Any:
+        if sharding is None or not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            return leaf
+        try:
+            target = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            sharding.shard_shape(tuple(leaf.shape))  # an axis split unevenly raises
+        except ValueError as e:
+            raise ValueError(
+                f"Cannot restore {_path_name(path)} ({_describe(leaf)}) with the sharding "
+                f"{sharding}: {e}"
+            ) from e
+        return target
+
+    return jax.tree_util.tree_map_with_path(place, template, shardings)
+
+
+def restore(directory: str | os.PathLike[str], template: Any, *, shardings: Any = None) -> Any:
     """Restore an Orbax checkpoint into `template`'s structure, checking dtypes and shapes.
+
+    Each array comes back with the sharding of its template leaf (an array's, or a
+    `jax.ShapeDtypeStruct`'s `sharding`), or of `shardings` when given: Orbax reads each
+    device's shard onto it, whatever mesh the checkpoint was saved from. A leaf without a
+    sharding is restored as it was saved (which needs the same devices).
 
     Args:
         directory: a checkpoint written by :func:`save` (or `StandardCheckpointer`).
         template: a tree like the saved one: arrays or `jax.ShapeDtypeStruct`s (for
             instance `jax.eval_shape` of the initialisation), ScaledArrays of either.
+        shardings: None, one `jax.sharding.Sharding` for every leaf, or a tree of
+            shardings matching `template` by path, as `jsa.sharding.like` gives (a
+            ScaledArray's place may also hold the sharding of the array it represents:
+            its scale then follows `jsa.sharding.like`); None leaves keep the template's.
 
     Returns:
         The saved tree, with ScaledArrays where the template has them, bit-exact. Where a
@@ -441,16 +519,24 @@ def restore(directory: str | os.PathLike[str], template: Any) -> Any:
             set aside).
         ValueError: `directory` is a file, or a directory that holds no Orbax checkpoint;
             or the checkpoint's structure, dtypes or shapes differ from the template's
-            (Orbax itself would cast to the template's dtype).
+            (Orbax itself would cast to the template's dtype); or `shardings` does not
+            match the template's structure, or a sharding does not fit its array; or a
+            leaf without a sharding was saved from devices that this process lacks.
+        TypeError: `shardings` holds something other than a sharding or None.
 
     Examples:
-        >>> import tempfile, jax, jax.numpy as jnp, jax_scaled_arithmetics as jsa
+        >>> import tempfile, jax, jax.numpy as jnp, numpy as np, jax_scaled_arithmetics as jsa
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         >>> x = {"w": jsa.scaled_array(jnp.array([1.0, 3.0], jnp.bfloat16), 2.0**-30)}
         >>> path = tempfile.mkdtemp() + "/ckpt"
         >>> jsa.checkpoint.save(path, x)
         >>> y = jsa.checkpoint.restore(path, jax.eval_shape(lambda: x))
         >>> y["w"].data, float(y["w"].scale) == 2.0**-30
         (Array([1, 3], dtype=bfloat16), True)
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+        >>> y = jsa.checkpoint.restore(path, x, shardings={"w": NamedSharding(mesh, P("fsdp"))})
+        >>> y["w"].data.sharding.spec, y["w"].scale.sharding.spec  # the scale replicated
+        (P('fsdp',), P())
         >>> jsa.checkpoint.restore(path + "_2", x)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -460,6 +546,10 @@ def restore(directory: str | os.PathLike[str], template: Any) -> Any:
 
     path = os.path.abspath(directory)
     found = _checkpoint_directory(path)
+    if shardings is not None:
+        target = _sharded_target(template, _aligned_shardings(template, shardings))
+    else:
+        target = template
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(found).item_metadata
         if stored is None:
@@ -468,4 +558,13 @@ def restore(directory: str | os.PathLike[str], template: Any) -> Any:
                 "that Orbax's StandardCheckpointer can read."
             )
         check_compatible(template, stored)
-        return checkpointer.restore(found, template)
+        try:
+            return checkpointer.restore(found, target)  # ocp.args.StandardRestore(target)
+        except ValueError as e:
+            if "Topology mismatch" not in str(e):
+                raise
+            raise ValueError(
+                f"Cannot restore {path} as saved: it was saved from devices this process "
+                "does not have. Give the template's leaves shardings, or pass shardings= "
+                "(e.g. a NamedSharding on a mesh of this process's devices)."
+            ) from e
