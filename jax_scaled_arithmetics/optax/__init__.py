@@ -11,6 +11,9 @@ One module per idea:
   (:func:`kahan_summation`).
 - :mod:`~jax_scaled_arithmetics.optax.recipes`: named compositions of the above from the
   literature (:func:`bf16_stochastic`, :func:`bf16_kahan`, :func:`ibm8_like`).
+- :mod:`~jax_scaled_arithmetics.optax.accumulation`: gradient accumulation over microbatches
+  with the one-batch scales (:func:`accumulate_gradients`, :func:`split_microbatches`,
+  :func:`multi_steps`).
 
 Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -25,6 +28,9 @@ Examples:
     Array([0.988281, 0.988281, 0.988281], dtype=bfloat16)
 """
 
+from .accumulation import accumulate_gradients as accumulate_gradients
+from .accumulation import multi_steps as multi_steps
+from .accumulation import split_microbatches as split_microbatches
 from .compensated import KahanState as KahanState
 from .compensated import kahan_summation as kahan_summation
 from .quantized import QuantizeSpec as QuantizeSpec
@@ -45,14 +51,17 @@ __all__ = [
     "QuantizeSpec",
     "QuantizeState",
     "Recipe",
+    "accumulate_gradients",
     "apply_updates",
     "bf16_kahan",
     "bf16_stochastic",
     "default_data_exponent",
     "ibm8_like",
     "kahan_summation",
+    "multi_steps",
     "quantize",
     "scale_optimizer",
     "scaled_state",
+    "split_microbatches",
     "state_nbytes",
 ]

@@ -11,7 +11,7 @@ import pytest
 
 import jax_scaled_arithmetics as jsa
 
-MODULES = ["__init__", "scaled", "quantized", "compensated", "recipes"]
+MODULES = ["__init__", "scaled", "quantized", "compensated", "recipes", "accumulation"]
 
 
 def test_public_names():
@@ -22,15 +22,18 @@ def test_public_names():
         "QuantizeSpec",
         "QuantizeState",
         "Recipe",
+        "accumulate_gradients",
         "apply_updates",
         "bf16_kahan",
         "bf16_stochastic",
         "default_data_exponent",
         "ibm8_like",
         "kahan_summation",
+        "multi_steps",
         "quantize",
         "scale_optimizer",
         "scaled_state",
+        "split_microbatches",
         "state_nbytes",
     }
     assert all(hasattr(jsa_optax, name) for name in jsa_optax.__all__)

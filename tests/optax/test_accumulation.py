@@ -1,0 +1,308 @@
+"""`jsa.optax.accumulation`: gradients accumulated over 4 microbatches against one big batch.
+
+The scales must be the one-batch gradient's exactly (`assert_array_equal` on every leaf's
+scale). The values match to rounding: float32 data to the summation order (`1e-6` of the
+tensor's largest magnitude); float16 and bfloat16 data to the rounding of each
+microbatch's gradient and of the result to the data dtype (two ulps of the format at the
+tensor's largest magnitude, `2**-9` and `2**-6`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jax_scaled_arithmetics as jsa
+
+K, B = 4, 8  # microbatches, examples per microbatch
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+# Of the largest magnitude of the expected tensor (see the module docstring).
+TOL = {
+    np.dtype(np.float32): 1e-6,
+    np.dtype(np.float16): 2.0**-9,
+    np.dtype(ml_dtypes.bfloat16): 2.0**-6,
+}
+
+
+def _problem(dtype, big=None, seed=0):
+    """A two-layer MLP regression; with `big`, that microbatch's targets (and so its
+    gradient) are 2**10 larger than the others'."""
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.PRNGKey(seed), 5)
+    params = {
+        "w1": jax.random.normal(k1, (8, 16)) / np.sqrt(8),
+        "b1": 0.1 * jax.random.normal(k2, (16,)),
+        "w2": jax.random.normal(k3, (16, 4)) / 4.0,
+        "b2": jnp.zeros(4),
+    }
+    x = jax.random.normal(k4, (K * B, 8))
+    y = jnp.tanh(x[:, :4]) + 0.1 * jax.random.normal(k5, (K * B, 4))
+    if big is not None:
+        y = y.at[big * B : (big + 1) * B].multiply(2.0**10)
+    return jsa.as_scaled_array(params, dtype=dtype), x.astype(dtype), y.astype(dtype)
+
+
+def _loss(params, x, y):
+    h = jax.nn.relu(x @ params["w1"] + params["b1"][None, :])
+    return jnp.mean((h @ params["w2"] + params["b2"][None, :] - y) ** 2)
+
+
+_grad = jax.grad(_loss)
+
+
+def _micro(batch):
+    return jsa.optax.split_microbatches(batch, K)
+
+
+@jax.jit
+@jsa.autoscale
+def _one_batch(params, x, y):
+    return _grad(params, x, y)
+
+
+@jax.jit
+@jsa.autoscale
+def _accumulated(params, x, y):
+    return jsa.optax.accumulate_gradients(lambda p, b: _grad(p, *b), params, _micro((x, y)))
+
+
+@jax.jit
+@jsa.autoscale
+def _each_microbatch(params, x, y):
+    xs, ys = _micro((x, y))
+    return [_grad(params, xs[i], ys[i]) for i in range(K)]
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves(tree, is_leaf=jsa.is_scaled_leaf)
+
+
+def _value(x):
+    if isinstance(x, jsa.ScaledArray):
+        x = x.to_array(jnp.float32)
+    return np.asarray(x, np.float64)
+
+
+def _assert_matches(actual, expected):
+    """Same scales exactly, same dtypes, values within TOL of each tensor's largest."""
+    paths, _ = jax.tree_util.tree_flatten_with_path(expected, is_leaf=jsa.is_scaled_leaf)
+    assert len(_leaves(actual)) == len(paths)
+    for (path, e), a in zip(paths, _leaves(actual)):
+        name = jax.tree_util.keystr(path)
+        assert isinstance(a, jsa.ScaledArray) and isinstance(e, jsa.ScaledArray), name
+        assert a.dtype == e.dtype, name
+        np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(e.scale), err_msg=name)
+        atol = TOL[np.dtype(e.dtype)] * np.max(np.abs(_value(e)))
+        np.testing.assert_allclose(_value(a), _value(e), rtol=0, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_accumulate_matches_one_batch(dtype):
+    params, x, y = _problem(dtype)
+    one = _one_batch(params, x, y)
+    _assert_matches(_accumulated(params, x, y), one)
+    # The static add rule would give the largest microbatch's scale: here it differs.
+    micro = _each_microbatch(params, x, y)
+    largest = [max(float(g[k].scale) for g in micro) for k in sorted(one)]
+    assert largest != [float(one[k].scale) * K for k in sorted(one)]
+
+
+@pytest.mark.parametrize("big", [0, 2], ids=["first", "third"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_one_large_microbatch(dtype, big):
+    """One microbatch's gradient 2**10 larger: the scale is its (over all four), not the
+    last microbatch's."""
+    params, x, y = _problem(dtype, big=big)
+    one, acc = _one_batch(params, x, y), _accumulated(params, x, y)
+    _assert_matches(acc, one)
+    last = _each_microbatch(params, x, y)[-1]
+    for k in one:
+        assert float(acc[k].scale) >= 2.0**6 * float(last[k].scale), k
+
+
+def test_eager_and_values():
+    """Outside `jit` and `autoscale` (it wraps itself); `has_value` stacks the losses."""
+    params, x, y = _problem(jnp.float16)
+    vg = jax.value_and_grad(_loss)
+    values, grads = jsa.optax.accumulate_gradients(
+        lambda p, b: vg(p, *b), params, _micro((x, y)), has_value=True
+    )
+    _assert_matches(grads, _one_batch(params, x, y))
+    loss = jax.jit(jsa.autoscale(_loss))(params, x, y)
+    assert values.shape == (K,)
+    np.testing.assert_allclose(np.mean(_value(values)), _value(loss), rtol=2.0**-9)
+
+
+def test_sum():
+    """`mean=False`: the sum of the microbatch gradients, the gradient of the summed loss."""
+    params, x, y = _problem(jnp.bfloat16)
+    total = lambda p, x, y: _loss(p, x, y) * (x.shape[0] // B)  # noqa: E731
+    one = jax.jit(jsa.autoscale(jax.grad(total)))(params, x, y)
+    acc = jax.jit(
+        jsa.autoscale(
+            lambda p, x, y: jsa.optax.accumulate_gradients(
+                lambda p, b: _grad(p, *b), p, _micro((x, y)), mean=False
+            )
+        )
+    )(params, x, y)
+    _assert_matches(acc, one)
+
+
+def _block_problem(dtype):
+    """A tiny transformer block: layer norm, one attention head, a residual, an MLP."""
+    ks = jax.random.split(jax.random.PRNGKey(1), 6)
+    d = 8
+    params = {
+        "gain": 1.0 + 0.1 * jax.random.normal(ks[0], (d,)),
+        "qkv": jax.random.normal(ks[1], (d, 3 * d)) / np.sqrt(d),
+        "out": jax.random.normal(ks[2], (d, d)) / np.sqrt(d),
+        "mlp": jax.random.normal(ks[3], (d, d)) / np.sqrt(d),
+    }
+    x = jax.random.normal(ks[4], (K * 2, 4, d))
+    y = jax.random.normal(ks[5], (K * 2, 4, d))
+    return jsa.as_scaled_array(params, dtype=dtype), x.astype(dtype), y.astype(dtype)
+
+
+def _block_loss(p, x, y):
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean((x - mu) ** 2, axis=-1, keepdims=True)
+    h = (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["gain"][None, None, :]
+    q, k, v = jnp.split(h @ p["qkv"], 3, axis=-1)
+    att = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(q.shape[-1]), axis=-1)
+    h = x + jnp.einsum("bqk,bkd->bqd", att, v) @ p["out"]
+    out = h + jax.nn.gelu(h @ p["mlp"])
+    return jnp.mean((out - y) ** 2)
+
+
+def test_transformer_block():
+    params, x, y = _block_problem(jnp.bfloat16)
+    grad = jax.grad(_block_loss)
+
+    @jax.jit
+    @jsa.autoscale
+    def both(params, x, y):
+        acc = jsa.optax.accumulate_gradients(lambda p, b: grad(p, *b), params, _micro((x, y)))
+        return acc, grad(params, x, y)
+
+    acc, one = both(params, x, y)
+    _assert_matches(acc, one)
+
+
+# --- optax.MultiSteps ---------------------------------------------------------------------
+
+
+def _run_steps(opt, params, x, y, apply=jsa.optax.apply_updates):
+    """`K` mini-steps of `opt`, one per microbatch: the last parameters, updates and state."""
+    state = opt.init(params)
+
+    @jax.jit
+    @jsa.autoscale
+    def step(params, state, x, y):
+        updates, state = opt.update(_grad(params, x, y), state, params)
+        return apply(params, updates), updates, state
+
+    xs, ys = _micro((x, y))
+    for i in range(K):
+        params, updates, state = step(params, state, xs[i], ys[i])
+    return params, updates, state
+
+
+@pytest.mark.parametrize("big", [None, 1], ids=["even", "large_second"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_multi_steps_emits_the_one_batch_gradient(dtype, big):
+    """With `optax.identity()` inside, the k-th update is the accumulated mean gradient."""
+    params, x, y = _problem(dtype, big=big)
+    _, updates, state = _run_steps(
+        jsa.optax.multi_steps(optax.identity(), K), params, x, y, optax.apply_updates
+    )
+    _assert_matches(updates, _one_batch(params, x, y))
+    assert int(state.mini_step) == 0 and int(state.gradient_step) == 1
+    for acc in _leaves(state.acc_grads):  # reset: zeros, stored float32 data
+        assert acc.dtype == jnp.float32 and not np.any(_value(acc))
+
+
+def test_scale_optimizer_of_multi_steps():
+    """`scale_optimizer(optax.MultiSteps(...))` also emits the one-batch scales (its
+    accumulator in the scaled state's dtype, float16: a looser tolerance)."""
+    params, x, y = _problem(jnp.float16, big=0)
+    opt = jsa.optax.scale_optimizer(optax.MultiSteps(optax.identity(), K))
+    _, updates, _ = _run_steps(opt, params, x, y, optax.apply_updates)
+    one = _one_batch(params, x, y)
+    for k in one:
+        np.testing.assert_array_equal(np.asarray(updates[k].scale), np.asarray(one[k].scale))
+        atol = 2.0**-8 * np.max(np.abs(_value(one[k])))
+        np.testing.assert_allclose(_value(updates[k]), _value(one[k]), rtol=0, atol=atol)
+
+
+def _assert_close_to_ulp(actual, expected, ulp):
+    for a, e in zip(_leaves(actual), _leaves(expected)):
+        atol = ulp * np.max(np.abs(_value(e)))
+        np.testing.assert_allclose(_value(a), _value(e), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        pytest.param(lambda: jsa.optax.scale_optimizer(optax.adam(1e-3)), id="scaled_adam"),
+        pytest.param(lambda: optax.sgd(0.1), id="sgd"),
+    ],
+)
+def test_multi_steps_parameters(inner):
+    """After the k-th mini-step the parameters (bfloat16) and the inner state (Adam's
+    moments) are the one-batch step's, one bfloat16 ulp apart at most (of the tensor's
+    largest magnitude): the two bfloat16 gradients' rounding."""
+    params, x, y = _problem(jnp.bfloat16)
+    opt = inner()
+
+    @jax.jit
+    @jsa.autoscale
+    def one_step(params, state, x, y):
+        updates, state = opt.update(_grad(params, x, y), state, params)
+        return jsa.optax.apply_updates(params, updates), state
+
+    expected, expected_state = one_step(params, opt.init(params), x, y)
+    actual, _, state = _run_steps(jsa.optax.multi_steps(inner(), K), params, x, y)
+    assert all(a.dtype == jnp.bfloat16 for a in _leaves(actual))
+    _assert_close_to_ulp(actual, expected, 2.0**-7)
+    _assert_close_to_ulp(state.inner_opt_state, expected_state, 2.0**-7)
+
+
+def test_multi_steps_forgets_the_last_rounds_scale():
+    """float16 gradients 2**-30 below the first round's: `multi_steps` emits them; plain
+    `optax.MultiSteps` keeps the accumulator at the largest scale it saw (the reset
+    multiplies the data by 0) and the cast to float16 flushes them."""
+    params = jsa.as_scaled_array({"w": jnp.ones(4)}, dtype=jnp.float16)
+    grad = jnp.array([1.0, 0.5, -0.25, 1.5], jnp.float16)
+    for opt, flushed in [
+        (jsa.optax.multi_steps(optax.identity(), 2), False),
+        (optax.MultiSteps(optax.identity(), 2), True),
+    ]:
+        state = opt.init(params)
+        step = jax.jit(jsa.autoscale(lambda g, s, opt=opt: opt.update(g, s, params)))
+        for e in (0, 0, -30, -30):
+            updates, state = step({"w": jsa.scaled_array(grad, 2.0**e)}, state)
+        expected = np.asarray(grad, np.float64) * 2.0**-30
+        if flushed:
+            assert not np.any(_value(updates["w"]))
+        else:
+            np.testing.assert_array_equal(_value(updates["w"]), expected)
+            assert float(updates["w"].scale) == 2.0**-30
+
+
+def test_split_microbatches():
+    batch = {"x": jnp.zeros((8, 3)), "s": jsa.scaled_array(np.ones((8,), np.float16), 2.0)}
+    out = jsa.optax.split_microbatches(batch, 4)
+    assert out["x"].shape == (4, 2, 3) and out["s"].shape == (4, 2)
+    assert isinstance(out["s"], jsa.ScaledArray) and float(out["s"].scale) == 2.0
+    with pytest.raises(ValueError, match="does not split into 3"):
+        jsa.optax.split_microbatches(batch, 3)
+
+
+def test_mismatched_microbatches():
+    with pytest.raises(ValueError, match="same leading axis"):
+        jsa.optax.accumulate_gradients(
+            lambda p, b: p, jnp.ones(2), (jnp.zeros((4, 2)), jnp.zeros((3, 2)))
+        )
