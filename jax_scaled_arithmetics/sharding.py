@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .core.datatype import ScaledArray, is_scaled_leaf
-from .lax.scaling_primitives import apply_to_data, get_data_scale, set_scaling
+from .lax.scaling_primitives import apply_to_data, get_data_scale, rebalance, set_scaling
 
 __all__ = [
     "all_gather",
@@ -201,10 +201,24 @@ def _headroom(axis_name: Any) -> int:
     return max(0, math.ceil(math.log2(_axis_size(axis_name))))
 
 
+def _top_exponent(x: Any, wire_dtype: Any) -> int:
+    """The payload's exponent bound: the largest both the wire format and `x`'s dtype hold,
+    at most float16's (formats with float32's exponent range need not sit at their top:
+    their precision is the same in every binade)."""
+    return min(_max_exponent(wire_dtype), _max_exponent(x.dtype), _max_exponent(jnp.float16))
+
+
+def _to_unit_range(out: Any, x: Any, wire_dtype: Any) -> Any:
+    """The collective's result with its data's largest magnitude below 2 (the payload sat
+    at the top of the wire format, which leaves no room for the squares and products of
+    what follows): the scale takes the power of two, the value is unchanged."""
+    return rebalance(out, np.float32(2.0 ** -(_top_exponent(x, wire_dtype) - 1)))
+
+
 def _shared_scale(x: Any, axis_name: Any, wire_dtype: Any, headroom: int) -> Any:
     """A power of two `t`, the same on every device of `axis_name`, with every finite
-    `|value| / t` of every device below `2^(e - headroom)`, `e` the largest exponent both
-    the wire format and `x`'s dtype hold (the payload is `x`'s data at scale `t`)."""
+    `|value| / t` of every device below `2^(e - headroom)`, `e = _top_exponent(...)` (the
+    payload is `x`'s data at scale `t`)."""
     data, scale = get_data_scale(x)
     magnitude = jnp.abs(data.astype(jnp.float32))
     amax = jnp.max(jnp.where(jnp.isfinite(magnitude), magnitude, 0.0), initial=0.0)
@@ -213,8 +227,8 @@ def _shared_scale(x: Any, axis_name: Any, wire_dtype: Any, headroom: int) -> Any
     _, e_scale = jnp.frexp(jnp.max(jnp.asarray(scale, jnp.float32)))
     local = jnp.where(amax > 0, e_data + e_scale, _NO_MAGNITUDE)
     exponent = jax.lax.pmax(local, axis_name)
-    top = min(_max_exponent(wire_dtype), _max_exponent(x.dtype))
-    exponent = jnp.clip(exponent + headroom - top, -126, 127).astype(jnp.int32)
+    exponent = jnp.clip(exponent + headroom - _top_exponent(x, wire_dtype), -126, 127)
+    exponent = exponent.astype(jnp.int32)
     # 2^exponent from its bits (a normal float32: biased exponent, zero mantissa).
     bits = jax.lax.shift_left(exponent + 127, jnp.int32(23))
     return jax.lax.stop_gradient(jax.lax.bitcast_convert_type(bits, jnp.float32))
@@ -270,9 +284,10 @@ def _wire_dtype(x: Any, dtype: Any) -> Any:
 def _collective(x: Any, kind: str, axis_name: Any, axis: int, tiled: bool, dtype: Any) -> Any:
     headroom = 0 if kind == "all_gather" else _headroom(axis_name)
     shared = _shared_scale(x, axis_name, dtype, headroom)
-    x = set_scaling(x, shared)
-    c = shared / get_data_scale(x)[1]
-    return apply_to_data(_WireCollective(kind, axis_name, axis, tiled, dtype), x, c)
+    scaled = set_scaling(x, shared)
+    c = shared / get_data_scale(scaled)[1]
+    out = apply_to_data(_WireCollective(kind, axis_name, axis, tiled, dtype), scaled, c)
+    return _to_unit_range(out, x, dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -401,12 +416,13 @@ def psum(x: Any, axis_name: Any, *, dtype: Any = None) -> Any:
     """
     wire = _wire_dtype(x, dtype)
     shared = _shared_scale(x, axis_name, wire, _headroom(axis_name))
-    x = set_scaling(x, shared)
+    scaled = set_scaling(x, shared)
     # (The same on every device: the result of the sum does not vary over the axes.)
-    c = shared / jax.lax.pmax(get_data_scale(x)[1], axis_name)
-    payload = apply_to_data(functools.partial(_to_wire, dtype=wire), x, c)
+    c = shared / jax.lax.pmax(get_data_scale(scaled)[1], axis_name)
+    payload = apply_to_data(functools.partial(_to_wire, dtype=wire), scaled, c)
     total = jax.lax.psum(payload, axis_name)
-    return apply_to_data(functools.partial(_from_wire, dtype=jnp.dtype(x.dtype)), total, c)
+    out = apply_to_data(functools.partial(_from_wire, dtype=jnp.dtype(x.dtype)), total, c)
+    return _to_unit_range(out, x, wire)
 
 
 # --- FSDP ---------------------------------------------------------------------------------

@@ -101,6 +101,7 @@ def _quantized(values: np.ndarray, wire: np.dtype, headroom: int, storage=np.flo
     top = min(
         int(np.floor(np.log2(float(ml_dtypes.finfo(wire).max)))),
         int(np.floor(np.log2(float(ml_dtypes.finfo(storage).max)))),
+        15,  # float16's: wider formats' payloads sit no higher
     )
     t = 2.0 ** (_exponent_bound(values) + headroom - top)
     bound = float(ml_dtypes.finfo(wire).max)

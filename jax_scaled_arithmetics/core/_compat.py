@@ -292,6 +292,19 @@ def varying_axes(aval: Any) -> frozenset[Any]:
     return frozenset(varying or ())
 
 
+def vary_over(value: Any, axes: frozenset[Any]) -> Any:
+    """`value` (an array) made to vary over every mesh axis of `axes` it does not vary over
+    yet (inside `shard_map`; a type cast, the values are unchanged)."""
+    if not axes or not hasattr(value, "shape"):
+        return value
+    missing = axes - varying_axes(typeof(value))
+    if not missing:
+        return value
+    import jax
+
+    return jax.lax.pcast(value, tuple(sorted(missing, key=str)), to="varying")
+
+
 def vary_like_plain(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """Operands for binding `eqn`'s primitive again, typed (inside `shard_map`) as varying
     over the mesh axes the plain program's variables varied over.
@@ -306,12 +319,7 @@ def vary_like_plain(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
 
     variables = eqn.invars
     plain = [frozenset() if isinstance(v, Literal) else varying_axes(v.aval) for v in variables]
-    out = list(invals)
-    for i, (value, wanted) in enumerate(zip(invals, plain)):
-        if wanted and hasattr(value, "shape"):
-            missing = wanted - varying_axes(typeof(value))
-            if missing:
-                out[i] = jax.lax.pcast(value, tuple(sorted(missing, key=str)), to="varying")
+    out = [vary_over(value, wanted) for value, wanted in zip(invals, plain)]
     if len(out) < 2 or any(p != plain[0] for p in plain) or eqn.params.get("jaxpr") is not None:
         return out
     have = [varying_axes(typeof(v)) if hasattr(v, "shape") else frozenset() for v in out]

@@ -78,6 +78,9 @@ _SCALAR_PRESERVING = {
     "dynamic_slice",
     "reduce_precision",
     "convert_element_type",
+    # Inside `shard_map` a constant used with a value that varies over a mesh axis is first
+    # made to vary (a type cast): it stays the constant (layer norm's epsilon, `+ 1e-5`).
+    "pvary",
 }
 # Elementwise primitives folded when every operand is a known scalar.
 _FOLDABLE_ELEMENTWISE = {
@@ -280,6 +283,16 @@ class _AutoscaleContext:
         return self.known.get(atom)
 
 
+def _vary_data_like(value: Any, aval: Any) -> Any:
+    axes = _compat.varying_axes(aval)
+    if not axes:
+        return value
+    if isinstance(value, ScaledArray):
+        data = _compat.vary_over(value.data, axes)
+        return value if data is value.data else ScaledArray(data, value.scale)
+    return _compat.vary_over(value, axes)
+
+
 class _Autoscale(JaxprWalker):
     """`autoscale`'s walk: values are ScaledArrays or plain arrays; an equation with a
     ScaledArray operand (or a primitive that is always scaled) runs its scaled rule, any
@@ -336,6 +349,12 @@ class _Autoscale(JaxprWalker):
                 guard(eqn, invals)
         if info.promote and any_scaled:
             invals = [promote_to_scaled(v, k) for v, k in zip(invals, in_known)]
+        # Inside `shard_map`: data (of a promoted constant, say) varies over at least the
+        # mesh axes the plain program's operand did, so the rule's data ops type-check.
+        invals = [
+            v if isinstance(var, _compat.Literal) else _vary_data_like(v, var.aval)
+            for v, var in zip(invals, eqn.invars)
+        ]
         rule = info.rule
         if any(isinstance(v, ScaledArray) and np.ndim(v.scale) for v in invals):
             block_rule = registry.get_block_rule(eqn.primitive)

@@ -51,14 +51,8 @@ import optax
 from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
 from ..ops.dynamic_rescaling import dynamic_rescale_max
-from .scaled import (
-    _is_none,
-    _outer_dtypes,
-    _store_state,
-    _store_update,
-    _to_storage,
-    default_data_exponent,
-)
+from . import scaled as _scaled
+from .scaled import default_data_exponent
 
 __all__ = ["accumulate_gradients", "multi_steps", "split_microbatches"]
 
@@ -169,17 +163,17 @@ def accumulate_gradients(
                 lambda t, g: None if t is None else t + _wide(g),
                 total,
                 grads,
-                is_leaf=_is_none,
+                is_leaf=_scaled._is_none,
             )
             return total, value
 
         total, values = jax.lax.scan(body, zeros, microbatches)
         if mean:
             total = jax.tree_util.tree_map(
-                lambda t: None if t is None else t / count, total, is_leaf=_is_none
+                lambda t: None if t is None else t / count, total, is_leaf=_scaled._is_none
             )
         grads = jax.tree_util.tree_map(
-            lambda t, d: _finish(t, d, rescale), total, dtypes, is_leaf=_is_none
+            lambda t, d: _finish(t, d, rescale), total, dtypes, is_leaf=_scaled._is_none
         )
         return (values, grads) if has_value else grads
 
@@ -285,13 +279,16 @@ def multi_steps(
 
         def update(acc: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
             grads = jax.tree_util.tree_map(
-                lambda a, g: _store_update(a, g, rescale), acc, like, is_leaf=_is_none
+                lambda a, g: _scaled._store_update(a, g, rescale),
+                acc,
+                like,
+                is_leaf=_scaled._is_none,
             )
             grads = jax.tree_util.tree_map(
                 lambda g, d: g if g is None or d is None else g.astype(d),
                 grads,
                 out_dtypes,
-                is_leaf=_is_none,
+                is_leaf=_scaled._is_none,
             )
             return inner.update(grads, state, params, **extra_args)
 
@@ -306,7 +303,9 @@ def multi_steps(
     @functools.partial(jax.jit, static_argnums=1)
     def acc_storage(zeros: Any, scale_shapes: tuple[Any, ...]) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(zeros)
-        stored = [_to_storage(z, acc_dtype, rescale, exp, s) for z, s in zip(leaves, scale_shapes)]
+        stored = [
+            _scaled._to_storage(z, acc_dtype, rescale, exp, s) for z, s in zip(leaves, scale_shapes)
+        ]
         return jax.tree_util.tree_unflatten(treedef, stored)
 
     def init_fn(params: Any) -> optax.MultiStepsState:
@@ -329,13 +328,13 @@ def multi_steps(
         )
 
     def _update(updates: Any, state: Any, params: Any, extra_args: dict[str, Any]) -> Any:
-        ms = wrapped(_outer_dtypes(updates), updates)
+        ms = wrapped(_scaled._outer_dtypes(updates), updates)
         wide = jax.tree_util.tree_map(_wide, updates, is_leaf=is_scaled_leaf)
         acc = jax.tree_util.tree_map(_wide, state.acc_grads, is_leaf=is_scaled_leaf)
         new_updates, new_state = ms.update(
             wide, state._replace(acc_grads=acc), params, **extra_args
         )
-        stored = _store_state(new_state.acc_grads, state.acc_grads, acc_dtype, rescale, exp)
+        stored = _scaled._store_state(new_state.acc_grads, state.acc_grads, acc_dtype, rescale, exp)
         return new_updates, new_state._replace(acc_grads=stored)
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:

@@ -133,6 +133,7 @@ def test_public_names_are_pinned():
             "register_scaled_op",
             "scaled_array",
             "scalify",
+            "sharding",
             "scaled_axes",
             "tree",
             "unit_scaling",

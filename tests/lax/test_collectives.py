@@ -402,3 +402,29 @@ def test_sums_of_data_at_the_top_of_float16_do_not_overflow(kind, groups):
     assert np.all(np.isfinite(values))
     np.testing.assert_allclose(values, n * 60000.0 * 2.0**-10, rtol=1e-3)
     assert float(out.scale) == 2.0**-10 * 2 ** int(np.ceil(np.log2(n)))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_layer_norm_of_per_device_values_in_shard_map_has_finite_gradients(check_vma):
+    """Inside `shard_map` the constants used with per-device values (layer norm's epsilon)
+    are made to vary first: they stay known constants (a scale of their own), and promoted
+    data varies like the plain program's operand. With the epsilon promoted at scale 1,
+    the float16 derivative `rsqrt(v) / v` overflowed (NaN gradients of an embedding)."""
+    table = RNG.standard_normal((65, 32)).astype(np.float32) * 0.02
+    tokens = jnp.asarray(RNG.integers(0, 65, (N_DEVICES * 2, 16)), jnp.int32)
+
+    def loss(w, t):
+        x = w[t]
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.var(x, axis=-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + 1e-5)
+        return jax.lax.pmean(jnp.sum(y * jnp.arange(32.0)[None, None]), "i")
+
+    grad = jax.shard_map(
+        jax.grad(loss), mesh=MESH, in_specs=(P(), P("i")), out_specs=P(), check_vma=check_vma
+    )
+    expected = jax.jit(grad)(table, tokens)
+    got = jax.jit(jsa.autoscale(grad))(jsa.as_scaled_array(table, dtype=jnp.float16), tokens)
+    values = np.asarray(got.to_array(jnp.float32))
+    assert np.all(np.isfinite(values))
+    np.testing.assert_allclose(values, expected, atol=2e-2 * np.abs(expected).max())
