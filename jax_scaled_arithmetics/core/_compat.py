@@ -315,7 +315,6 @@ def vary_like_plain(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     is first made to vary like its variable; when the equation's operands all varied alike
     in the plain program (JAX's check for most primitives), they are then made to vary
     alike again, over the union, as `jax.lax` does when it binds them."""
-    import jax
 
     variables = eqn.invars
     plain = [frozenset() if isinstance(v, Literal) else varying_axes(v.aval) for v in variables]
