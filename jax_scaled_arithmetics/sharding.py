@@ -110,7 +110,7 @@ def like(tree: Any, shardings: Any) -> Any:
         shardings: one `jax.sharding.Sharding` for every leaf, or a tree of shardings with
             `tree`'s structure in which a ScaledArray's place holds the sharding of the
             array it represents (the plain parameters' shardings), or a ScaledArray of
-            shardings.
+            shardings. One sharding is replicated for leaves of lower rank than its spec.
 
     Returns:
         A tree of shardings with `tree`'s structure, for `jax.device_put` or `jax.jit`'s
@@ -131,7 +131,9 @@ def like(tree: Any, shardings: Any) -> Any:
     """
     if isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(
-            lambda leaf: _leaf_shardings(leaf, shardings), tree, is_leaf=is_scaled_leaf
+            lambda leaf: _leaf_shardings(leaf, _fitting(shardings, leaf)),
+            tree,
+            is_leaf=is_scaled_leaf,
         )
     return jax.tree.map(
         _leaf_shardings,
@@ -139,6 +141,15 @@ def like(tree: Any, shardings: Any) -> Any:
         shardings,
         is_leaf=is_scaled_leaf,
     )
+
+
+def _fitting(sharding: Any, leaf: Any) -> Any:
+    """One sharding given for every leaf: replicated for a leaf of lower rank than its
+    spec (a step counter, a scalar)."""
+    if isinstance(sharding, NamedSharding) and hasattr(leaf, "shape"):
+        if len(leaf.shape) < len(sharding.spec):
+            return _replicated(sharding)
+    return sharding
 
 
 def _leaf_shardings(leaf: Any, sharding: Any) -> Any:

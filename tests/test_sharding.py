@@ -45,7 +45,10 @@ def test_like_replicates_per_tensor_scales_and_keeps_the_tree():
     assert out["b"] == replicated and out["step"] is None and out["frozen"] is None
     # One sharding for every leaf.
     every = sharding.like(params, data)
-    assert every["w"].data == data and every["b"] == data and every["step"] is None
+    assert every["w"].data == data and every["step"] is None
+    assert every["b"].spec == P()  # rank 1 < the spec's 2: replicated
+    placed = sharding.device_put({**params, "step": jnp.int32(3)}, data)
+    assert placed["step"].sharding.spec == P() and placed["w"].data.sharding.spec == P("i", None)
 
 
 def test_like_shards_block_scales_with_their_blocks():
