@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .core.datatype import ScaledArray, is_scaled_leaf
+from .core.shardings import replicated, scale_sharding, spec_entries
 from .lax.scaling_primitives import apply_to_data, get_data_scale, rebalance, set_scaling
 
 __all__ = [
@@ -53,52 +54,6 @@ __all__ = [
 
 
 # --- shardings of ScaledArray trees ------------------------------------------------------
-
-
-def _replicated(sharding: Any) -> Any:
-    """A sharding that replicates a value over `sharding`'s devices."""
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return sharding
-    if isinstance(sharding, jax.sharding.Sharding):
-        devices = sharding._device_assignment  # noqa: SLF001 (no public accessor for order)
-        mesh = jax.sharding.Mesh(np.array(devices), ("_all",))
-        return NamedSharding(mesh, PartitionSpec())
-    raise TypeError(f"jsa.sharding.like: expected a jax.sharding.Sharding, got {sharding!r}.")
-
-
-def _spec_entries(spec: PartitionSpec, ndim: int) -> list[Any]:
-    entries = list(spec)
-    return entries + [None] * (ndim - len(entries))
-
-
-def _mesh_size(mesh: Any, entry: Any) -> int:
-    names = entry if isinstance(entry, tuple) else (entry,)
-    return math.prod(mesh.shape[name] for name in names)
-
-
-def _scale_sharding(data_sharding: Any, data_shape: tuple[int, ...], scale: Any) -> Any:
-    """Per-tensor scale: replicated. Block scale: the data's spec on every axis where the
-    blocks split evenly over the mesh axes (each device then holds its blocks' scales)."""
-    scale_shape = tuple(np.shape(scale))
-    if not scale_shape or not isinstance(data_sharding, NamedSharding):
-        return _replicated(data_sharding)
-    entries: list[Any] = []
-    for entry, n_data, n_scale in zip(
-        _spec_entries(data_sharding.spec, len(data_shape)), data_shape, scale_shape, strict=True
-    ):
-        if entry is None or n_scale == 1:
-            entries.append(None)
-            continue
-        parts = _mesh_size(data_sharding.mesh, entry)
-        block = n_data // n_scale
-        # Each device's slice of the data must hold whole blocks.
-        fits = n_scale % parts == 0 and (n_data // parts) % block == 0
-        entries.append(entry if fits else None)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return NamedSharding(data_sharding.mesh, PartitionSpec(*entries))
 
 
 def like(tree: Any, shardings: Any) -> Any:
@@ -148,7 +103,7 @@ def _fitting(sharding: Any, leaf: Any) -> Any:
     spec (a step counter, a scalar)."""
     if isinstance(sharding, NamedSharding) and hasattr(leaf, "shape"):
         if len(leaf.shape) < len(sharding.spec):
-            return _replicated(sharding)
+            return replicated(sharding)
     return sharding
 
 
@@ -163,7 +118,7 @@ def _leaf_shardings(leaf: Any, sharding: Any) -> Any:
                 f"jsa.sharding.like: a ScaledArray of shape {leaf.shape} needs a "
                 f"jax.sharding.Sharding for its data, got {sharding!r}."
             )
-        return ScaledArray(sharding, _scale_sharding(sharding, leaf.shape, leaf.scale))
+        return ScaledArray(sharding, scale_sharding(sharding, leaf.shape, leaf.scale))
     return sharding
 
 
@@ -516,7 +471,7 @@ def gather_params(
                 f"shape {tuple(x.shape)}, got {spec!r}."
             )
         sharded = False
-        for dim, entry in enumerate(_spec_entries(spec, x.ndim)):
+        for dim, entry in enumerate(spec_entries(spec, x.ndim)):
             axes = tuple(a for a in _axis_names(entry) if a in names) if entry else ()
             if axes and len(axes) != len(_axis_names(entry)):
                 raise NotImplementedError(

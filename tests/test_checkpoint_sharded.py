@@ -197,7 +197,9 @@ def test_wrong_shardings_tree_raises(saved):
         jsa.checkpoint.restore(path, state, shardings=dict(params, plain=spec))
     # A sharding that does not fit its array: named, before anything is read.
     with pytest.raises(ValueError, match=r"Cannot restore step \(int32\[\]\) with the sharding"):
-        jsa.checkpoint.restore(path, state, shardings=NamedSharding(m, P("fsdp", None)))
+        jsa.checkpoint.restore(
+            path, state, shardings=dict(params, step=NamedSharding(m, P("fsdp", None)))
+        )
     three = mesh((3,), ("fsdp",))
     uneven = dict(params, f16=NamedSharding(three, P("fsdp")))
     with pytest.raises(ValueError, match=r"Cannot restore f16/data \(float16\[8, 4\]\) with"):

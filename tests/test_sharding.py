@@ -354,3 +354,19 @@ def test_gather_params_errors():
         jax.shard_map(partial, mesh=mesh2, in_specs=P(("i", "j")), out_specs=P(("i", "j")))(
             np.ones(8, np.float32)
         )
+
+
+def test_reshard_and_device_put_under_autoscale_move_data_and_place_scales():
+    mesh = jax.make_mesh((N,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = sharding.device_put(
+        jsa.as_scaled_array(jnp.arange(16.0).reshape(4, 4), dtype=jnp.float16),
+        NamedSharding(mesh, P("i", None)),
+    )
+    with jax.set_mesh(mesh):
+        out = jax.jit(jsa.autoscale(lambda a: jax.sharding.reshard(a * 2.0, P(None, "i"))))(x)
+    assert out.data.sharding.spec == P(None, "i") and out.scale.sharding.spec == P()
+    np.testing.assert_array_equal(out.to_array(jnp.float32), np.arange(16.0).reshape(4, 4) * 2)
+    # device_put inside a step: the data where asked, the per-tensor scale replicated.
+    target = NamedSharding(MESH, P("i", None))
+    text = str(jax.make_jaxpr(jsa.autoscale(lambda a: jax.device_put(a, target)))(x))
+    assert "spec=P('i', None)" in text and "spec=P()" in text

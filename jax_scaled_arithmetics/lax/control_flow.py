@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from ..core import _compat, block_scales, registry
+from ..core import _compat, block_scales, registry, shardings
 from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray, is_floating
 from ..core.promotion import promote_to_scaled
@@ -877,6 +877,38 @@ def scaled_sharding_constraint(x: ScaledArray, **params: Any) -> ScaledArray:
     return ScaledArray(_compat.primitives.sharding_constraint_p.bind(x.data, **params), x.scale)
 
 
+def _reshard_primitive() -> Any:
+    try:
+        return _compat.primitives.reshard_p
+    except AttributeError:  # a JAX without `jax.sharding.reshard`
+        return None
+
+
+if _reshard_primitive() is not None:
+
+    @registry.register_scaled_op(
+        _reshard_primitive(),
+        family="linear",
+        remark="the data resharded; the scale replicated (a block scale with its blocks)",
+    )
+    def scaled_reshard(x: ScaledArray, **params: Any) -> ScaledArray:
+        return ScaledArray(
+            _reshard_primitive().bind(x.data, **params), _scale_placement(x, "reshard", params)
+        )
+
+
+def _scale_placement(x: ScaledArray, name: str, params: dict[str, Any]) -> Any:
+    """The scale of `x` moved like its data by `reshard` (`dst_sharding`): replicated
+    when per tensor, else with its blocks."""
+    scale = jnp.asarray(x.scale)
+    sharding = params.get("dst_sharding")
+    if sharding is None or not isinstance(sharding, jax.sharding.NamedSharding):
+        return scale
+    target = shardings.scale_sharding(sharding, x.shape, scale)
+    prim = _reshard_primitive()
+    return prim.bind(scale, **{**params, "dst_sharding": target})
+
+
 @registry.register_scaled_op(
     _compat.primitives.device_put_p,
     promote=False,
@@ -889,8 +921,12 @@ def scaled_device_put(*args: Any, **params: Any) -> list[Any]:
     for name, value in params.items():
         if isinstance(value, (tuple, list)) and len(value) == len(args):
             expanded: list[Any] = []
-            for v, scaled in zip(value, specs, strict=True):
-                expanded.extend([v, v] if scaled else [v])
+            for arg, v, scaled in zip(args, value, specs, strict=True):
+                if scaled and name == "devices" and isinstance(v, jax.sharding.NamedSharding):
+                    # A scale is replicated (a block scale sharded with its blocks).
+                    expanded.extend([v, shardings.scale_sharding(v, arg.shape, arg.scale)])
+                else:
+                    expanded.extend([v, v] if scaled else [v])
             new_params[name] = type(value)(expanded)
     outs = _compat.primitives.device_put_p.bind(*leaves, **new_params)
     return unflatten_scaled(outs, specs)
