@@ -370,3 +370,29 @@ def test_reshard_and_device_put_under_autoscale_move_data_and_place_scales():
     target = NamedSharding(MESH, P("i", None))
     text = str(jax.make_jaxpr(jsa.autoscale(lambda a: jax.device_put(a, target)))(x))
     assert "spec=P('i', None)" in text and "spec=P()" in text
+
+
+def test_fsdp_composes_with_simulate_fp8():
+    """`U.simulate_fp8` on the gathered parameters, inside the shard_map, under autoscale."""
+    import jax_scaled_arithmetics.unit_scaling as U
+
+    params = _mlp_params()
+    x = RNG.standard_normal((8, 16)).astype(np.float32)
+    fp8_loss = U.simulate_fp8(_mlp_loss, rescale=True)
+
+    def local(p, x):
+        def mean_loss(p):
+            full = sharding.gather_params(p, SPECS, "i", dtype=jnp.float8_e4m3fn)
+            return jax.lax.pmean(fp8_loss(full, x), "i")
+
+        return jax.value_and_grad(mean_loss)(p)
+
+    fn = jax.shard_map(local, mesh=MESH, in_specs=(SPECS, P("i")), out_specs=(P(), SPECS))
+    scaled = jsa.as_scaled_array(params, dtype=jnp.float16)
+    loss, grads = jax.jit(jsa.autoscale(fn))(scaled, x)
+    want_loss, want = jax.value_and_grad(_mlp_loss)(params, x)
+    np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(want_loss), rtol=0.1)
+    for name in params:
+        got = np.asarray(grads[name].to_array(jnp.float32))
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want[name], atol=0.15 * np.abs(want[name]).max())
