@@ -33,6 +33,7 @@ Run: python experiments/gpt/train_sharded.py --data-dir ../shared/data --devices
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -42,7 +43,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,23 @@ def parse_collectives(hlo: str) -> list[dict[str, Any]]:
     return found
 
 
+@contextlib.contextmanager
+def _no_persistent_cache() -> Iterator[None]:
+    """A persistent-cache hit compiles nothing and so dumps no pass (the dump options are
+    not part of the cache key): compile with JAX's persistent cache off. JAX decides once
+    whether it uses the cache; `reset_cache` (internal) makes it decide again."""
+    from jax._src import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
 def collective_bytes(jitted: Any, *args: Any) -> dict[str, dict[str, Any]]:
     """Bytes the collectives of `jitted(*args)` move per device and step, by kind, read
     from XLA's HLO after SPMD partitioning (what any backend is asked to move) and from the
@@ -232,16 +250,16 @@ def collective_bytes(jitted: Any, *args: Any) -> dict[str, dict[str, Any]]:
     of its operand (the array every device contributes: result bytes x devices); for an
     all-reduce, of its operand. Returned: `{"partitioned": {kind: bytes, ...}, "cpu": ...}`.
     """
-    with tempfile.TemporaryDirectory() as dump:
-        flags = os.environ.get("XLA_FLAGS", "")
-        # The dump flags are read when a module is compiled: pass them through the options.
-        compiled = jitted.lower(*args).compile(
-            compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "all-reduce-promotion"}
-        )
-        del flags
+    options = {"xla_dump_to": "", "xla_dump_hlo_pass_re": "all-reduce-promotion"}
+    with tempfile.TemporaryDirectory() as dump, _no_persistent_cache():
+        compiled = jitted.lower(*args).compile(compiler_options={**options, "xla_dump_to": dump})
         dumps = sorted(glob.glob(os.path.join(dump, "*before_all-reduce-promotion*")))
-        dumps = dumps or sorted(glob.glob(os.path.join(dump, "*all-reduce-promotion*")))
-        partitioned = Path(dumps[-1]).read_text() if dumps else compiled.as_text()
+        if not dumps:
+            raise RuntimeError(
+                "collective_bytes: XLA dumped no module before its all-reduce-promotion pass "
+                f"(files: {sorted(os.listdir(dump))[:5]})."
+            )
+        partitioned = Path(dumps[-1]).read_text()
     devices = len(jax.devices())
 
     def totals(hlo: str) -> dict[str, Any]:
