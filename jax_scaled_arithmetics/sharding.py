@@ -8,6 +8,8 @@ between devices in a narrow format with one scale shared by all devices.
 - :func:`like`: the shardings of a ScaledArray tree from its parameters' shardings (data as
   the parameter, per-tensor scales replicated, block scales sharded with their blocks).
 - :func:`device_put`: `jax.device_put` of a tree with those shardings.
+- :func:`state_like`: an optimizer state's shardings, its moments sharded like the
+  parameters they mirror.
 - :func:`all_gather`, :func:`psum_scatter`, :func:`psum`: inside `shard_map`, the collective
   on the represented values, with the data on the wire in `dtype` (e.g. float8_e4m3fn or
   bfloat16) at one power-of-two scale agreed on by a scalar all-reduce of the largest
@@ -50,6 +52,7 @@ __all__ = [
     "like",
     "psum",
     "psum_scatter",
+    "state_like",
 ]
 
 
@@ -137,6 +140,51 @@ def device_put(tree: Any, shardings: Any) -> Any:
         (True, True)
     """
     return jax.device_put(tree, like(tree, shardings))
+
+
+def state_like(optimizer: Any, params: Any, shardings: Any) -> Any:
+    """The shardings of `optimizer.init(params)`'s state: every leaf that mirrors a
+    parameter (moments, accumulators) sharded like that parameter, ScaledArrays by
+    :func:`like`, other leaves (step counts) replicated.
+
+    Args:
+        optimizer: an optax `GradientTransformation` (`jsa.optax.scale_optimizer(...)`
+            included).
+        params: the parameters (arrays, ScaledArrays or their `ShapeDtypeStruct`s).
+        shardings: the parameters' shardings, as :func:`like` takes them.
+
+    Returns:
+        A tree of shardings for `jax.jit(optimizer.init, out_shardings=...)` or
+        `jax.device_put`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        >>> import jax_scaled_arithmetics as jsa
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+        >>> params = jsa.as_scaled_array({"w": jnp.ones((4, 2))}, dtype=jnp.float16)
+        >>> opt = jsa.optax.scale_optimizer(optax.adam(1e-3))
+        >>> spec = jsa.sharding.state_like(opt, params, {"w": NamedSharding(mesh, P("fsdp"))})
+        >>> state = jax.jit(opt.init, out_shardings=spec)(params)
+        >>> state[0].mu["w"].data.sharding.spec == P("fsdp"), state[0].count.sharding.spec == P()
+        (True, True)
+    """
+    import optax
+
+    param_shardings = like(params, shardings)
+    first = next(
+        s for s in jax.tree.leaves(param_shardings) if isinstance(s, jax.sharding.Sharding)
+    )
+    replicate = replicated(first)
+    shapes = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        shapes,
+        param_shardings,
+        transform_non_params=lambda _: replicate,
+        is_leaf=lambda x: isinstance(x, ScaledArray),
+    )
 
 
 # --- collectives with a low-precision wire format ----------------------------------------

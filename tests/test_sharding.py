@@ -396,3 +396,47 @@ def test_fsdp_composes_with_simulate_fp8():
         got = np.asarray(grads[name].to_array(jnp.float32))
         assert np.all(np.isfinite(got))
         np.testing.assert_allclose(got, want[name], atol=0.15 * np.abs(want[name]).max())
+
+
+def test_fsdp_composes_with_the_rowwise_fp8_matmul_recipe():
+    params = _mlp_params()
+    x = RNG.standard_normal((8, 16)).astype(np.float32)
+
+    def fp8_loss(p, x):
+        h = jnp.tanh(jsa.ops.rowwise_fp8_matmul(x, p["w1"]) + p["b1"][None])
+        return jnp.mean((jsa.ops.rowwise_fp8_matmul(h, p["w2"]) + p["b2"][None]) ** 2)
+
+    def local(p, x):
+        def mean_loss(p):
+            full = sharding.gather_params(p, SPECS, "i", dtype=jnp.float8_e4m3fn)
+            return jax.lax.pmean(fp8_loss(full, x), "i")
+
+        return jax.value_and_grad(mean_loss)(p)
+
+    fn = jax.shard_map(local, mesh=MESH, in_specs=(SPECS, P("i")), out_specs=(P(), SPECS))
+    loss, grads = jax.jit(jsa.autoscale(fn))(jsa.as_scaled_array(params, dtype=jnp.float16), x)
+    want_loss, want = jax.value_and_grad(_mlp_loss)(params, x)
+    np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(want_loss), rtol=0.1)
+    for name in params:
+        got = np.asarray(grads[name].to_array(jnp.float32))
+        np.testing.assert_allclose(got, want[name], atol=0.15 * np.abs(want[name]).max())
+
+
+def test_state_like_shards_moments_like_their_parameters():
+    import optax
+
+    params = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
+    shardings = {"w": NamedSharding(MESH, P("i", None)), "b": NamedSharding(MESH, P())}
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    spec = sharding.state_like(opt, params, shardings)
+    state = jax.jit(opt.init, out_shardings=spec)(params)
+    adam = state[1][0]
+    assert adam.mu["w"].sharding.spec == P("i", None) and adam.nu["b"].sharding.spec == P()
+    assert adam.count.sharding.spec == P()
+    scaled = jsa.as_scaled_array(params, dtype=jnp.bfloat16)
+    scaled_opt = jsa.optax.scale_optimizer(optax.adam(1e-3))
+    state = jax.jit(
+        scaled_opt.init, out_shardings=sharding.state_like(scaled_opt, scaled, shardings)
+    )(scaled)
+    assert state[0].nu["w"].data.sharding.spec == P("i", None)
+    assert state[0].nu["w"].scale.sharding.spec == P()

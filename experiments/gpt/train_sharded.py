@@ -162,7 +162,9 @@ def setup(recipe: str, params32: Any, model: gpt.GPTConfig, lr: float, mesh: Mes
             recipe,
             mesh,
             params,
-            jax.jit(opt.init)(params),
+            jax.jit(opt.init, out_shardings=jsa.sharding.state_like(opt, params, shardings))(
+                params
+            ),
             step,
             jax.jit(lambda p: p, out_shardings=replicated),
             specs,
@@ -184,7 +186,10 @@ def setup(recipe: str, params32: Any, model: gpt.GPTConfig, lr: float, mesh: Mes
             recipe,
             mesh,
             params,
-            jax.jit(scaled_opt.init)(params),
+            jax.jit(
+                scaled_opt.init,
+                out_shardings=jsa.sharding.state_like(scaled_opt, params, shardings),
+            )(params),
             jax.jit(jsa.autoscale(scaled_step)),
             jax.jit(lambda p: jsa.asarray(p, jnp.float32), out_shardings=replicated),
             specs,

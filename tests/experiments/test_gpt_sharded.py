@@ -79,3 +79,14 @@ def test_parse_collectives_reads_types_and_bytes():
         ("reduce-scatter", 8),
         ("all-reduce", 8),
     ]
+
+
+def test_optimizer_state_is_sharded_like_the_parameters():
+    model = CONFIG.model(65)
+    params32 = sharded.single._init_params(jax.random.PRNGKey(0), model)  # noqa: SLF001
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), (sharded.AXIS,))
+    run = sharded.setup("fp8-fsdp", params32, model, 1e-3, mesh)
+    w = run.params["blocks"][0]["fc"]
+    mu = run.state[0].mu["blocks"][0]["fc"]  # scale_optimizer(adam): ScaleByAdamState
+    assert w.data.sharding.spec == mu.data.sharding.spec == run.specs["blocks"][0]["fc"]
+    assert w.scale.sharding.spec == mu.scale.sharding.spec == jax.sharding.PartitionSpec()
