@@ -260,12 +260,17 @@ SPECS = {"w1": P("i", None), "b1": P(), "w2": P(None, "i"), "b2": P("i")}
 
 
 def _mlp_params():
+    rng = np.random.default_rng(1)  # the same parameters whatever ran before
     return {
-        "w1": RNG.standard_normal((16, 32)).astype(np.float32) * 0.3,
-        "b1": RNG.standard_normal(32).astype(np.float32) * 0.1,
-        "w2": RNG.standard_normal((32, 8)).astype(np.float32) * 0.3,
+        "w1": rng.standard_normal((16, 32)).astype(np.float32) * 0.3,
+        "b1": rng.standard_normal(32).astype(np.float32) * 0.1,
+        "w2": rng.standard_normal((32, 8)).astype(np.float32) * 0.3,
         "b2": np.zeros(8, np.float32),
     }
+
+
+def _inputs():
+    return np.random.default_rng(2).standard_normal((8, 16)).astype(np.float32)
 
 
 def _mlp_loss(p, x):
@@ -286,7 +291,7 @@ def _fsdp_grad(**wire):
 
 def test_fsdp_gradients_match_one_device():
     params = _mlp_params()
-    x = RNG.standard_normal((8, 16)).astype(np.float32)
+    x = _inputs()
     loss, grads = jax.jit(_fsdp_grad())(params, x)
     want_loss, want = jax.value_and_grad(_mlp_loss)(params, x)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
@@ -297,7 +302,7 @@ def test_fsdp_gradients_match_one_device():
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_fsdp_under_autoscale_with_fp8_gathers_and_bf16_reductions(dtype):
     params = _mlp_params()
-    x = RNG.standard_normal((8, 16)).astype(np.float32)
+    x = _inputs()
     scaled = jsa.as_scaled_array(params, dtype=dtype)
     step = jax.jit(jsa.autoscale(_fsdp_grad(dtype=jnp.float8_e4m3fn, grad_dtype=jnp.bfloat16)))
     loss, grads = step(scaled, x)
@@ -313,13 +318,19 @@ def test_fsdp_under_autoscale_with_fp8_gathers_and_bf16_reductions(dtype):
         assert np.all(np.isfinite(got))
         scale = np.abs(exact[name]).max()
         # FP8 weights (3 mantissa bits) against float32 weights: a few percent of the largest.
-        np.testing.assert_allclose(got, plain[name], atol=2e-2 * scale, err_msg=name)
-        np.testing.assert_allclose(got, exact[name], atol=0.1 * scale, err_msg=name)
+        # The plain recipe computes on float32 values, autoscale on the 8 or 11 bits of the
+        # data: bfloat16 activations and gradients differ by a few of its ulps (2^-8).
+        bound = 2e-2 if dtype == jnp.float16 else 6e-2
+        np.testing.assert_allclose(got, plain[name], atol=bound * scale, err_msg=name)
+        # The recipe itself against float32: FP8 weights (3 mantissa bits, 2^-4 relative)
+        # through two layers, measured up to 0.12 of the largest entry (the same without
+        # autoscale).
+        np.testing.assert_allclose(got, exact[name], atol=0.2 * scale, err_msg=name)
 
 
 def test_fsdp_moves_one_byte_per_parameter_and_bf16_gradients():
     params = _mlp_params()
-    x = RNG.standard_normal((8, 16)).astype(np.float32)
+    x = _inputs()
     scaled = jsa.as_scaled_array(params, dtype=jnp.float16)
     step = jax.jit(jsa.autoscale(_fsdp_grad(dtype=jnp.float8_e4m3fn, grad_dtype=jnp.bfloat16)))
     text = step.lower(scaled, x).as_text()
@@ -377,7 +388,7 @@ def test_fsdp_composes_with_simulate_fp8():
     import jax_scaled_arithmetics.unit_scaling as U
 
     params = _mlp_params()
-    x = RNG.standard_normal((8, 16)).astype(np.float32)
+    x = _inputs()
     fp8_loss = U.simulate_fp8(_mlp_loss, rescale=True)
 
     def local(p, x):
@@ -400,7 +411,7 @@ def test_fsdp_composes_with_simulate_fp8():
 
 def test_fsdp_composes_with_the_rowwise_fp8_matmul_recipe():
     params = _mlp_params()
-    x = RNG.standard_normal((8, 16)).astype(np.float32)
+    x = _inputs()
 
     def fp8_loss(p, x):
         h = jnp.tanh(jsa.ops.rowwise_fp8_matmul(x, p["w1"]) + p["b1"][None])
@@ -440,3 +451,22 @@ def test_state_like_shards_moments_like_their_parameters():
     )(scaled)
     assert state[0].nu["w"].data.sharding.spec == P("i", None)
     assert state[0].nu["w"].scale.sharding.spec == P()
+
+
+def test_set_scaling_to_a_shared_scale_is_the_same_on_every_device():
+    """A scale the devices agree on stays invariant through `set_scaling` (its guard's
+    fallback, x's own per-device scale, is taken at its largest over the axes)."""
+    x = jsa.scaled_array(jnp.asarray(RNG.standard_normal(8), jnp.float16), np.float32(2.0**-3))
+
+    def body(v):
+        v = jsa.ops.dynamic_rescale_max(v)  # a scale per device
+        shared = jax.lax.pmax(jnp.max(jnp.abs(v)).astype(jnp.float32), "i")
+        out = jsa.lax.set_scaling(v, shared)
+        # Under autoscale: the new scale, which out_specs=P() requires to be invariant.
+        return out, jsa.lax.get_data_scale(out)[1]
+
+    fn = jax.shard_map(body, mesh=MESH, in_specs=P("i"), out_specs=(P("i"), P()))
+    out, scale = jax.jit(jsa.autoscale(fn))(x)
+    np.testing.assert_allclose(out.to_array(jnp.float32), x.to_array(jnp.float32), rtol=2e-3)
+    largest = float(np.max(np.abs(np.asarray(x.to_array(jnp.float32)))))
+    np.testing.assert_allclose(float(np.asarray(scale)), largest, rtol=2e-3)

@@ -61,7 +61,16 @@ def _usable_factor(value: Any, name: str, what: str, fallback: Any) -> Any:
             )
         return value
     valid = jnp.isfinite(value) & (value > 0)
-    return jnp.where(valid, value, jnp.asarray(fallback, value.dtype))
+    fallback = jnp.asarray(fallback, value.dtype)
+    # Inside `shard_map`: a fallback that varies over mesh axes the value does not (x's own
+    # scale, per device) would make the result vary too; the largest over those axes is
+    # the same everywhere and still represents x's value (its data only gets smaller).
+    extra = _compat.varying_axes(_compat.typeof(fallback)) - _compat.varying_axes(
+        _compat.typeof(value)
+    )
+    if extra:
+        fallback = jax.lax.pmax(fallback, tuple(sorted(extra, key=str)))
+    return jnp.where(valid, value, fallback)
 
 
 # --- set_scaling -------------------------------------------------------------------------
