@@ -407,7 +407,10 @@ def match_varying(*args: Any) -> tuple[Any, ...]:
     binary operations do before binding their primitive."""
     from jax._src import core
 
-    insert = getattr(core, "auto_insert_reshard", None)
+    # `auto_insert_reshard` from JAX 0.10.2 on, `standard_insert_pvary` before.
+    insert = getattr(core, "auto_insert_reshard", None) or getattr(
+        core, "standard_insert_pvary", None
+    )
     if insert is None:
         return args
     return tuple(insert(*args))
