@@ -269,6 +269,11 @@ def _mlp_params():
     }
 
 
+def _relative_error(got, want):
+    """||got - want|| / ||want||, over the whole tensor."""
+    return float(np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want))
+
+
 def _inputs():
     return np.random.default_rng(2).standard_normal((8, 16)).astype(np.float32)
 
@@ -406,7 +411,10 @@ def test_fsdp_composes_with_simulate_fp8():
     for name in params:
         got = np.asarray(grads[name].to_array(jnp.float32))
         assert np.all(np.isfinite(got))
-        np.testing.assert_allclose(got, want[name], atol=0.15 * np.abs(want[name]).max())
+        # E4M3 operands and E5M2 gradients (2 mantissa bits: up to 2^-3 an element): the
+        # gradient as a whole, not each element, is close to float32's (0.02-0.12 measured
+        # over 5 draws of the parameters).
+        assert _relative_error(got, want[name]) < 0.2, name
 
 
 def test_fsdp_composes_with_the_rowwise_fp8_matmul_recipe():
@@ -430,7 +438,8 @@ def test_fsdp_composes_with_the_rowwise_fp8_matmul_recipe():
     np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(want_loss), rtol=0.1)
     for name in params:
         got = np.asarray(grads[name].to_array(jnp.float32))
-        np.testing.assert_allclose(got, want[name], atol=0.15 * np.abs(want[name]).max())
+        assert np.all(np.isfinite(got))
+        assert _relative_error(got, want[name]) < 0.2, name
 
 
 def test_state_like_shards_moments_like_their_parameters():
