@@ -300,8 +300,6 @@ def vary_over(value: Any, axes: frozenset[Any]) -> Any:
     missing = axes - varying_axes(typeof(value))
     if not missing:
         return value
-    import jax
-
     return jax.lax.pcast(value, tuple(sorted(missing, key=str)), to="varying")
 
 
@@ -315,7 +313,6 @@ def vary_like_plain(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     is first made to vary like its variable; when the equation's operands all varied alike
     in the plain program (JAX's check for most primitives), they are then made to vary
     alike again, over the union, as `jax.lax` does when it binds them."""
-
     variables = eqn.invars
     plain = [frozenset() if isinstance(v, Literal) else varying_axes(v.aval) for v in variables]
     out = [vary_over(value, wanted) for value, wanted in zip(invals, plain)]
