@@ -287,13 +287,16 @@ def _is_attention_eqn(eqn: Any, softmax_code: Any) -> bool:
 
 def _residual_kinds(jaxpr: Any, by_code: dict[Any, str]) -> list[str]:
     """ "attention" or "mlp" for every residual add of the program, in program order (a branch
-    is attention when it calls a softmax or an attention function)."""
+    is attention when it calls a softmax or an attention function; a scan body's, once per
+    iteration)."""
     softmax_code = next((c for c, k in by_code.items() if k == "softmax"), None)
     context = _analyse(jaxpr, "none")
     kinds: list[str] = []
     for j, eqn in enumerate(jaxpr.eqns):
+        # A scan's body runs `length` times: a scanned stack of L layers has L of each.
+        repeat = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
         for inner in _sub_jaxprs(eqn):
-            kinds.extend(_residual_kinds(inner, by_code))
+            kinds.extend(_residual_kinds(inner, by_code) * repeat)
         if j in context.residual:
             attention = any(
                 _is_attention_eqn(jaxpr.eqns[i], softmax_code) for i in context.branches[j]

@@ -112,6 +112,9 @@ def test_a_scanned_stack_and_a_jitted_block_are_read_through():
     specs = U.parameter_specs(scanned, stacked, TOKENS)
     assert specs["blocks"]["fc"]["w"].kind == "weight"
     assert specs["blocks"]["fc"]["w"].fan_in == D
+    # The scan runs its body once per layer: the depth is the unrolled model's.
+    assert len(params["blocks"]) > 1
+    assert specs["blocks"]["fc"]["w"].depth == len(params["blocks"])
     assert specs["blocks"]["ln"]["scale"].kind == "norm"
     assert specs["head"].kind == "output"
 
