@@ -354,7 +354,8 @@ def all_gather(
     For use inside `shard_map`. The devices agree on the scale with a scalar all-reduce of
     the largest magnitude's exponent; each sends `value / scale` cast to `dtype` (finite
     values clamped to its range: an FP8 format saturates; FP8's missing infinity gives
-    NaN), and the result holds the gathered values at that scale in `x`'s dtype. Under
+    NaN), and the result holds the gathered values in `x`'s dtype (under `autoscale`, data
+    below 2 at one power of two shared by all devices). Under
     `jsa.autoscale` a ScaledArray's data is what travels (1 byte an entry in FP8), at the
     shared scale; without it, the values do. Its gradient is the reduce-scatter
     :func:`psum_scatter` with `dtype=grad_dtype`. `dtype`/`grad_dtype` None: `x`'s dtype.
