@@ -304,40 +304,27 @@ def _collective(x: Any, kind: str, axis_name: Any, axis: int, tiled: bool, dtype
     return _to_unit_range(out, x, dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather(x: Any, config: tuple[Any, ...]) -> Any:
-    axis_name, axis, tiled, dtype, _ = config
-    return _collective(x, "all_gather", axis_name, axis, tiled, dtype)
-
-
-def _gather_fwd(x: Any, config: tuple[Any, ...]) -> tuple[Any, None]:
-    return _gather(x, config), None
-
-
-def _gather_bwd(config: tuple[Any, ...], _: None, ct: Any) -> tuple[Any]:
-    axis_name, axis, tiled, _, grad_dtype = config
-    return (_collective(ct, "psum_scatter", axis_name, axis, tiled, grad_dtype),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
+# all_gather and psum_scatter are each other's transpose: one custom VJP for both, the
+# backward pass the other collective in the gradients' wire dtype.
+_TRANSPOSE = {"all_gather": "psum_scatter", "psum_scatter": "all_gather"}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _scatter(x: Any, config: tuple[Any, ...]) -> Any:
-    axis_name, axis, tiled, dtype, _ = config
-    return _collective(x, "psum_scatter", axis_name, axis, tiled, dtype)
+def _wire_collective(x: Any, config: tuple[Any, ...]) -> Any:
+    kind, axis_name, axis, tiled, dtype, _ = config
+    return _collective(x, kind, axis_name, axis, tiled, dtype)
 
 
-def _scatter_fwd(x: Any, config: tuple[Any, ...]) -> tuple[Any, None]:
-    return _scatter(x, config), None
+def _wire_collective_fwd(x: Any, config: tuple[Any, ...]) -> tuple[Any, None]:
+    return _wire_collective(x, config), None
 
 
-def _scatter_bwd(config: tuple[Any, ...], _: None, ct: Any) -> tuple[Any]:
-    axis_name, axis, tiled, _, grad_dtype = config
-    return (_collective(ct, "all_gather", axis_name, axis, tiled, grad_dtype),)
+def _wire_collective_bwd(config: tuple[Any, ...], _: None, ct: Any) -> tuple[Any]:
+    kind, axis_name, axis, tiled, _, grad_dtype = config
+    return (_collective(ct, _TRANSPOSE[kind], axis_name, axis, tiled, grad_dtype),)
 
 
-_scatter.defvjp(_scatter_fwd, _scatter_bwd)
+_wire_collective.defvjp(_wire_collective_fwd, _wire_collective_bwd)
 
 
 def all_gather(
@@ -372,8 +359,8 @@ def all_gather(
         >>> gather(jnp.array([1000.0, 3.0]))  # FP8 (3 mantissa bits) at a shared scale
         Array([1024.,    3.], dtype=float32)
     """
-    config = (axis_name, axis, tiled, _wire_dtype(x, dtype), _wire_dtype(x, grad_dtype))
-    return _gather(x, config)
+    wires = (_wire_dtype(x, dtype), _wire_dtype(x, grad_dtype))
+    return _wire_collective(x, ("all_gather", axis_name, axis, tiled, *wires))
 
 
 def psum_scatter(
@@ -403,14 +390,8 @@ def psum_scatter(
         >>> scatter(jnp.array([2.0**-100, 3.0]))  # bfloat16 data at a shared scale
         Array([7.888609e-31, 3.000000e+00], dtype=float32)
     """
-    config = (
-        axis_name,
-        scatter_dimension,
-        tiled,
-        _wire_dtype(x, dtype),
-        _wire_dtype(x, grad_dtype),
-    )
-    return _scatter(x, config)
+    wires = (_wire_dtype(x, dtype), _wire_dtype(x, grad_dtype))
+    return _wire_collective(x, ("psum_scatter", axis_name, scatter_dimension, tiled, *wires))
 
 
 def psum(x: Any, axis_name: Any, *, dtype: Any = None) -> Any:

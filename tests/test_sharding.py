@@ -283,11 +283,14 @@ def _mlp_loss(p, x):
     return jnp.mean((h @ p["w2"] + p["b2"][None]) ** 2)
 
 
-def _fsdp_grad(**wire):
+def _fsdp_grad(loss=None, **wire):
+    """The mean loss over the mesh and its gradient, parameters gathered by the recipe."""
+    loss = _mlp_loss if loss is None else loss
+
     def local(params, x):
         def mean_loss(p):
             full = sharding.gather_params(p, SPECS, "i", **wire)
-            return jax.lax.pmean(_mlp_loss(full, x), "i")
+            return jax.lax.pmean(loss(full, x), "i")
 
         return jax.value_and_grad(mean_loss)(params)
 
@@ -388,24 +391,27 @@ def test_reshard_and_device_put_under_autoscale_move_data_and_place_scales():
     assert "spec=P('i', None)" in text and "spec=P()" in text
 
 
-def test_fsdp_composes_with_simulate_fp8():
-    """`U.simulate_fp8` on the gathered parameters, inside the shard_map, under autoscale."""
+def _rowwise_fp8_loss(p, x):
+    h = jnp.tanh(jsa.ops.rowwise_fp8_matmul(x, p["w1"]) + p["b1"][None])
+    return jnp.mean((jsa.ops.rowwise_fp8_matmul(h, p["w2"]) + p["b2"][None]) ** 2)
+
+
+def _simulate_fp8_loss(p, x):
     import jax_scaled_arithmetics.unit_scaling as U
 
+    return U.simulate_fp8(_mlp_loss, rescale=True)(p, x)
+
+
+@pytest.mark.parametrize(
+    "fp8_loss", [_simulate_fp8_loss, _rowwise_fp8_loss], ids=["simulate_fp8", "rowwise"]
+)
+def test_fsdp_composes_with_fp8_matmul_recipes(fp8_loss):
+    """`U.simulate_fp8` / `rowwise_fp8_matmul` on the gathered parameters, inside the
+    shard_map, under autoscale."""
     params = _mlp_params()
     x = _inputs()
-    fp8_loss = U.simulate_fp8(_mlp_loss, rescale=True)
-
-    def local(p, x):
-        def mean_loss(p):
-            full = sharding.gather_params(p, SPECS, "i", dtype=jnp.float8_e4m3fn)
-            return jax.lax.pmean(fp8_loss(full, x), "i")
-
-        return jax.value_and_grad(mean_loss)(p)
-
-    fn = jax.shard_map(local, mesh=MESH, in_specs=(SPECS, P("i")), out_specs=(P(), SPECS))
-    scaled = jsa.as_scaled_array(params, dtype=jnp.float16)
-    loss, grads = jax.jit(jsa.autoscale(fn))(scaled, x)
+    fn = _fsdp_grad(fp8_loss, dtype=jnp.float8_e4m3fn)
+    loss, grads = jax.jit(jsa.autoscale(fn))(jsa.as_scaled_array(params, dtype=jnp.float16), x)
     want_loss, want = jax.value_and_grad(_mlp_loss)(params, x)
     np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(want_loss), rtol=0.1)
     for name in params:
@@ -414,31 +420,6 @@ def test_fsdp_composes_with_simulate_fp8():
         # E4M3 operands and E5M2 gradients (2 mantissa bits: up to 2^-3 an element): the
         # gradient as a whole, not each element, is close to float32's (0.02-0.12 measured
         # over 5 draws of the parameters).
-        assert _relative_error(got, want[name]) < 0.2, name
-
-
-def test_fsdp_composes_with_the_rowwise_fp8_matmul_recipe():
-    params = _mlp_params()
-    x = _inputs()
-
-    def fp8_loss(p, x):
-        h = jnp.tanh(jsa.ops.rowwise_fp8_matmul(x, p["w1"]) + p["b1"][None])
-        return jnp.mean((jsa.ops.rowwise_fp8_matmul(h, p["w2"]) + p["b2"][None]) ** 2)
-
-    def local(p, x):
-        def mean_loss(p):
-            full = sharding.gather_params(p, SPECS, "i", dtype=jnp.float8_e4m3fn)
-            return jax.lax.pmean(fp8_loss(full, x), "i")
-
-        return jax.value_and_grad(mean_loss)(p)
-
-    fn = jax.shard_map(local, mesh=MESH, in_specs=(SPECS, P("i")), out_specs=(P(), SPECS))
-    loss, grads = jax.jit(jsa.autoscale(fn))(jsa.as_scaled_array(params, dtype=jnp.float16), x)
-    want_loss, want = jax.value_and_grad(_mlp_loss)(params, x)
-    np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(want_loss), rtol=0.1)
-    for name in params:
-        got = np.asarray(grads[name].to_array(jnp.float32))
-        assert np.all(np.isfinite(got))
         assert _relative_error(got, want[name]) < 0.2, name
 
 
