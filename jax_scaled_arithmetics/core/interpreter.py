@@ -46,6 +46,7 @@ __all__ = [
 class _State(threading.local):
     def __init__(self) -> None:
         self.tracing_depth = 0
+        self.trace_notes: list[dict[Any, Any]] = []
 
 
 _STATE = _State()
@@ -54,10 +55,21 @@ _STATE = _State()
 @contextlib.contextmanager
 def _tracing_user_function() -> Iterator[None]:
     _STATE.tracing_depth += 1
+    _STATE.trace_notes.append({})
     try:
         yield
     finally:
+        _STATE.trace_notes.pop()
         _STATE.tracing_depth -= 1
+
+
+def trace_notes() -> dict[Any, Any] | None:
+    """A dict that lives as long as the trace of the function `autoscale` is tracing (the
+    user's step), None outside one: library code traced as part of the same step leaves
+    notes about the tracers it made for other library code of that step (the optimizer's
+    update for `jsa.optax.apply_updates`). Key notes by `id(tracer)` and keep the tracer in
+    the note: a note is valid only for that very object."""
+    return _STATE.trace_notes[-1] if _STATE.trace_notes else None
 
 
 # --- statically known broadcast scalars -------------------------------------------------

@@ -44,10 +44,11 @@ import optax
 
 from ..core.datatype import is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale
-from ..lax.scaling_primitives import apply_to_data
-from ..ops.dynamic_rescaling import dynamic_rescale_max
+from ..lax.scaling_primitives import apply_to_data, stop_scaling
+from ..ops.dynamic_rescaling import DEFAULT_EPSILON, dynamic_rescale_max, match_layout, rescale_tree
 from ..quantization import float_quantize, get_format
 from ..quantization._bits import ROUNDING_MODES, check_rounding
+from .scaled import _LIBRARY_RESCALES, unstored_update
 
 __all__ = ["QuantizeState", "QuantizeSpec", "apply_updates", "quantize", "FormatSpec"]
 
@@ -369,6 +370,12 @@ its fields are ['count', 'mu', 'nu']
 # --- weights -----------------------------------------------------------------------------
 
 
+class _Rescaled(NamedTuple):
+    """A new parameter `apply_updates` already rescaled (a pytree node it unwraps)."""
+
+    value: Any
+
+
 def apply_updates(
     params: Any,
     updates: Any,
@@ -395,6 +402,12 @@ def apply_updates(
     Then `rescale` moves a power of two into the scale of every scaled parameter. `None`
     updates leave their parameter as it is, and so do integer parameters. Wraps itself in
     :func:`~jax_scaled_arithmetics.autoscale`.
+
+    An update that :func:`~jax_scaled_arithmetics.optax.scale_optimizer` made in the same
+    autoscaled step (and nothing changed since) is added as its float32 value, before its
+    store: the new parameter is computed in float32, rescaled (with the library's
+    rescalings), then cast, and the update's own store is left out of the program when
+    nothing else reads it.
 
     Args:
         params: the parameters (arrays or ScaledArrays).
@@ -427,16 +440,35 @@ def apply_updates(
     """
     mode = check_rounding(rounding, key)
     fmt = None if format is None else get_format(format)
-    if mode == "nearest" and fmt is None:  # optax's rounding, bit for bit
+    if mode == "nearest" and fmt is None:  # optax's rounding
+        norm = _LIBRARY_RESCALES.get(rescale) if rescale is not None else None
+
+        def add_unstored(p: Any, value: Any, norm: str) -> Any:
+            # An update `scale_optimizer` made in the same step: its float32 value before
+            # the store, added to the parameter's, rescaled, then rounded once.
+            total = stop_scaling(p, dtype=value.dtype) + value
+            new = rescale_tree(match_layout(total, p), norm, DEFAULT_EPSILON, None)
+            return _Rescaled(new.astype(p.dtype))
 
         def _apply(params: Any, updates: Any) -> Any:
             def add(p: Any, u: Any) -> Any:
                 if u is None or p is None or not is_floating(p):
                     return p
+                value = unstored_update(u) if norm is not None else None
+                if value is not None and norm is not None:
+                    return add_unstored(p, value, norm)
                 return (p + u).astype(p.dtype)
 
             new = jax.tree_util.tree_map(add, params, updates, is_leaf=lambda x: x is None)
-            return new if rescale is None else rescale(new)
+            if rescale is None:
+                return new
+            if norm is None:  # a rescaling of the user's: on the whole tree
+                return rescale(new)
+            return jax.tree_util.tree_map(  # the library's rescalings work leaf by leaf
+                lambda x: x.value if isinstance(x, _Rescaled) else rescale(x),
+                new,
+                is_leaf=lambda x: isinstance(x, _Rescaled),
+            )
 
         return autoscale(_apply)(params, updates)
 

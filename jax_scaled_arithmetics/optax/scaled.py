@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from ..core.datatype import ScaledArray, as_scaled_array, is_floating, is_scaled_leaf
-from ..core.interpreter import autoscale
+from ..core.interpreter import autoscale, trace_notes
 from ..lax.scaling_primitives import rebalance, stop_scaling
 from ..ops.dynamic_rescaling import (
     DEFAULT_EPSILON,
@@ -109,6 +109,33 @@ def _represented(tree: Any, dtype: DTypeLike) -> Any:
         tree,
         is_leaf=is_scaled_leaf,
     )
+
+
+_UNSTORED = "jsa.optax.unstored_update"
+
+
+def _note_unstored(stored: Any, value: Any) -> None:
+    """Inside an autoscaled step: remember that the update leaf `stored` is `value` (its
+    float32 value before the store) for :func:`unstored_update`."""
+    notes = trace_notes()
+    if notes is not None and stored is not None and value is not None:
+        notes[_UNSTORED, id(stored)] = (stored, value)
+
+
+def unstored_update(update: Any) -> Any:
+    """The plain `compute_dtype` value an update leaf of :func:`scaled_state` had before it
+    was stored as a rescaled ScaledArray, when `update` is that very leaf and the call is
+    part of the same autoscaled step; None otherwise.
+
+    `jsa.optax.apply_updates` adds it to the parameter instead of the stored update: the new
+    parameter is rounded once, and the update's own store (a reduction over the tensor and a
+    cast) is left to dead-code elimination when nothing else reads it.
+    """
+    notes = trace_notes()
+    if notes is None or update is None:
+        return None
+    note = notes.get((_UNSTORED, id(update)))
+    return note[1] if note is not None and note[0] is update else None
 
 
 def _store_update(u: Any, grad: Any, rescale: Rescale | None) -> Any:
@@ -298,6 +325,7 @@ def scaled_state(
         else:
             new_updates, new_state = inner.update(updates, state, params, **extra_args)
         new_state = _store_state(new_state, state, state_dtype, rescale, exp)
+        values = new_updates
         new_updates = jax.tree_util.tree_map(
             lambda u, g: _store_update(u, g, rescale), new_updates, updates, is_leaf=_is_none
         )
@@ -307,6 +335,15 @@ def scaled_state(
             out_dtypes,
             is_leaf=_is_none,
         )
+        if compute_dtype is not None and rescale in _LIBRARY_RESCALES:
+            # `jsa.optax.apply_updates` in the same step adds the update's value as it was
+            # before its store (see `unstored_update`).
+            jax.tree_util.tree_map(
+                lambda stored, value: _note_unstored(stored, value),
+                new_updates,
+                values,
+                is_leaf=_is_none,
+            )
         return new_updates, new_state
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
@@ -328,7 +365,9 @@ def scale_optimizer(
 
     The incoming gradients go through `grad_rescale` (root-mean-square in
     [1, 2) by default, value unchanged), then through :func:`scaled_state`.
-    Pair it with :func:`~jax_scaled_arithmetics.optax.apply_updates`.
+    Pair it with :func:`~jax_scaled_arithmetics.optax.apply_updates`: in the same
+    autoscaled step it adds the updates before their store (one rounding of each new
+    parameter, one reduction per tensor less).
 
     Examples:
         >>> import jax.numpy as jnp, optax

@@ -314,6 +314,65 @@ def test_apply_updates():
     np.testing.assert_array_equal(_represented(kept["w"]), [5.0, -7.0])
 
 
+def _adam_step(return_updates: bool, touch_updates: bool = False):
+    """One jitted autoscaled `scale_optimizer(adam)` step from given gradients."""
+    opt = jsa_optax.scale_optimizer(optax.adam(1e-2))
+
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        if touch_updates:  # the same values, other tracers: the stored updates are added
+            updates = jax.tree_util.tree_map(lambda u: u * 1.0, updates)
+        new = jsa_optax.apply_updates(params, updates)
+        return (new, state, updates) if return_updates else (new, state)
+
+    return opt, step
+
+
+def test_apply_updates_adds_the_update_of_the_same_step_before_its_store():
+    """Inside one autoscaled step, `apply_updates` adds `scale_optimizer`'s update as its
+    float32 value: the new parameter is rounded once (within half a float16 ulp of float32
+    on every entry), and the update's own store (a `rescale_factor` reduction) is left out
+    of the program unless something else reads the updates."""
+    params, _, _ = _problem()
+    plain_grads, grads = _grads(params, -10)
+    s_params = jsa.ops.dynamic_rescale_max(jsa.tree.astype(jsa.as_scaled_array(params), "float16"))
+    p32 = jsa.asarray(s_params, jnp.float32)
+    ref_updates, _ = optax.adam(1e-2).update(plain_grads, optax.adam(1e-2).init(p32), p32)
+    expected = jax.tree_util.tree_map(lambda p, u: np.float64(p) + np.float64(u), p32, ref_updates)
+
+    def errors_in_ulps(new_params):
+        out = {}
+        for name, new in new_params.items():
+            ulp = np.float64(new.scale) * 2.0**-10  # data in [1, 2): float16 spacing 2^-10
+            top = float(np.max(np.abs(np.asarray(new.data, np.float32))))
+            assert 1.0 <= top < 2.0, name  # rescaled before the cast
+            out[name] = np.max(np.abs(_represented(new) - expected[name])) / ulp
+        return out
+
+    opt, step = _adam_step(return_updates=False)
+    state = opt.init(s_params)
+    once = errors_in_ulps(jax.jit(jsa.autoscale(step))(s_params, state, grads)[0])
+    assert all(e <= 0.5 + 1e-3 for e in once.values()), once
+    # The updates read again (here: multiplied by 1): the stored updates are added (their
+    # own rounding, far below the parameters' ulp here), and each update keeps its store.
+    _, touched = _adam_step(return_updates=False, touch_updates=True)
+    twice = errors_in_ulps(jax.jit(jsa.autoscale(touched))(s_params, state, grads)[0])
+    assert all(e <= 0.5 + 0.05 for e in twice.values()), twice
+
+    def stores(fun):
+        counts = jsa.analysis.equation_counts(jsa.autoscale(fun), s_params, state, grads)
+        return counts.get("rescale_factor", 0)
+
+    n = len(params)
+    assert stores(step) == 3 * n  # Adam's two moments and the new parameter
+    assert stores(touched) == 4 * n
+    _, returning = _adam_step(return_updates=True)
+    assert stores(returning) == 4 * n
+    new, _, updates = jax.jit(jsa.autoscale(returning))(s_params, state, grads)
+    _assert_tree_close(updates, ref_updates, 2.0**-10, "returned updates")
+    assert errors_in_ulps(new) == once
+
+
 def test_state_nbytes_halves_for_adam():
     params, _, _ = _problem()
     f32 = jsa_optax.state_nbytes(optax.adam(1e-3).init(params))
