@@ -202,8 +202,15 @@ def new_primitive(name: str, multiple_results: bool = False) -> Primitive:
     return prim
 
 
-def register_lowering(prim: Primitive, impl: Any, multiple_results: bool = False) -> None:
-    _mlir.register_lowering(prim, _mlir.lower_fun(impl, multiple_results=multiple_results))
+def register_lowering(
+    prim: Primitive, impl: Any, multiple_results: bool = False, platform: str | None = None
+) -> None:
+    """`impl`, lowered, as `prim`'s lowering (on `platform` only, when given)."""
+    rule = _mlir.lower_fun(impl, multiple_results=multiple_results)
+    if platform is None:
+        _mlir.register_lowering(prim, rule)
+    else:
+        _mlir.register_lowering(prim, rule, platform=platform)
 
 
 def register_batching(prim: Primitive, rule: Any) -> None:

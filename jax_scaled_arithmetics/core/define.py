@@ -51,15 +51,21 @@ def define_primitive(
     multiple_results: bool = False,
     batching: Rule | None = None,
     jvp: Rule | None = None,
+    cpu_impl: Callable[..., Any] | None = None,
 ) -> _compat.Primitive:
     """A new primitive: `impl` is its implementation and, lowered with `mlir.lower_fun`, its
     XLA lowering; `abstract_eval` its abstract evaluation; `batching(primitive, args, dims,
     **params)` and `jvp(primitive, primals, tangents, **params)` its rules (omitted: the
-    primitive cannot be vmapped / differentiated)."""
+    primitive cannot be vmapped / differentiated); `cpu_impl`, the same values computed
+    another way, its lowering on XLA:CPU."""
     primitive = _compat.new_primitive(name, multiple_results)
     primitive.def_impl(impl)
     primitive.def_abstract_eval(abstract_eval)
     _compat.register_lowering(primitive, impl, multiple_results=multiple_results)
+    if cpu_impl is not None:
+        _compat.register_lowering(
+            primitive, cpu_impl, multiple_results=multiple_results, platform="cpu"
+        )
     if batching is not None:
         _compat.register_batching(primitive, functools.partial(batching, primitive))
     if jvp is not None:

@@ -40,6 +40,7 @@ __all__ = [
     "promote_to_scaled",
     "operand_constants",
     "observe_equations",
+    "trace_notes",
 ]
 
 

@@ -27,7 +27,7 @@ from ..core.define import (
     zero_tangents,
 )
 from ..core.interpreter import autoscale
-from ..core.scale_arithmetic import mark_pow2
+from ..core.scale_arithmetic import mark_pow2, ratios_materialized
 from ..core.types import Array
 from ..lax.scaling_primitives import block_rebalance_by, rebalance_by
 
@@ -186,6 +186,7 @@ rescale_factor_p = define_primitive(
     ),
     batching=_rescale_factor_batch,
     jvp=zero_tangents,  # a choice of representation: no derivative
+    cpu_impl=ratios_materialized(_rescale_factor_impl),
 )
 
 

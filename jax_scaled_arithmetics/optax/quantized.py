@@ -48,7 +48,7 @@ from ..lax.scaling_primitives import apply_to_data, stop_scaling
 from ..ops.dynamic_rescaling import DEFAULT_EPSILON, dynamic_rescale_max, match_layout, rescale_tree
 from ..quantization import float_quantize, get_format
 from ..quantization._bits import ROUNDING_MODES, check_rounding
-from .scaled import _LIBRARY_RESCALES, unstored_update
+from .scaled import rescale_norm, unstored_update
 
 __all__ = ["QuantizeState", "QuantizeSpec", "apply_updates", "quantize", "FormatSpec"]
 
@@ -441,7 +441,7 @@ def apply_updates(
     mode = check_rounding(rounding, key)
     fmt = None if format is None else get_format(format)
     if mode == "nearest" and fmt is None:  # optax's rounding
-        norm = _LIBRARY_RESCALES.get(rescale) if rescale is not None else None
+        norm = rescale_norm(rescale)
 
         def add_unstored(p: Any, value: Any, norm: str) -> Any:
             # An update `scale_optimizer` made in the same step: its float32 value before

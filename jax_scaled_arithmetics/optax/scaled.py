@@ -58,9 +58,11 @@ from ..ops.dynamic_rescaling import (
 
 __all__ = [
     "default_data_exponent",
+    "rescale_norm",
     "scale_optimizer",
     "scaled_state",
     "state_nbytes",
+    "unstored_update",
 ]
 
 Rescale = Callable[[Any], Any]
@@ -71,6 +73,12 @@ _LIBRARY_RESCALES: dict[Any, str] = {
     dynamic_rescale_l1: "l1",
     dynamic_rescale_l2: "l2",
 }
+
+
+def rescale_norm(rescale: Any) -> str | None:
+    """The norm (`"max"`, `"l1"`, `"l2"`) of one of the library's dynamic rescalings, which
+    work leaf by leaf and can shift the data in the same step; None for any other."""
+    return _LIBRARY_RESCALES.get(rescale) if rescale is not None else None
 
 
 def default_data_exponent(state_dtype: DTypeLike) -> int:
