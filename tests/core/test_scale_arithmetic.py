@@ -171,3 +171,33 @@ def test_non_power_of_two_input_scales(scales, dtype, use_jit):
             rtol=rtol,
             atol=rtol * np.abs(want).max(),
         )
+
+
+def _divides(fun, args, platform):
+    lowered = jax.jit(fun).trace(*args).lower(lowering_platforms=(platform,))
+    return lowered.as_text().count("stablehlo.divide")
+
+
+@pytest.mark.parametrize(
+    "name, fun",
+    [
+        ("add: common_scale", lambda a, b: a + b),
+        ("mul: scale_product", lambda a, b: a * b),
+        ("dot: dynamic_scale", lambda a, b: a @ b),
+        ("rescale: rescale_factor", lambda a, b: jsa.ops.dynamic_rescale_max(a) + b),
+    ],
+)
+def test_ratios_end_in_a_division_on_xla_cpu_only(name, fun):
+    """On XLA:CPU the ratios a rule multiplies its data by are materialised (an exact
+    division XLA does not copy into the kernels that broadcast it: large fused kernels of
+    deep models otherwise evaluated the scale algebra per element); the jaxpr is the same,
+    and other backends get the plain lowering."""
+    a = jsa.scaled_array(jnp.ones((4, 4)), 2.0)
+    b = jsa.scaled_array(jnp.full((4, 4), 0.5), 8.0)
+    scaled = jsa.autoscale(fun)
+    assert _divides(scaled, (a, b), "cpu") > _divides(fun, (a.to_array(), b.to_array()), "cpu")
+    assert _divides(scaled, (a, b), "cuda") == 0
+    assert _divides(scaled, (a, b), "tpu") == 0
+    expected = fun(a.to_array(), b.to_array())
+    for run in (scaled, jax.jit(scaled)):
+        np.testing.assert_array_equal(run(a, b).to_array(), expected)
