@@ -100,10 +100,11 @@ def materialize_impl(scale: Array, *, scalars: bool = False) -> Array:
     per tensor before this, 1.3x after). A division is one of the "expensive" operations XLA
     does not duplicate into a consumer that reuses its elements, so the scale is
     materialised. Dividing by `scale == scale` (1; 0 for a NaN scale, whose block is NaN
-    anyway) is exact and cannot be simplified away. Scalars need none of it for run time
-    (LLVM hoists them out of the loops), and are left alone unless `scalars`: a scalar that
-    many kernels read is materialised so that XLA does not copy its producers into each
-    (the interpreter's fan-out rule)."""
+    anyway) is exact and cannot be simplified away. Scalars are left alone unless
+    `scalars`: a scalar that many kernels read is materialised so that XLA does not copy its
+    producers into each (the interpreter's fan-out rule), and so is every ratio on XLA:CPU,
+    whose large fused kernels do not hoist scalar work out of their loops
+    (`ratios_materialized`)."""
     if np.ndim(scale) == 0 and not scalars:
         return scale
     one = lax.convert_element_type(lax.eq(scale, scale), scale.dtype)
