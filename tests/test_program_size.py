@@ -29,10 +29,10 @@ BUDGET_PATH = Path(__file__).with_name("program_size_budget.json")
 # 273); the lean-programs target is 3x, see docs/benchmarks.md.
 RATIO = 2.5
 # The optimizer update (`scale_optimizer(optax.adam)` + `jsa.optax.apply_updates`, float16
-# data) over plain float32 Adam: measured 2.2x (440 vs 202: one `rescale_factor`, one
-# multiply, one scale division and one cast per stored moment and new parameter; the update
-# itself is added unstored); the target is 2x, see docs/benchmarks.md.
-UPDATE_RATIO = 2.3
+# data) over plain float32 Adam: measured 2.0x (404 vs 202: per input tensor a convert and a
+# multiply, per stored moment and new parameter a `rescale_factor`, a multiply and a cast;
+# the update itself is added unstored); the target is 2x, see docs/benchmarks.md.
+UPDATE_RATIO = 2.05
 # Slack over the committed per-primitive counts: JAX releases move a few equations.
 SLACK = 1.05
 

@@ -27,8 +27,9 @@ from ..core.define import (
     zero_tangents,
 )
 from ..core.interpreter import autoscale
-from ..core.scale_arithmetic import mark_pow2, ratios_materialized
+from ..core.scale_arithmetic import mark_pow2
 from ..core.types import Array
+from ..lax.scale_algebra import scale_mul
 from ..lax.scaling_primitives import block_rebalance_by, rebalance_by
 
 __all__ = [
@@ -144,16 +145,20 @@ dynamic_rescale_p = define_primitive(
 )
 
 
-# `rescale_factor_p(data; norm, epsilon, shift, axes)`: the power of two `2^(shift - e)`,
-# `2^e` the power of two at or below the `norm` of `data` over `axes` (floored at
-# `epsilon`; 1 where the norm is not finite; at most 2^126). One equation for what would be
-# a dozen (the norm, then the exponent-bit arithmetic): the per-tensor dynamic rescale of
-# every optimizer state leaf and parameter is this, one multiply and one scale division.
+# `rescale_factor_p(data; norm, epsilon, shift, axes)`: the power of two `2^(shift - e)` and
+# its inverse, `2^e` the power of two at or below the `norm` of `data` over `axes` (floored
+# at `epsilon`; 1 where the norm is not finite). Two outputs of one equation for what would
+# be a dozen (the norm, then the exponent-bit arithmetic) and a scale division: the
+# per-tensor dynamic rescale of every optimizer state leaf and parameter is this and one
+# multiply.
+
+_F32_MAX_EXPONENT_BITS = np.int32(254 << 23)  # 2^127
+_F32_TWO_M127_BITS = np.int32(1 << 22)  # 2^-127, a subnormal
 
 
 def _rescale_factor_impl(
     data: Array, *, norm: str, epsilon: float, shift: int, axes: tuple[int, ...]
-) -> Array:
+) -> list[Array]:
     data = data.astype(jnp.float32)  # float64 data too: the scale is float32
     if norm == "max":
         magnitude = jnp.max(jnp.abs(data), axis=axes)
@@ -164,7 +169,14 @@ def _rescale_factor_impl(
     bits = _pow2_bits(magnitude, epsilon)
     # 2^(shift - e), kept a normal float32 (2^-126 .. 2^127) for extreme shifts and epsilons.
     out = np.int32(254 << 23) - bits + np.int32(shift << 23)
-    return lax.bitcast_convert_type(lax.clamp(np.int32(1 << 23), out, np.int32(254 << 23)), _F32)
+    out = lax.clamp(np.int32(1 << 23), out, _F32_MAX_EXPONENT_BITS)
+    # Its inverse exactly: 2^(e - shift), 2^-127 (subnormal) for a factor of 2^127.
+    inverse = lax.select(
+        out == _F32_MAX_EXPONENT_BITS,
+        lax.full_like(out, _F32_TWO_M127_BITS),
+        _F32_MAX_EXPONENT_BITS - out,
+    )
+    return [lax.bitcast_convert_type(out, _F32), lax.bitcast_convert_type(inverse, _F32)]
 
 
 def _rescale_factor_batch(
@@ -173,28 +185,31 @@ def _rescale_factor_batch(
     (data,), (dim,) = args, dims
     data = jnp.moveaxis(data, dim, 0)
     axes = tuple(a + 1 if a >= 0 else a for a in axes)  # the batch axis is kept
-    return primitive.bind(data, axes=axes, **params), 0
+    return primitive.bind(data, axes=axes, **params), [0, 0]
+
+
+def _rescale_factor_abstract(data: Any, *, axes: tuple[int, ...], **_: Any) -> list[Any]:
+    shape = tuple(d for i, d in enumerate(data.shape) if i not in axes)
+    return [data.update(shape=shape, dtype=_F32, weak_type=False)] * 2
 
 
 rescale_factor_p = define_primitive(
     "rescale_factor",
     _rescale_factor_impl,
-    lambda data, *, axes, **_: data.update(
-        shape=tuple(d for i, d in enumerate(data.shape) if i not in axes),
-        dtype=_F32,
-        weak_type=False,
-    ),
+    _rescale_factor_abstract,
+    multiple_results=True,
     batching=_rescale_factor_batch,
     jvp=zero_tangents,  # a choice of representation: no derivative
-    cpu_impl=ratios_materialized(_rescale_factor_impl),
 )
 
 
 def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float, shift: int) -> ScaledArray:
-    factor = rescale_factor_p.bind(
+    factor, inverse = rescale_factor_p.bind(
         jnp.asarray(x.data), norm=norm, epsilon=epsilon, shift=shift, axes=tuple(range(x.ndim))
     )
-    return rebalance_by(x, mark_pow2(factor))
+    cdtype = np.float64 if x.dtype == np.float64 else np.float32
+    data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
+    return ScaledArray(data, scale_mul(x.scale, mark_pow2(inverse)))
 
 
 @registry.register_scaled_op(
