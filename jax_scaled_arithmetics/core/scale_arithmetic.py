@@ -111,9 +111,10 @@ def materialize_impl(scale: Array, *, scalars: bool = False) -> Array:
     return lax.div(scale, one)
 
 
-def ratios_materialized(impl: Any, outputs: Any = None) -> Any:
-    """`impl` with its ratio outputs (`outputs`: their indices; None: the single output)
-    materialised as scalars too: the lowering of the scale primitives on XLA:CPU.
+def ratios_materialized(impl: Any, after_scale: bool = False) -> Any:
+    """`impl` with its ratio outputs materialised as scalars too (its single output; with
+    `after_scale`, every output after the first, a scale): the lowering of the scale
+    primitives on XLA:CPU.
 
     A ratio is what a rule multiplies its data by (broadcast over every element). XLA:CPU's
     fusion emitters compute a scalar fused into a loop kernel for every element unless LLVM
@@ -126,9 +127,10 @@ def ratios_materialized(impl: Any, outputs: Any = None) -> Any:
 
     def lowered(*args: Any, **params: Any) -> Any:
         out = impl(*args, **params)
-        if outputs is None:
+        if not after_scale:
             return materialize_impl(out, scalars=True)
-        return [materialize_impl(o, scalars=True) if i in outputs else o for i, o in enumerate(out)]
+        scale, *ratios = out
+        return [scale, *(materialize_impl(r, scalars=True) for r in ratios)]
 
     return lowered
 
@@ -233,7 +235,7 @@ def _multi_output(name: str, impl: Any, jvp: Any, count: Any) -> Any:
         multiple_results=True,
         batching=batch,
         jvp=jvp,
-        cpu_impl=ratios_materialized(arrays_impl, outputs=range(1, 1 << 30)),
+        cpu_impl=ratios_materialized(arrays_impl, after_scale=True),
     )
 
 
@@ -396,7 +398,7 @@ dynamic_scale_p = define_primitive(
     multiple_results=True,
     batching=_dynamic_scale_batch,
     jvp=_dynamic_scale_jvp,
-    cpu_impl=ratios_materialized(_dynamic_scale_impl, outputs=(1,)),
+    cpu_impl=ratios_materialized(_dynamic_scale_impl, after_scale=True),
 )
 
 
