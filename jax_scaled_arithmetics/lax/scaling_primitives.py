@@ -26,7 +26,7 @@ from ..core.define import (
     tangent_of_operand_0,
 )
 from ..core.types import Array
-from .scale_algebra import as_f32, at_scale, same_scale, scale_div, static_value
+from .scale_algebra import as_f32, at_scale, same_scale, scale_div, scale_mul, static_value
 
 __all__ = [
     "set_scaling",
@@ -262,11 +262,14 @@ def scaled_rebalance(x: Any, factor: Any) -> Any:
     return rebalance_by(x, _usable_factor(jnp.asarray(_plain(factor)), "rebalance", "factor", 1.0))
 
 
-def rebalance_by(x: ScaledArray, factor: Any) -> ScaledArray:
-    """`x`'s data times `factor`, its scale divided by it, for a factor the caller knows to
-    be finite and positive (dynamic rescaling's powers of two): no check."""
+def rebalance_by(x: ScaledArray, factor: Any, inverse: Any = None) -> ScaledArray:
+    """`x`'s data times `factor`, its scale divided by it (times `inverse`, `1 / factor`
+    exactly, when the caller has it), for a factor the caller knows to be finite and
+    positive (dynamic rescaling's powers of two): no check."""
     cdtype = np.float64 if x.dtype == np.float64 else np.float32
     data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
+    if inverse is not None:
+        return ScaledArray(data, scale_mul(x.scale, inverse))
     return ScaledArray(data, scale_div(x.scale, factor.astype(jnp.float32)))
 
 

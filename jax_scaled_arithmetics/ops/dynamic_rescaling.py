@@ -29,7 +29,6 @@ from ..core.define import (
 from ..core.interpreter import autoscale
 from ..core.scale_arithmetic import mark_pow2
 from ..core.types import Array
-from ..lax.scale_algebra import scale_mul
 from ..lax.scaling_primitives import block_rebalance_by, rebalance_by
 
 __all__ = [
@@ -207,9 +206,7 @@ def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float, shift: int) -
     factor, inverse = rescale_factor_p.bind(
         jnp.asarray(x.data), norm=norm, epsilon=epsilon, shift=shift, axes=tuple(range(x.ndim))
     )
-    cdtype = np.float64 if x.dtype == np.float64 else np.float32
-    data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
-    return ScaledArray(data, scale_mul(x.scale, mark_pow2(inverse)))
+    return rebalance_by(x, factor, mark_pow2(inverse))
 
 
 @registry.register_scaled_op(
