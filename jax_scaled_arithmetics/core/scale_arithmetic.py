@@ -38,7 +38,6 @@ __all__ = [
     "is_pow2",
     "mark_pow2",
     "materialize_impl",
-    "ratios_materialized",
 ]
 
 F32 = np.dtype(np.float32)
@@ -77,7 +76,6 @@ def is_pow2(scale: Any) -> bool:
 
 _EXPONENT_MASK = np.int32(0x7F800000)
 _MANTISSA_MASK = np.int32(0x007FFFFF)
-_EXPONENT_ONE = np.int32(1 << 23)
 _TWO_127 = np.int32(254 << 23)  # the bits of 2^127
 
 
@@ -102,37 +100,12 @@ def materialize_impl(scale: Array, *, scalars: bool = False) -> Array:
     materialised. Dividing by `scale == scale` (1; 0 for a NaN scale, whose block is NaN
     anyway) is exact and cannot be simplified away. Scalars are left alone unless
     `scalars`: a scalar that many kernels read is materialised so that XLA does not copy its
-    producers into each (the interpreter's fan-out rule), and so is every ratio on XLA:CPU,
-    whose large fused kernels do not hoist scalar work out of their loops
-    (`ratios_materialized`)."""
+    producers into each (the interpreter's fan-out rule). On XLA:CPU every ratio is a
+    division anyway (the lowerings below `_divide_last`)."""
     if np.ndim(scale) == 0 and not scalars:
         return scale
     one = lax.convert_element_type(lax.eq(scale, scale), scale.dtype)
     return lax.div(scale, one)
-
-
-def ratios_materialized(impl: Any, after_scale: bool = False) -> Any:
-    """`impl` with its ratio outputs materialised as scalars too (its single output; with
-    `after_scale`, every output after the first, a scale): the lowering of the scale
-    primitives on XLA:CPU.
-
-    A ratio is what a rule multiplies its data by (broadcast over every element). XLA:CPU's
-    fusion emitters compute a scalar fused into a loop kernel for every element unless LLVM
-    hoists it, and in the large fusions of a deep model's backward pass (hundreds of
-    elementwise operations, thousands of scalar instructions of the scale algebra) it does
-    not: measured on the 8-block char GPT step, its largest fusion ran 10.8x the plain
-    one's time for 2.3x its tensor instructions, and the step 3.5x plain, 1.0x with the
-    ratios materialised (12 blocks: 9x, 1.0x). A materialised scalar is computed once, in a
-    small kernel of its own, and read by the fusions."""
-
-    def lowered(*args: Any, **params: Any) -> Any:
-        out = impl(*args, **params)
-        if not after_scale:
-            return materialize_impl(out, scalars=True)
-        scale, *ratios = out
-        return [scale, *(materialize_impl(r, scalars=True) for r in ratios)]
-
-    return lowered
 
 
 def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool = False) -> Array:
@@ -148,6 +121,106 @@ def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool =
     if zero_gives_inf:
         inverse = lax.select(b == 0, lax.full_like(inverse, np.inf), inverse)
     return materialize_impl(a * inverse)
+
+
+# --- the lowerings on XLA:CPU: each ratio one division, its last operation ----------------
+#
+# A ratio is what a rule multiplies its data by, broadcast over every element. XLA:CPU's
+# fusion emitters compute a scalar fused into a loop kernel once per element unless LLVM
+# hoists it, and in the large fusions of a deep model's backward pass (hundreds of
+# elementwise operations, thousands of scalar instructions of the scale algebra) it does
+# not: measured on the 8-block char GPT step, its largest fusion ran 10.8x the plain one's
+# time for 2.3x its tensor instructions, the step 3.5x plain (12 blocks: 9x). So on XLA:CPU
+# every ratio ends in a division, which XLA does not copy into the kernels that broadcast
+# it: it is computed once, in a small kernel of its own, and the fusions read it (those
+# steps: 1.0x plain). With a division at the end anyway, the exponent arithmetic that
+# spares divisions elsewhere (XLA:GPU launches every division as a kernel of its own) is
+# work for nothing: each ratio is a division of scales (exact for powers of two, correctly
+# rounded otherwise) and what is shared (a common scale, a clamped product) is formed once,
+# 40% fewer instructions in the scalar kernels of a GPT step (docs/benchmarks.md). For
+# scales that are powers of two in [SCALE_MIN, SCALE_MAX], zero or inf the values are the
+# default lowerings' bit for bit (tests/core/test_scale_arithmetic.py); for others within
+# an ulp, or exact where the default's reciprocal underflows.
+
+_TWO_POW_127 = np.float32(2.0**127)
+
+
+def _kept_apart(scale: Array) -> Array:
+    """A non-negative `scale` unchanged, as an operation XLA's algebraic simplifier does not
+    look through: it re-associates divisions (`(a / b) / c` as `a / (b * c)`, `a / (b / c)`
+    as `a * c / b`), and the product can underflow or overflow where the quotients do not
+    (a zero scale's square root divided twice by its root: 0 / 0)."""
+    return jax.numpy.maximum(scale, np.float32(0.0))
+
+
+def _quotient(a: Array, b: Array, *, a_apart: bool = True, b_apart: bool = True) -> Array:
+    """`a / b` of non-negative scales, computed as written (see `_kept_apart`); `a_apart`
+    or `b_apart` False for an operand known not to be a division."""
+    return jax.numpy.divide(_kept_apart(a) if a_apart else a, _kept_apart(b) if b_apart else b)
+
+
+def _divide_last(numerator: Array, denominator: Array, zero_gives_inf: bool = True) -> Array:
+    """`numerator / denominator`, the division last; a zero denominator gives inf (NaN for
+    a zero numerator) or, unless `zero_gives_inf`, `2^127 * numerator`."""
+    if zero_gives_inf:
+        return _quotient(numerator, denominator)
+    zero = denominator == 0
+    numerator = jax.numpy.where(zero, numerator * _TWO_POW_127, numerator)
+    return _quotient(numerator, jax.numpy.where(zero, np.float32(1.0), denominator))
+
+
+def _scale_divide_cpu(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool = False) -> Array:
+    del pow2  # a division is exact for powers of two, and correctly rounded for the rest
+    return _divide_last(a, b, zero_gives_inf)
+
+
+def _common_scale_cpu(*scales: Array, num_wanted: int, pow2: bool) -> list[Array]:
+    common = scales[0]
+    for scale in scales[1:num_wanted]:
+        common = lax.max(common, scale)
+    if not pow2:
+        common = _pow2_up(common)
+    # A zero common scale (every wanted scale 0) divides as 2^-126: wanted ratios 0, as in
+    # _common_scale_impl; the others' (meaningless beside a zero scale) 2^126 s, not 2^127 s.
+    denominator = lax.max(common, np.float32(2.0**-126))
+    return [common, *(_quotient(scale, denominator, b_apart=False) for scale in scales)]
+
+
+def _scale_product_cpu(*scales: Array, powers: tuple[int, ...], pow2: bool) -> list[Array]:
+    numerators: list[Array] = []
+    denominators: list[Array] = []
+    for scale, power in zip(scales, powers, strict=True):
+        numerators += [scale] * max(power, 0)
+        denominators += [scale] * max(-power, 0)
+    if len(numerators) + len(denominators) > 2:
+        # Three factors or more (`x ** 3`, `x * y * y`: rare): no order of divisions keeps
+        # every partial quotient in range, so the default's, its ratio materialised.
+        out, ratio = _scale_product_impl(*scales, powers=powers, pow2=pow2)
+        return [out, materialize_impl(ratio, scalars=True)]
+    product = numerators[0] if numerators else lax.full_like(scales[0], 1.0)
+    for scale in numerators[1:]:
+        product = product * scale
+    for scale in denominators:
+        product = _quotient(product, scale)
+    out = lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
+    if not pow2:
+        out = _pow2_up(out)
+    if len(numerators) == 2:
+        # product / out as larger / (out / smaller): a zero makes the divisor inf and the
+        # ratio 0; clamped from above or below, neither quotient leaves float32's range.
+        larger, smaller = lax.max(*numerators), lax.min(*numerators)
+        divisor = _quotient(out, smaller, a_apart=False, b_apart=False)
+        return [out, _quotient(larger, divisor, a_apart=False)]
+    # One numerator or none, one denominator or none; or two denominators: 1 / out / d / d.
+    ratio = _quotient(numerators[0] if numerators else np.float32(1.0), out, b_apart=False)
+    for scale in denominators:
+        ratio = _quotient(ratio, scale)
+    return [out, ratio]
+
+
+def _dynamic_scale_cpu(x: Array, factor: Array) -> list[Array]:
+    scale, _ = _dynamic_scale_impl(x, factor)
+    return [scale, _quotient(lax.convert_element_type(factor, F32), scale, b_apart=False)]
 
 
 def _elementwise_batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
@@ -180,7 +253,9 @@ scale_divide_p = define_primitive(
     lambda a, b, **params: a if a.ndim >= b.ndim else b,
     batching=_elementwise_batch,
     jvp=_scale_divide_jvp,
-    cpu_impl=ratios_materialized(_scale_divide_arrays),
+    cpu_impl=lambda a, b, **params: _scale_divide_cpu(
+        jax.numpy.asarray(a), jax.numpy.asarray(b), **params
+    ),
 )
 
 
@@ -204,10 +279,16 @@ scale_root_p = define_primitive(
 
 
 def _pow2_up(scale: Array) -> Array:
-    """The power of two at or above a non-negative scale (0 stays 0, inf stays inf)."""
-    bits = lax.bitcast_convert_type(scale, np.int32)
-    inexact = lax.convert_element_type((bits & _MANTISSA_MASK) != 0, np.int32)
-    return lax.bitcast_convert_type((bits & _EXPONENT_MASK) + inexact * _EXPONENT_ONE, F32)
+    """The power of two at or above a non-negative scale (0 stays 0, inf stays inf).
+
+    `scale * (2 - 2^-23)` rounds to a number in [2^e, 2^(e+1)) for `scale` 2^e, and in
+    [2^(e+1), 2^(e+2)) for any scale in (2^e, 2^(e+1)): its exponent bits are the answer
+    (three instructions; beyond 2^127 the product overflows to inf, as the answer does)."""
+    product = lax.bitcast_convert_type(scale * _JUST_BELOW_TWO, np.int32)
+    return lax.bitcast_convert_type(product & _EXPONENT_MASK, F32)
+
+
+_JUST_BELOW_TWO = np.float32(2.0 - 2.0**-23)
 
 
 def _reciprocal(scale: Array, pow2: bool = False) -> Array:
@@ -215,9 +296,9 @@ def _reciprocal(scale: Array, pow2: bool = False) -> Array:
     return _scale_divide_impl(np.float32(1.0), scale, zero_gives_inf=False, pow2=pow2)
 
 
-def _multi_output(name: str, impl: Any, jvp: Any, count: Any) -> Any:
+def _multi_output(name: str, impl: Any, cpu_impl: Any, jvp: Any, count: Any) -> Any:
     """A primitive of scalar scales with `count(num_operands, **params)` scalar outputs: the
-    first a scale, the others ratios (materialised on XLA:CPU, see `ratios_materialized`)."""
+    first a scale, the others ratios; `cpu_impl` is its lowering on XLA:CPU."""
 
     def batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
         outs, _ = _elementwise_batch(primitive, args, dims, **params)
@@ -235,7 +316,7 @@ def _multi_output(name: str, impl: Any, jvp: Any, count: Any) -> Any:
         multiple_results=True,
         batching=batch,
         jvp=jvp,
-        cpu_impl=ratios_materialized(arrays_impl, after_scale=True),
+        cpu_impl=lambda *scales, **params: cpu_impl(*map(jax.numpy.asarray, scales), **params),
     )
 
 
@@ -268,7 +349,11 @@ def _common_scale_jvp(
 
 
 common_scale_p = _multi_output(
-    "common_scale", _common_scale_impl, _common_scale_jvp, lambda n, **params: n + 1
+    "common_scale",
+    _common_scale_impl,
+    _common_scale_cpu,
+    _common_scale_jvp,
+    lambda n, **params: n + 1,
 )
 
 
@@ -335,7 +420,11 @@ def _scale_product_jvp(
 
 
 scale_product_p = _multi_output(
-    "scale_product", _scale_product_impl, _scale_product_jvp, lambda n, **params: 2
+    "scale_product",
+    _scale_product_impl,
+    _scale_product_cpu,
+    _scale_product_jvp,
+    lambda n, **params: 2,
 )
 
 
@@ -398,7 +487,7 @@ dynamic_scale_p = define_primitive(
     multiple_results=True,
     batching=_dynamic_scale_batch,
     jvp=_dynamic_scale_jvp,
-    cpu_impl=ratios_materialized(_dynamic_scale_impl, after_scale=True),
+    cpu_impl=_dynamic_scale_cpu,
 )
 
 

@@ -202,3 +202,70 @@ def test_ratios_end_in_a_division_on_xla_cpu_only(name, fun):
     expected = fun(a.to_array(), b.to_array())
     for run in (scaled, jax.jit(scaled)):
         np.testing.assert_array_equal(run(a, b).to_array(), expected)
+
+
+# On XLA:CPU the scale primitives lower differently (each ratio a division: see
+# scale_arithmetic's "lowerings on XLA:CPU"); jitted, `bind` runs that lowering here, and the
+# default one (every other backend, and eager calls) is its implementation, run by `jit`.
+_POW2_SCALES = [0.0, SCALE_MIN, 2.0**-100, 2.0**-3, 1.0, 2.0**50, 2.0**100, SCALE_MAX, np.inf]
+_OTHER_SCALES = [3.0, 0.3, 1e-30, 7e30]
+_PRODUCT_POWERS = [(1, 1), (1, -1), (-1, 1), (2, 0), (0, -2), (1, 2), (3, 0)]
+
+
+def _both_lowerings(primitive, *scales, **params):
+    cpu = jax.jit(lambda *s: primitive.bind(*s, **params))(*scales)
+    default = jax.jit(lambda *s: primitive.impl(*s, **params))(*scales)
+    if not primitive.multiple_results:
+        cpu, default = [cpu], [default]
+    return [np.asarray(x) for x in cpu], [np.asarray(x) for x in default]
+
+
+def _pairs(values):
+    return [(F32(a), F32(b)) for a in values for b in values]
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_cpu_lowerings_of_powers_of_two_are_the_default_bit_for_bit(pow2):
+    for a, b in _pairs(_POW2_SCALES):
+        for num_wanted in (1, 2):
+            cpu, default = _both_lowerings(common_scale_p, a, b, num_wanted=num_wanted, pow2=pow2)
+            if num_wanted == 1 and a == 0:  # b's ratio beside a zero common scale: no value
+                cpu, default = cpu[:2], default[:2]
+            np.testing.assert_array_equal(cpu, default, err_msg=f"common {a} {b} {num_wanted}")
+        for powers in _PRODUCT_POWERS:
+            cpu, default = _both_lowerings(scale_product_p, a, b, powers=powers, pow2=pow2)
+            np.testing.assert_array_equal(cpu, default, err_msg=f"product {a} {b} {powers}")
+        for zero_gives_inf in (True, False):
+            cpu, default = _both_lowerings(
+                scale_divide_p, a, b, zero_gives_inf=zero_gives_inf, pow2=pow2
+            )
+            np.testing.assert_array_equal(cpu, default, err_msg=f"divide {a} {b}")
+    for value in _POW2_SCALES + _OTHER_SCALES:
+        x = jnp.array([value, -2.0, np.nan], F32)
+        cpu, default = _both_lowerings(dynamic_scale_p, x, F32(3.0))
+        np.testing.assert_array_equal(cpu, default, err_msg=f"dynamic scale {value}")
+
+
+def test_cpu_lowerings_of_any_scales_represent_the_same_values():
+    """Scales that are not powers of two: the same values within an ulp (a division is
+    correctly rounded where the default multiplies by an approximate reciprocal), and the
+    products of scale_product exact where the default's reciprocal underflows."""
+    values = _OTHER_SCALES + [2.0**-40, 1.0, 2.0**40]
+    for a, b in _pairs(values):
+        (common, *ratios), default = _both_lowerings(common_scale_p, a, b, num_wanted=2, pow2=False)
+        np.testing.assert_array_equal(common, default[0])
+        np.testing.assert_allclose(ratios, default[1:], rtol=2.4e-7)
+        cpu, default = _both_lowerings(scale_divide_p, a, b, zero_gives_inf=True)
+        np.testing.assert_allclose(cpu, default, rtol=2.4e-7)
+        for powers in _PRODUCT_POWERS:
+            (out, ratio), default = _both_lowerings(
+                scale_product_p, a, b, powers=powers, pow2=False
+            )
+            product = float(a) ** powers[0] * float(b) ** powers[1]
+            assert _is_power_of_two(float(out)) and SCALE_MIN <= float(out) <= SCALE_MAX
+            if sum(map(abs, powers)) > 2:  # the default's order, whose reciprocal may underflow
+                np.testing.assert_array_equal([out, ratio], default)
+            elif 2.0**-240 < product < 2.0**250:  # out * ratio, with ratio a normal float32
+                np.testing.assert_allclose(
+                    float(out) * float(ratio), product, rtol=4.8e-7, err_msg=f"{a} {b} {powers}"
+                )

@@ -239,4 +239,7 @@ def test_scaled_array_view_computes_under_autoscale(block_size):
     got = jax.jit(jsa.autoscale(matmul))(sa, sb)
     assert isinstance(got, jsa.ScaledArray)
     expected = np.asarray(qa.dequantize(), np.float64) @ np.asarray(qb.dequantize(), np.float64).T
-    np.testing.assert_allclose(got.to_array(jnp.float32), expected, rtol=1e-5, atol=1e-6)
+    # As accurate as float32 on the dequantized values (its sums of 64 products round too).
+    plain_error = np.abs(np.asarray(matmul(qa.dequantize(), qb.dequantize())) - expected).max()
+    assert plain_error < 1e-4
+    np.testing.assert_allclose(got.to_array(jnp.float32), expected, rtol=0, atol=2 * plain_error)
