@@ -137,7 +137,7 @@ def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool =
 # spares divisions elsewhere (XLA:GPU launches every division as a kernel of its own) is
 # work for nothing: each ratio is a division of scales (exact for powers of two, correctly
 # rounded otherwise) and what is shared (a common scale, a clamped product) is formed once,
-# 40% fewer instructions in the scalar kernels of a GPT step (docs/benchmarks.md). For
+# 30% fewer instructions in the scalar kernels of a GPT step (docs/benchmarks.md). For
 # scales that are powers of two in [SCALE_MIN, SCALE_MAX], zero or inf the values are the
 # default lowerings' bit for bit (tests/core/test_scale_arithmetic.py); for others within
 # an ulp, or exact where the default's reciprocal underflows.
@@ -208,7 +208,10 @@ def _scale_product_cpu(*scales: Array, powers: tuple[int, ...], pow2: bool) -> l
     if len(numerators) == 2:
         # product / out as larger / (out / smaller): a zero makes the divisor inf and the
         # ratio 0; clamped from above or below, neither quotient leaves float32's range.
-        larger, smaller = lax.max(*numerators), lax.min(*numerators)
+        if numerators[0] is numerators[1]:  # a square: XLA folds min(s, s) into s
+            larger = smaller = _kept_apart(numerators[0])
+        else:
+            larger, smaller = lax.max(*numerators), lax.min(*numerators)
         divisor = _quotient(out, smaller, a_apart=False, b_apart=False)
         return [out, _quotient(larger, divisor, a_apart=False)]
     # One numerator or none, one denominator or none; or two denominators: 1 / out / d / d.
