@@ -101,7 +101,7 @@ def materialize_impl(scale: Array, *, scalars: bool = False) -> Array:
     anyway) is exact and cannot be simplified away. Scalars are left alone unless
     `scalars`: a scalar that many kernels read is materialised so that XLA does not copy its
     producers into each (the interpreter's fan-out rule). On XLA:CPU every ratio is a
-    division anyway (the lowerings below `_divide_last`)."""
+    division anyway (the lowerings `_common_scale_cpu` and its siblings)."""
     if np.ndim(scale) == 0 and not scalars:
         return scale
     one = lax.convert_element_type(lax.eq(scale, scale), scale.dtype)
@@ -159,19 +159,16 @@ def _quotient(a: Array, b: Array, *, a_apart: bool = True, b_apart: bool = True)
     return jax.numpy.divide(_kept_apart(a) if a_apart else a, _kept_apart(b) if b_apart else b)
 
 
-def _divide_last(numerator: Array, denominator: Array, zero_gives_inf: bool = True) -> Array:
-    """`numerator / denominator`, the division last; a zero denominator gives inf (NaN for
-    a zero numerator) or, unless `zero_gives_inf`, `2^127 * numerator`."""
-    if zero_gives_inf:
-        return _quotient(numerator, denominator)
-    zero = denominator == 0
-    numerator = jax.numpy.where(zero, numerator * _TWO_POW_127, numerator)
-    return _quotient(numerator, jax.numpy.where(zero, np.float32(1.0), denominator))
-
-
 def _scale_divide_cpu(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool = False) -> Array:
-    del pow2  # a division is exact for powers of two, and correctly rounded for the rest
-    return _divide_last(a, b, zero_gives_inf)
+    """`_scale_divide_impl` as one division (exact for powers of two, correctly rounded for
+    the rest, so `pow2` changes nothing): a zero `b` gives inf (NaN for a zero `a`) or,
+    unless `zero_gives_inf`, `2^127 * a`."""
+    del pow2
+    if zero_gives_inf:
+        return _quotient(a, b)
+    zero = b == 0
+    a = jax.numpy.where(zero, a * _TWO_POW_127, a)
+    return _quotient(a, jax.numpy.where(zero, np.float32(1.0), b))
 
 
 def _common_scale_cpu(*scales: Array, num_wanted: int, pow2: bool) -> list[Array]:
