@@ -137,7 +137,9 @@ def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool =
 # spares divisions elsewhere (XLA:GPU launches every division as a kernel of its own) is
 # work for nothing: each ratio is a division of scales (exact for powers of two, correctly
 # rounded otherwise) and what is shared (a common scale, a clamped product) is formed once,
-# 30% fewer instructions in the scalar kernels of a GPT step (docs/benchmarks.md). For
+# 30% fewer instructions in the scalar kernels of a GPT step (docs/benchmarks.md). The
+# scales themselves (each primitive's first output, and `scale_root`'s) are materialised
+# too (`_materialized`), so that no kernel recomputes another's exponent arithmetic. For
 # scales that are powers of two in [SCALE_MIN, SCALE_MAX], zero or inf the values are the
 # default lowerings' bit for bit (tests/core/test_scale_arithmetic.py); for others within
 # an ulp, or exact where the default's reciprocal underflows.
@@ -159,6 +161,20 @@ def _quotient(a: Array, b: Array, *, a_apart: bool = True, b_apart: bool = True)
     return jax.numpy.divide(_kept_apart(a) if a_apart else a, _kept_apart(b) if b_apart else b)
 
 
+def _materialized(scale: Array) -> Array:
+    """A scale that the XLA:CPU lowerings return, computed once in a kernel of its own.
+
+    Left to XLA, the exponent arithmetic that forms a scale (a clamp, a rounding up, the
+    bits of a dynamic scale's maximum) is copied into every kernel that reads the scale:
+    each later ratio's kernel and the tensor kernels that use the scale itself. Each kernel
+    then carries its operands' whole chain, and no two are alike, so that each is compiled
+    by LLVM on its own (XLA:CPU compiles identical kernels once). Materialised, a ratio's
+    kernel is its division of parameters, alike across the program: measured on the
+    2-block char GPT step, one kernel more per scale but a fifth fewer HLO instructions,
+    and the first call 20% faster (docs/benchmarks.md)."""
+    return materialize_impl(scale, scalars=True)
+
+
 def _scale_divide_cpu(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool = False) -> Array:
     """`_scale_divide_impl` as one division (exact for powers of two, correctly rounded for
     the rest, so `pow2` changes nothing): a zero `b` gives inf (NaN for a zero `a`) or,
@@ -177,6 +193,7 @@ def _common_scale_cpu(*scales: Array, num_wanted: int, pow2: bool) -> list[Array
         common = lax.max(common, scale)
     if not pow2:
         common = _pow2_up(common)
+    common = _materialized(common)
     # A zero common scale (every wanted scale 0) divides as 2^-126: wanted ratios 0, as in
     # _common_scale_impl; the others' (meaningless beside a zero scale) 2^126 s, not 2^127 s.
     denominator = lax.max(common, np.float32(2.0**-126))
@@ -193,7 +210,7 @@ def _scale_product_cpu(*scales: Array, powers: tuple[int, ...], pow2: bool) -> l
         # Three factors or more (`x ** 3`, `x * y * y`: rare): no order of divisions keeps
         # every partial quotient in range, so the default's, its ratio materialised.
         out, ratio = _scale_product_impl(*scales, powers=powers, pow2=pow2)
-        return [out, materialize_impl(ratio, scalars=True)]
+        return [_materialized(out), materialize_impl(ratio, scalars=True)]
     product = numerators[0] if numerators else lax.full_like(scales[0], 1.0)
     for scale in numerators[1:]:
         product = product * scale
@@ -202,6 +219,7 @@ def _scale_product_cpu(*scales: Array, powers: tuple[int, ...], pow2: bool) -> l
     out = lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
     if not pow2:
         out = _pow2_up(out)
+    out = _materialized(out)
     if len(numerators) == 2:
         # product / out as larger / (out / smaller): a zero makes the divisor inf and the
         # ratio 0; clamped from above or below, neither quotient leaves float32's range.
@@ -209,10 +227,10 @@ def _scale_product_cpu(*scales: Array, powers: tuple[int, ...], pow2: bool) -> l
             larger = smaller = _kept_apart(numerators[0])
         else:
             larger, smaller = lax.max(*numerators), lax.min(*numerators)
-        divisor = _quotient(out, smaller, a_apart=False, b_apart=False)
+        divisor = _quotient(out, smaller, b_apart=False)
         return [out, _quotient(larger, divisor, a_apart=False)]
     # One numerator or none, one denominator or none; or two denominators: 1 / out / d / d.
-    ratio = _quotient(numerators[0] if numerators else np.float32(1.0), out, b_apart=False)
+    ratio = _quotient(numerators[0] if numerators else np.float32(1.0), out)
     for scale in denominators:
         ratio = _quotient(ratio, scale)
     return [out, ratio]
@@ -220,7 +238,8 @@ def _scale_product_cpu(*scales: Array, powers: tuple[int, ...], pow2: bool) -> l
 
 def _dynamic_scale_cpu(x: Array, factor: Array) -> list[Array]:
     scale, _ = _dynamic_scale_impl(x, factor)
-    return [scale, _quotient(lax.convert_element_type(factor, F32), scale, b_apart=False)]
+    scale = _materialized(scale)
+    return [scale, _quotient(lax.convert_element_type(factor, F32), scale)]
 
 
 def _elementwise_batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
@@ -275,6 +294,7 @@ scale_root_p = define_primitive(
     lambda scale, **params: scale,
     batching=batch_along_operand_0,
     jvp=zero_tangents,  # a chosen scale: no derivative
+    cpu_impl=lambda scale, **params: _materialized(_scale_root_impl(scale, **params)),
 )
 
 

@@ -17,6 +17,7 @@ from jax_scaled_arithmetics.core.scale_arithmetic import (
     is_pow2,
     scale_divide_p,
     scale_product_p,
+    scale_root_p,
 )
 
 F32 = np.float32
@@ -244,6 +245,9 @@ def test_cpu_lowerings_of_powers_of_two_are_the_default_bit_for_bit(pow2):
         x = jnp.array([value, -2.0, np.nan], F32)
         cpu, default = _both_lowerings(dynamic_scale_p, x, F32(3.0))
         np.testing.assert_array_equal(cpu, default, err_msg=f"dynamic scale {value}")
+        for round_up in (False, True):
+            cpu, default = _both_lowerings(scale_root_p, F32(value), degree=2, round_up=round_up)
+            np.testing.assert_array_equal(cpu, default, err_msg=f"root {value} {round_up}")
 
 
 def test_cpu_lowerings_of_any_scales_represent_the_same_values():
