@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jax_scaled_arithmetics as jsa
 from tests.helpers import load_script
@@ -172,3 +173,27 @@ def test_a_scalar_every_leaf_reads_is_computed_once():
         np.testing.assert_allclose(
             jsa.asarray(new_params[name], jnp.float32), reference[name], rtol=1e-2
         )
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering of the scales")
+def test_compiled_block_step_reads_each_scale_from_memory():
+    """XLA compiles what the scale algebra lowers to: on XLA:CPU each scale and ratio is
+    computed once, in a kernel of its own, and read by the kernels that use it. Copied
+    into every reader instead, a scale's exponent arithmetic made the block step's optimized
+    HLO 12x the plain one's, and no two of its scalar kernels alike, each compiled on its
+    own (measured 6.9x since the scales are materialised too, JAX 0.10.2; 6.7x on 0.10.0)."""
+    step, params, x = block_training_step()
+    with jax.numpy_rank_promotion("allow"):
+        plain = _hlo_instructions(jax.jit(step).lower(params, x).compile())
+        scaled_step = jax.jit(jsa.autoscale(step))
+        scaled_params = jsa.as_scaled_array(params)
+        scaled = _hlo_instructions(scaled_step.lower(scaled_params, x).compile())
+        new_params = scaled_step(scaled_params, x)
+        reference = jax.jit(step)(params, x)
+    assert scaled <= 8.5 * plain, f"scaled {scaled} HLO instructions, plain {plain}"
+    for got, want in zip(
+        jax.tree_util.tree_leaves(new_params, is_leaf=jsa.is_scaled_leaf),
+        jax.tree_util.tree_leaves(reference),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got.to_array(), want, rtol=1e-4, atol=1e-6)
