@@ -22,7 +22,12 @@ import numpy as np
 from jax import lax
 
 from . import _compat
-from .define import batch_along_operand_0, define_primitive, tangent_of_operand_0
+from .define import (
+    batch_along_operand_0,
+    define_primitive,
+    identity_on_operand_0,
+    tangent_of_operand_0,
+)
 from .scale_arithmetic import materialize_impl, scale_divide_p
 from .types import Array
 
@@ -93,6 +98,25 @@ materialize_p = define_primitive(
     batching=batch_along_operand_0,
     jvp=tangent_of_operand_0,
 )
+
+
+# A tensor unchanged, which XLA:CPU computes once, in the kernel that produces it, rather
+# than again inside every kernel that reads it (the exact division of `materialize_impl`,
+# which XLA does not duplicate into several consumers); other backends lower it to nothing.
+materialize_on_cpu_p = define_primitive(
+    "materialize_on_cpu",
+    identity_on_operand_0,
+    lambda x: x,
+    batching=batch_along_operand_0,
+    jvp=tangent_of_operand_0,
+    cpu_impl=materialize_impl,
+)
+
+
+def materialize_on_cpu(x: Array) -> Array:
+    """`x` unchanged; on XLA:CPU written once by the kernel that computes it and read from
+    memory by every kernel that uses it (see `interpreter._computed_once`)."""
+    return materialize_on_cpu_p.bind(x)
 
 
 def materialize_scalar(x: Array) -> Array:
