@@ -236,3 +236,9 @@ def pairwise_params(cases: Sequence[Any]) -> list[Any]:
         pytest.param(*c, marks=() if chosen(*c) else _SLOW)
         for c in (c if isinstance(c, tuple) else (c,) for c in cases)
     ]
+
+
+def lowered_divides(fun: Callable[..., Any], args: Sequence[Any], platform: str) -> int:
+    """Divisions in `jax.jit(fun)` lowered for `platform` (no device of it needed)."""
+    lowered = jax.jit(fun).trace(*args).lower(lowering_platforms=(platform,))
+    return lowered.as_text().count("stablehlo.divide")

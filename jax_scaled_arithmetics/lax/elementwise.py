@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import _compat, registry
+from ..core import _compat, block_scales, registry
 from ..core.config import Pow2RoundMode, get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.pow2 import pow2_floor, pow2_round_up, static_pow2
@@ -159,6 +159,10 @@ def scaled_div(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
 
 register_linear(lax.neg_p)
 register_linear(lax.abs_p, remark="scales are non-negative")
+# The library's own identities (a value computed once by XLA), met again when a program that
+# `autoscale` produced is interpreted with ScaledArrays: the data computed once, scale kept.
+register_linear(block_scales.materialize_p, remark="the data materialised, scale kept")
+register_linear(block_scales.materialize_on_cpu_p, remark="the data materialised, scale kept")
 
 
 def _keeps_scale(constant: Any, is_max: bool) -> bool:

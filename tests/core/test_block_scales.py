@@ -429,3 +429,17 @@ def test_autoscale_of_vmap_with_per_example_scales():
     )
     assert out.scale.shape == (M, 1)
     assert_close(out, jax.vmap(per_example, in_axes=(0, None))(x, w), np.float32)
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_materialize_on_cpu_is_the_identity_everywhere_a_division_on_xla_cpu(dtype, use_jit):
+    """The interpreter's "computed once" marker: the value unchanged (also for inf and NaN),
+    an exact division by one in the XLA:CPU lowering only (its scaled rule, through
+    autoscale, is in tests/lax/test_elementwise.py's table)."""
+    x = jnp.array([[1.5, -0.0, np.inf], [np.nan, 3e-5, -7.0]], dtype)
+    run = jax.jit(block_scales.materialize_on_cpu) if use_jit else block_scales.materialize_on_cpu
+    np.testing.assert_array_equal(np.float32(run(x)), np.float32(x))
+    assert helpers.lowered_divides(block_scales.materialize_on_cpu, (x,), "cpu") == 1
+    for platform in ("cuda", "tpu"):
+        assert helpers.lowered_divides(block_scales.materialize_on_cpu, (x,), platform) == 0

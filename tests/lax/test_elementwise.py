@@ -26,7 +26,7 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.core import _compat
+from jax_scaled_arithmetics.core import _compat, block_scales
 from jax_scaled_arithmetics.core.config import default_config
 from jax_scaled_arithmetics.lax import elementwise
 from tests.helpers import (
@@ -171,6 +171,8 @@ ELEMENTWISE_CASES: tuple[Case, ...] = (
     Case("div", lax.div, concat(normal(), away_from_zero())),
     Case("neg", lax.neg, normal()),
     Case("abs", lax.abs, normal()),
+    Case("materialize", _bind(block_scales.materialize_p, scalars=False), normal()),
+    Case("materialize_on_cpu", block_scales.materialize_on_cpu, normal()),
     Case("max", lax.max, with_ties, inputs_atol=True),
     Case("min", lax.min, with_ties, inputs_atol=True),
     Case("relu", jax.nn.relu, normal(), slow_eager=True),
