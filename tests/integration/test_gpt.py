@@ -57,7 +57,13 @@ def _leaves(tree):
 )
 def test_gradients_match_float32(problem, dtype):
     """Every gradient tensor within 2e-2 (max abs error / max abs) of the float32 gradient
-    at the same parameter values, with at most 1% of its nonzero entries flushed to zero."""
+    at the same parameter values, with at most 1% of its significant entries flushed to zero.
+
+    Significant: at least 2^-14 (float16's smallest normal) times the tensor's largest
+    magnitude, so that data at the tensor's scale holds them as normal numbers. Smaller
+    reference entries include float32 rounding noise around exact zeros (the key biases'
+    gradients, zero since softmax ignores a shift of its row, are ~1e-9 of the largest
+    entry in float32): float16 rounds those to 0, which says nothing about the scales."""
     params, tokens, targets = problem
     scaled = jsa.as_scaled_array(params, dtype=dtype)
     values = jsa.asarray(scaled, jnp.float32)
@@ -68,7 +74,8 @@ def test_gradients_match_float32(problem, dtype):
         got = np.asarray(grad.to_array(np.float32), np.float64)
         ref = np.asarray(ref, np.float64)
         error = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
-        flushed = np.mean(got[ref != 0] == 0)
+        significant = np.abs(ref) >= 2.0**-14 * np.max(np.abs(ref))
+        flushed = np.mean(got[significant] == 0)
         name = jax.tree_util.keystr(path)
         assert error < 2e-2, f"{name}: relative error {error:.2e}"
         assert flushed <= 0.01, f"{name}: {flushed:.1%} of its entries flushed to zero"
