@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,9 +217,20 @@ _OTHER_SCALES = [3.0, 0.3, 1e-30, 7e30]
 _PRODUCT_POWERS = [(1, 1), (1, -1), (-1, 1), (2, 0), (0, -2), (1, 2), (3, 0)]
 
 
+@functools.cache
+def _jitted_lowerings(primitive, params):
+    """The primitive's XLA:CPU lowering (`bind`) and its default one (`impl`), jitted once
+    per primitive and params: the scales are arguments, so every value reuses the program."""
+    params = dict(params)
+    return (
+        jax.jit(lambda *s: primitive.bind(*s, **params)),
+        jax.jit(lambda *s: primitive.impl(*s, **params)),
+    )
+
+
 def _both_lowerings(primitive, *scales, **params):
-    cpu = jax.jit(lambda *s: primitive.bind(*s, **params))(*scales)
-    default = jax.jit(lambda *s: primitive.impl(*s, **params))(*scales)
+    bind, impl = _jitted_lowerings(primitive, tuple(sorted(params.items())))
+    cpu, default = bind(*scales), impl(*scales)
     if not primitive.multiple_results:
         cpu, default = [cpu], [default]
     return [np.asarray(x) for x in cpu], [np.asarray(x) for x in default]
