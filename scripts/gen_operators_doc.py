@@ -11,12 +11,10 @@ import argparse
 import pathlib
 import sys
 
-import jax
 from jax.extend.core import Primitive
 from jax.extend.core import primitives as jax_primitives
 
-import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.core import registry
+from jax_scaled_arithmetics.core import _compat, registry
 
 DOC_PATH = pathlib.Path(__file__).resolve().parent.parent / "docs" / "operators.md"
 
@@ -62,47 +60,79 @@ NOT_APPLICABLE = {
 }
 
 
-def all_primitives() -> dict[str, Primitive]:
+def installed_primitives() -> dict[str, Primitive]:
+    """The primitives of the installed JAX that the listing shows: those
+    `jax.extend.core.primitives` exports and those with a scaled rule."""
     prims = {p.name: p for p in vars(jax_primitives).values() if isinstance(p, Primitive)}
-    for name, info in jsa.coverage().items():
+    for name, info in registry.coverage().items():
         prims.setdefault(name, info.primitive)
     return dict(sorted(prims.items()))
 
 
+def all_primitive_names() -> list[str]:
+    """The names listed: those of the installed JAX, and those that other supported releases
+    have (`_compat.PRIMITIVE_RELEASES`, and rules declared for them), so that every supported
+    release generates the same file."""
+    names = set(installed_primitives()) | set(registry.declared_rules())
+    names |= set(_compat.PRIMITIVE_RELEASES)
+    return sorted(names)
+
+
+def _rule_of(name: str, rules: dict[str, registry.RuleInfo]) -> registry.RuleInfo | None:
+    """The rule listed for `name`: its own, or that of the same primitive under the name
+    other releases give it (`_compat.PRIMITIVE_RENAMES`)."""
+    if name in rules:
+        return rules[name]
+    for old, new in _compat.PRIMITIVE_RENAMES.items():
+        other = {old: new, new: old}.get(name)
+        if other is not None and other in rules:
+            return rules[other]
+    return None
+
+
+def _releases(name: str) -> str:
+    releases = _compat.PRIMITIVE_RELEASES.get(name)
+    return releases.describe() if releases is not None else ""
+
+
 def render() -> str:
-    rules = jsa.coverage()
+    rules = registry.declared_rules()
     block_rules = {p.name for p in registry._BLOCK_RULES}
     rows = []
     counts = {"supported": 0, "not applicable": 0, "not yet": 0}
-    for name in all_primitives():
-        if name in rules:
-            info = rules[name]
+    kept = 0
+    for name in all_primitive_names():
+        info = _rule_of(name, rules)
+        if info is not None:
             status, family, remark = "supported", info.family, info.remark
         elif name in NOT_APPLICABLE:
             status, family, remark = "not applicable", "", NOT_APPLICABLE[name]
         else:
             status, family, remark = "not yet", "", ""
         counts[status] += 1
-        if name in block_rules:
+        if info is not None and info.primitive is not None and info.primitive.name in block_rules:
             blocks = "kept"
+            kept += 1
         elif status == "supported":
             blocks = "per tensor"
         else:
             blocks = ""
-        rows.append(f"| `{name}` | {status} | {family} | {blocks} | {remark} |")
+        rows.append(f"| `{name}` | {status} | {family} | {blocks} | {_releases(name)} | {remark} |")
+    minimum = ".".join(str(p) for p in _compat.MIN_JAX_VERSION)
     header = [
         "# Scaled operator coverage",
         "",
         "Generated from the rule registry by `python scripts/gen_operators_doc.py`; do not edit.",
-        "A test fails when this file is stale.",
+        "A test fails when this file is stale; every supported JAX release generates the same",
+        "file.",
         "",
-        f"Generated with JAX {jax.__version__} (older releases lack a few primitives).",
-        "",
-        "Every primitive that `jax.extend.core.primitives` exposes, plus this library's own",
-        "scaling primitives. *supported*: `autoscale` has a scaled rule for it; *not applicable*:",
-        "it never sees floating-point tensors; *not yet*: `autoscale` raises",
+        "Every primitive that `jax.extend.core.primitives` exposes in a supported JAX release",
+        f"(JAX >= {minimum}), plus the others `autoscale` has rules for (this library's own",
+        "scaling primitives, hijax calls). *supported*: `autoscale` has a scaled rule for it;",
+        "*not applicable*: it never sees floating-point tensors; *not yet*: `autoscale` raises",
         "`NotImplementedError` naming it when one of its inputs is scaled (register a rule",
-        "with `jsa.register_scaled_op`).",
+        "with `jsa.register_scaled_op`). *JAX*: the releases that have the primitive, where not",
+        "every supported one does (the others express the operation with other primitives).",
         "",
         "*block scales*: with an operand whose scale is finer than one per tensor (per row,",
         "channel, MX block, tile, stacked layer), *kept* rules keep the blocks",
@@ -111,10 +141,10 @@ def render() -> str:
         "precision their data dtype has below its smallest normal number).",
         "",
         f"Supported: {counts['supported']}. Not applicable: {counts['not applicable']}. "
-        f"Not yet: {counts['not yet']}. Keeping block scales: {len(block_rules & set(rules))}.",
+        f"Not yet: {counts['not yet']}. Keeping block scales: {kept}.",
         "",
-        "| primitive | status | rule family | block scales | remark |",
-        "| --- | --- | --- | --- | --- |",
+        "| primitive | status | rule family | block scales | JAX | remark |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     return "\n".join(header + rows) + "\n"
 

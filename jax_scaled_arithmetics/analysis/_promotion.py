@@ -237,15 +237,17 @@ def dtype_promotions(
             if _accumulation_only(eqn, consumers, low):
                 continue  # e.g. jnp.sum of float16 data accumulating in float32
             for var in eqn.outvars:
-                aval = var.aval
+                aval: Any = var.aval  # a ShapedArray (typed AbstractValue from JAX 0.11)
                 if getattr(aval, "shape", ()) and jnp.issubdtype(aval.dtype, jnp.floating):
                     counts[np.dtype(aval.dtype).name] = counts.get(np.dtype(aval.dtype).name, 0) + 1
-            in_dtypes = {np.dtype(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype")}
-            out_dtypes = [np.dtype(v.aval.dtype) for v in eqn.outvars]
+            in_avals: list[Any] = [v.aval for v in eqn.invars]
+            out_avals: list[Any] = [v.aval for v in eqn.outvars]
+            in_dtypes = {np.dtype(a.dtype) for a in in_avals if hasattr(a, "dtype")}
+            out_dtypes = [np.dtype(a.dtype) for a in out_avals]
             if low not in in_dtypes or not out_dtypes or not _is_wider_float(out_dtypes[0], low):
                 continue
             src_dtype, dst_dtype = low, out_dtypes[0]
-            shape = tuple(eqn.outvars[0].aval.shape)
+            shape = tuple(out_avals[0].shape)
             if not shape:
                 continue  # a scalar (a loss, a learning rate): not a tensor the model holds
             sources = _sources(eqn)

@@ -7,11 +7,16 @@ of our own, so that a JAX upgrade is a change to this file only.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
+from jax._src import config as _jax_config
+from jax._src import core as _jax_core
+from jax._src.interpreters.batching import BatchTracer as _BATCH_TRACER  # vmap's tracer
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
 from jax.interpreters import ad as _ad
@@ -19,6 +24,8 @@ from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+# The oldest release the package supports (`jax>=0.10.0` in pyproject.toml).
+MIN_JAX_VERSION: tuple[int, ...] = (0, 10, 0)
 
 Primitive = jex_core.Primitive
 Jaxpr = jex_core.Jaxpr
@@ -30,8 +37,8 @@ jaxpr_as_fun = jex_core.jaxpr_as_fun
 
 
 class _PrimitiveNamespace:
-    """`jax.extend.core.primitives`, falling back to JAX's internal modules for primitives that
-    older releases did not export there yet (e.g. remat_p, name_p before JAX 0.8)."""
+    """`jax.extend.core.primitives`, falling back to JAX's internal modules for primitives it
+    does not export (stack_p, tile_p, reshard_p, call_hi_primitive_p...)."""
 
     _INTERNAL_MODULES = (
         "jax._src.ad_checkpoint",
@@ -46,6 +53,7 @@ class _PrimitiveNamespace:
         "jax._src.interpreters.ad",
         "jax._src.custom_derivatives",
         "jax._src.callback",
+        "jax._src.hijax",
     )
 
     def __getattr__(self, name: str) -> Any:
@@ -71,9 +79,9 @@ primitives: Any = _PrimitiveNamespace()
 def optional_primitive(name: str) -> Primitive | None:
     """A primitive that only some supported JAX releases have (None in the others).
 
-    For primitives JAX introduced after the minimum supported release (e.g. `stack_p`,
-    `tile_p`, `unstack_p` in 0.10): older releases express the operation with other
-    primitives, which have rules of their own.
+    For primitives JAX introduced after the minimum supported release (see
+    `PRIMITIVE_RELEASES`): older releases express the operation with other primitives,
+    which have rules of their own.
     """
     try:
         return primitives.__getattr__(name)
@@ -81,10 +89,65 @@ def optional_primitive(name: str) -> Primitive | None:
         return getattr(jax.lax, name, None)
 
 
-# Higher-order primitives. `pjit_p` was renamed `jit_p` in JAX 0.7.
-jit_p: Primitive = (
-    getattr(jex_primitives, "jit_p", None) or jex_primitives.pjit_p  # type: ignore[attr-defined]
-)
+@dataclasses.dataclass(frozen=True)
+class PrimitiveReleases:
+    """The supported JAX releases that have a primitive (by its name).
+
+    Attributes:
+        since: the first release that has it (None: every supported release up to `until`).
+        until: the first release that no longer has it (None: up to the newest).
+        note: what the releases without it have instead.
+    """
+
+    since: tuple[int, ...] | None = None
+    until: tuple[int, ...] | None = None
+    note: str = ""
+
+    def has(self, version: tuple[int, ...]) -> bool:
+        return (self.since is None or version >= self.since) and (
+            self.until is None or version < self.until
+        )
+
+    def describe(self) -> str:
+        """'JAX >= 0.11', 'JAX < 0.11' or 'JAX 0.10.2 .. 0.11' (and the note)."""
+        fmt = lambda v: ".".join(str(p) for p in v)  # noqa: E731
+        if self.since and self.until:
+            text = f"JAX {fmt(self.since)} .. {fmt(self.until)}"
+        elif self.since:
+            text = f"JAX >= {fmt(self.since)}"
+        else:
+            text = f"JAX < {fmt(self.until or ())}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+# Every primitive (by name) that some supported releases have and others do not, among those
+# `jax.extend.core.primitives` exports and those the library has rules for: so that the
+# operator listing (docs/operators.md) is the same whichever release generates it. A test
+# on each release checks the table against what that release has.
+PRIMITIVE_RELEASES: dict[str, PrimitiveReleases] = {
+    "call": PrimitiveReleases(until=(0, 11), note="then eval_jaxpr"),
+    "closed_call": PrimitiveReleases(until=(0, 11), note="then eval_jaxpr"),
+    "eval_jaxpr": PrimitiveReleases(since=(0, 11), note="call and closed_call before"),
+    "log2": PrimitiveReleases(since=(0, 11), note="log and div before"),
+    "one_minus_square": PrimitiveReleases(since=(0, 11), note="sub and mul before"),
+    "polynomial": PrimitiveReleases(since=(0, 12), note="mul and add before"),
+    "stack": PrimitiveReleases(since=(0, 10, 2), note="broadcast_in_dim and concatenate before"),
+    "unstack": PrimitiveReleases(since=(0, 10, 2), note="slice and squeeze before"),
+}
+
+# One primitive that releases name differently: {name in older releases: name in newer ones}.
+# A rule registered for it (by object) covers both names.
+PRIMITIVE_RENAMES: dict[str, str] = {"closed_call": "eval_jaxpr"}
+
+
+def has_primitive(name: str) -> bool:
+    """Whether the installed JAX has the primitive `name` (by `PRIMITIVE_RELEASES`; True for
+    primitives every supported release has)."""
+    releases = PRIMITIVE_RELEASES.get(name)
+    return releases is None or releases.has(JAX_VERSION)
+
+
+jit_p: Primitive = jex_primitives.jit_p
 custom_jvp_call_p: Primitive = jex_primitives.custom_jvp_call_p
 custom_vjp_call_p: Primitive = jex_primitives.custom_vjp_call_p
 closed_call_p: Primitive = jex_primitives.closed_call_p
@@ -92,6 +155,10 @@ remat_p: Primitive = primitives.remat_p
 scan_p: Primitive = jex_primitives.scan_p
 while_p: Primitive = jex_primitives.while_p
 cond_p: Primitive = jex_primitives.cond_p
+
+# From JAX 0.11, `jax.shard_map` infers `in_specs` from the arguments' own shardings when
+# they are left out (and given, they must match them); 0.10 needs them.
+SHARD_MAP_INFERS_IN_SPECS: bool = JAX_VERSION >= (0, 11)
 
 # Per-argument parameters of the jit primitive, which a rule that changes the
 # number of arguments (one scaled input becomes data + scale) must expand.
@@ -137,12 +204,9 @@ def eqn_context(eqn: JaxprEqn) -> Any:
 
 
 def get_bind_params(eqn: JaxprEqn) -> tuple[list[Any], dict[str, Any]]:
-    """Split an equation's params into the positional sub-functions and keyword params of bind."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, bind_params = params
-        return list(subfuns), bind_params
-    return [], params
+    """Split an equation's params into the positional sub-functions and keyword params of bind
+    (every supported release passes sub-functions as the `subfuns` param: none positional)."""
+    return [], eqn.primitive.get_bind_params(eqn.params)
 
 
 def is_symbolic_zero(x: Any) -> bool:
@@ -155,32 +219,16 @@ def is_symbolic_zero(x: Any) -> bool:
 
 def typeof(x: Any) -> Any:
     """The abstract value (aval) of an array or tracer."""
-    typeof_fn = getattr(jax, "typeof", None)
-    if typeof_fn is not None:
-        return typeof_fn(x)
-    from jax._src import core
-
-    return core.get_aval(x)  # type: ignore[attr-defined]
+    return jax.typeof(x)
 
 
 def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def _batch_tracer_type() -> Any:
-    try:  # JAX has no public name for vmap's tracer
-        from jax._src.interpreters.batching import BatchTracer
-    except ImportError:  # pragma: no cover - a future JAX that moved it
-        return ()
-    return BatchTracer
-
-
-_BATCH_TRACER = _batch_tracer_type()
-
-
 def is_batched(x: Any) -> bool:
     """Whether `x` is a value being mapped by an enclosing `jax.vmap` (its tracer)."""
-    return bool(_BATCH_TRACER) and isinstance(x, _BATCH_TRACER)
+    return isinstance(x, _BATCH_TRACER)
 
 
 def vmap_sizes(x: Any) -> dict[int, int]:
@@ -188,7 +236,7 @@ def vmap_sizes(x: Any) -> dict[int, int]:
     vmaps from the innermost out; a level that does not map `x` is absent). Empty for a
     value no vmap maps, or one seen through another transform's tracer."""
     sizes: dict[int, int] = {}
-    while bool(_BATCH_TRACER) and isinstance(x, _BATCH_TRACER):
+    while isinstance(x, _BATCH_TRACER):
         dim = getattr(x, "batch_dim", None)
         if isinstance(dim, int):
             sizes[id(getattr(x, "_trace", None))] = int(x.val.shape[dim])
@@ -263,8 +311,7 @@ def scan_layout(params: dict[str, Any]) -> tuple[ClosedJaxpr, int, int]:
         jaxpr = ClosedJaxpr(jaxpr, ())
     if "num_consts" in params:
         return jaxpr, params["num_consts"], params["num_carry"]
-    groups = params["ft_in"]
-    consts, carry, _ = groups.unpack() if hasattr(groups, "unpack") else groups
+    consts, carry, _ = params["ft_in"].unpack()
     return jaxpr, len(consts), len(carry)
 
 
@@ -272,31 +319,21 @@ def is_drop_var(var: Any) -> bool:
     return type(var).__name__ == "DropVar"
 
 
-_SHAPE_DTYPE_STRUCT_PARAMS = frozenset(inspect.signature(jax.ShapeDtypeStruct).parameters)
-
-
 def shape_dtype_struct(aval: Any) -> jax.ShapeDtypeStruct:
     """A `ShapeDtypeStruct` for `aval` keeping its weak type and, inside `shard_map`, the
-    mesh axes it varies over (`manual_axis_type` in recent JAX, `vma` before), so that a
-    jaxpr traced over it types its operations as the original did."""
+    mesh axes it varies over (`manual_axis_type`, with the abstract-mesh sharding it needs),
+    so that a jaxpr traced over it types its operations as the original did."""
     kwargs: dict[str, Any] = {"weak_type": getattr(aval, "weak_type", False)}
     mat = getattr(aval, "mat", None)
-    if mat is not None and "manual_axis_type" in _SHAPE_DTYPE_STRUCT_PARAMS:
-        if not getattr(mat, "empty", True):  # needs the (abstract-mesh) sharding too
-            kwargs.update(manual_axis_type=mat, sharding=getattr(aval, "sharding", None))
-    elif getattr(aval, "vma", None) and "vma" in _SHAPE_DTYPE_STRUCT_PARAMS:
-        kwargs["vma"] = aval.vma
+    if mat is not None and not getattr(mat, "empty", True):
+        kwargs.update(manual_axis_type=mat, sharding=getattr(aval, "sharding", None))
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, **kwargs)
 
 
 def varying_axes(aval: Any) -> frozenset[Any]:
-    """Mesh axes over which a value varies inside `shard_map` (empty when not tracked).
-
-    Held as `aval.mat.varying` in recent JAX, `aval.vma` before.
-    """
-    mat = getattr(aval, "mat", None)
-    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
-    return frozenset(varying or ())
+    """Mesh axes over which a value varies inside `shard_map` (`aval.mat.varying`; empty
+    when not tracked)."""
+    return frozenset(getattr(getattr(aval, "mat", None), "varying", None) or ())
 
 
 def vary_over(value: Any, axes: frozenset[Any]) -> Any:
@@ -406,18 +443,18 @@ def scalar_aval_like(aval: Any, dtype: Any) -> Any:
     return aval.update(shape=(), dtype=jax.numpy.dtype(dtype), weak_type=False)
 
 
+# How `jax.lax`'s binary operations make their operands vary alike inside `shard_map`:
+# `auto_insert_reshard` from JAX 0.10.2, `standard_insert_pvary` in 0.10.0 and 0.10.1.
+INSERT_VARYING: str = (
+    "auto_insert_reshard" if hasattr(_jax_core, "auto_insert_reshard") else "standard_insert_pvary"
+)
+_insert_varying: Callable[..., Any] = getattr(_jax_core, INSERT_VARYING)
+
+
 def match_varying(*args: Any) -> tuple[Any, ...]:
     """Operands made to vary over the same mesh axes (inside `shard_map`), as `jax.lax`'s
     binary operations do before binding their primitive."""
-    from jax._src import core
-
-    # `auto_insert_reshard` from JAX 0.10.2 on, `standard_insert_pvary` before.
-    insert = getattr(core, "auto_insert_reshard", None) or getattr(
-        core, "standard_insert_pvary", None
-    )
-    if insert is None:
-        return args
-    return tuple(insert(*args))
+    return tuple(_insert_varying(*args))
 
 
 def eqn_code_frames(eqn: JaxprEqn) -> list[tuple[Any, int]]:
@@ -428,3 +465,138 @@ def eqn_code_frames(eqn: JaxprEqn) -> list[tuple[Any, int]]:
         return []
     codes, offsets = traceback.raw_frames()
     return list(zip(codes, offsets))
+
+
+# --- float16/bfloat16 linear algebra while autoscale traces ----------------------------------
+
+# `jax.lax.linalg` primitives with float32/float64 (and complex) kernels only. From JAX 0.11
+# their abstract evaluation refuses float16 and bfloat16 operands ("lu does not accept dtype
+# float16"); JAX 0.10 accepted them, and most then failed to lower on CPU ("Unsupported dtype
+# float16"). triangular_solve and lu_pivots_to_permutation take any float or integer.
+FLOAT32_ONLY_LINALG: tuple[str, ...] = (
+    "cholesky",
+    "cholesky_update",
+    "eig",
+    "eigh",
+    "geqp3",
+    "geqrf",
+    "hessenberg",
+    "householder_product",
+    "lu",
+    "ormqr",
+    "qr",
+    "schur",
+    "svd",
+    "symmetric_product",
+    "tridiagonal",
+    "tridiagonal_solve",
+)
+
+# Set while `autoscale` traces the user's function. A JAX configuration state included in
+# JAX's trace context, so that every cache JAX keys by it (jit's traces, abstract
+# evaluations) keeps what was traced with it set apart from what was traced without: a
+# function jitted inside `autoscale` and called again outside it is traced again there.
+_LINALG_IN_FLOAT32 = _jax_config.State(
+    "jax_scaled_arithmetics_narrow_linalg_in_float32",
+    False,
+    "Bind float16/bfloat16 operands of float32-only jax.lax.linalg primitives in float32 "
+    "(set by jax_scaled_arithmetics.autoscale while it traces a function).",
+    include_in_trace_context=True,
+)
+
+
+def _narrow_float_dtype(args: Sequence[Any]) -> Any:
+    """The floating dtype narrower than float32 that every floating operand has, or None."""
+    dtypes = {
+        np.dtype(a.dtype)
+        for a in args
+        if hasattr(a, "dtype") and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)
+    }
+    if len(dtypes) != 1:
+        return None
+    (dtype,) = dtypes
+    return dtype if dtype.itemsize < 4 else None
+
+
+def _float32_bind(prim: Primitive, bind: Callable[..., Any]) -> Callable[..., Any]:
+    """`prim.bind`, computing in float32 (operands converted, float32 outputs converted
+    back) when the trace flag is set and the floating operands are float16 or bfloat16."""
+
+    def float32_bind(*args: Any, **params: Any) -> Any:
+        if not _LINALG_IN_FLOAT32.value:
+            return bind(*args, **params)
+        narrow = _narrow_float_dtype(args)
+        if narrow is None:
+            return bind(*args, **params)
+        f32 = np.dtype(np.float32)
+        wide = [
+            jax.lax.convert_element_type(a, f32) if getattr(a, "dtype", None) == narrow else a
+            for a in args
+        ]
+        outs = bind(*wide, **params)
+        back = lambda y: jax.lax.convert_element_type(y, narrow) if y.dtype == f32 else y  # noqa: E731
+        return [back(y) for y in outs] if prim.multiple_results else back(outs)
+
+    float32_bind.jsa_original_bind = bind  # type: ignore[attr-defined]
+    return float32_bind
+
+
+def _install_float32_linalg() -> None:
+    """Wrap the `bind` of every `FLOAT32_ONLY_LINALG` primitive (once)."""
+    from jax._src.lax import linalg as _linalg
+
+    for name in FLOAT32_ONLY_LINALG:
+        prim = getattr(_linalg, f"{name}_p")
+        if not hasattr(prim.bind, "jsa_original_bind"):
+            prim.bind = _float32_bind(prim, prim.bind)
+
+
+@contextlib.contextmanager
+def narrow_linalg_in_float32() -> Iterator[None]:
+    """While active, `FLOAT32_ONLY_LINALG` primitives bound on float16/bfloat16 operands are
+    traced as float32 ones between two converts (`autoscale` sets it while it traces the
+    user's function; see docs/design.md, "Narrow floats in linear algebra"). Outside it,
+    they behave as JAX defines them."""
+    _install_float32_linalg()
+    with _LINALG_IN_FLOAT32(True):
+        yield
+
+
+# --- hijax primitives ------------------------------------------------------------------------
+
+call_hi_primitive_p: Primitive = primitives.call_hi_primitive_p
+
+
+def hi_primitive_expansion(params: dict[str, Any]) -> ClosedJaxpr:
+    """The jaxpr of a `call_hi_primitive` equation's operation in ordinary primitives (its
+    `HiPrim`'s `expand`, as JAX lowers it), over the equation's flat operands.
+
+    The expansion is wrapped in a `jax.custom_vjp` whose backward pass is JAX's own VJP of
+    the HiPrim (its `vjp_fwd`/`vjp_bwd` or `jvp` and `transpose` rules): expansions such as
+    those of `jnp.frexp` and `jnp.ldexp` go through bit casts, which have no derivative,
+    and `grad(autoscale(f))` differentiates as `grad(f)` does.
+
+    Raises:
+        NotImplementedError: an operand of the hijax primitive is not an array.
+    """
+    hi_prim = params["_prim"]
+    avals = list(hi_prim.in_avals_flat)
+    if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in avals):
+        raise NotImplementedError(
+            f"No scaled rule for the hijax primitive {type(hi_prim).__name__}: an operand is "
+            f"not an array ({avals}). Convert its inputs with `jsa.lax.stop_scaling`."
+        )
+
+    @jax.custom_vjp
+    def expanded(*args: Any) -> list[Any]:
+        return list(call_hi_primitive_p.to_lojax(*args, **params))
+
+    def fwd(*args: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        return expanded(*args), args
+
+    def bwd(args: tuple[Any, ...], cts: Sequence[Any]) -> tuple[Any, ...]:
+        _, vjp = jax.vjp(lambda *a: list(call_hi_primitive_p.bind(*a, **params)), *args)
+        return tuple(vjp(list(cts)))
+
+    expanded.defvjp(fwd, bwd)
+    return jax.make_jaxpr(expanded)(*[shape_dtype_struct(a) for a in avals])

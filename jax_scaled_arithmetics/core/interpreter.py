@@ -55,10 +55,16 @@ _STATE = _State()
 
 @contextlib.contextmanager
 def _tracing_user_function() -> Iterator[None]:
+    """While `autoscale` traces the user's function. Linear algebra that JAX computes in
+    float32/float64 only (LU, QR, SVD...) is traced in float32 on float16/bfloat16 operands,
+    between two converts (`_compat.narrow_linalg_in_float32`; docs/design.md, "Narrow floats
+    in linear algebra"): the rules compute in float32 anyway, and the jaxpr stays one that
+    the installed JAX accepts."""
     _STATE.tracing_depth += 1
     _STATE.trace_notes.append({})
     try:
-        yield
+        with _compat.narrow_linalg_in_float32():
+            yield
     finally:
         _STATE.trace_notes.pop()
         _STATE.tracing_depth -= 1

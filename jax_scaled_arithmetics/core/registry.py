@@ -18,6 +18,9 @@ __all__ = [
     "get_scaled_rule",
     "has_scaled_rule",
     "coverage",
+    "declared_rules",
+    "installed_primitive",
+    "register_optional_scaled_op",
     "register_block_rule",
     "get_block_rule",
     "register_equation_guard",
@@ -36,7 +39,8 @@ class RuleInfo:
     """A registered rule and how the interpreter must call it.
 
     Attributes:
-        primitive: the JAX primitive.
+        primitive: the JAX primitive (None for a rule declared by name for a primitive the
+            installed JAX does not have).
         rule: `rule(*operands, **params)` returning the primitive's output(s),
             with ScaledArrays where the output is scaled.
         always_scaled: call the rule even when no operand is scaled (scaling
@@ -49,7 +53,7 @@ class RuleInfo:
         remark: a short note for the coverage listing.
     """
 
-    primitive: Primitive
+    primitive: Primitive | None
     rule: ScaledRule
     always_scaled: bool = False
     promote: bool = True
@@ -58,6 +62,8 @@ class RuleInfo:
 
 
 _RULES: dict[Primitive, RuleInfo] = {}
+# Rules declared by name for primitives the installed JAX does not have (other releases do).
+_ABSENT_RULES: dict[str, RuleInfo] = {}
 
 
 def register_scaled_op(
@@ -109,6 +115,66 @@ def register_scaled_op(
     if rule is not None:
         return register(rule)
     return register
+
+
+def register_optional_scaled_op(
+    name: str,
+    rule: ScaledRule | None = None,
+    *,
+    always_scaled: bool = False,
+    promote: bool = True,
+    family: str = "",
+    remark: str = "",
+) -> Any:
+    """`register_scaled_op` for a primitive that only some supported JAX releases have, named
+    as in `core/_compat.PRIMITIVE_RELEASES` (e.g. `"polynomial"`, JAX >= 0.12); usable as a
+    decorator.
+
+    Where the installed JAX has the primitive, the rule is registered for it. Elsewhere it is
+    only declared: `declared_rules()` lists it (with its family and remark), so that the
+    operator listing is the same on every release.
+
+    Raises:
+        ValueError: `name` is not in `PRIMITIVE_RELEASES`.
+        RuntimeError: the release table and the installed JAX disagree about the primitive.
+    """
+    kwargs: dict[str, Any] = dict(
+        always_scaled=always_scaled, promote=promote, family=family, remark=remark
+    )
+    prim = installed_primitive(name)
+    if prim is not None:
+        return register_scaled_op(prim, rule, **kwargs)
+
+    def declare(fn: ScaledRule) -> ScaledRule:
+        _ABSENT_RULES[name] = RuleInfo(None, fn, **kwargs)
+        return fn
+
+    return declare(rule) if rule is not None else declare
+
+
+def installed_primitive(name: str) -> Primitive | None:
+    """The primitive `name` of `core/_compat.PRIMITIVE_RELEASES` in the installed JAX (None
+    where this release does not have it).
+
+    Raises:
+        ValueError: `name` is not in `PRIMITIVE_RELEASES` (every supported release has it:
+            use the primitive itself).
+        RuntimeError: the release table and the installed JAX disagree.
+    """
+    if name not in _compat.PRIMITIVE_RELEASES:
+        raise ValueError(
+            f"'{name}' is not in core/_compat.PRIMITIVE_RELEASES: register the rule of a "
+            f"primitive every supported JAX release has with `register_scaled_op`."
+        )
+    prim = _compat.optional_primitive(f"{name}_p")
+    expected = _compat.has_primitive(name)
+    if (prim is not None) != expected:
+        raise RuntimeError(
+            f"JAX {_compat.JAX_VERSION} {'lacks' if expected else 'has'} the primitive "
+            f"'{name}', which core/_compat.PRIMITIVE_RELEASES says it "
+            f"{'has' if expected else 'lacks'} ({_compat.PRIMITIVE_RELEASES[name].describe()})."
+        )
+    return prim
 
 
 def unregister_scaled_op(primitive: Primitive) -> None:
@@ -190,6 +256,13 @@ def has_scaled_rule(primitive: Primitive) -> bool:
 def coverage() -> dict[str, RuleInfo]:
     """All registered rules, by primitive name (for the generated operator docs)."""
     return {p.name: info for p, info in sorted(_RULES.items(), key=lambda kv: kv[0].name)}
+
+
+def declared_rules() -> dict[str, RuleInfo]:
+    """The rules of `coverage()`, and those declared by name for primitives that other
+    supported JAX releases have (`primitive` None): the same names on every release, as
+    docs/operators.md lists them."""
+    return dict(sorted({**coverage(), **_ABSENT_RULES}.items()))
 
 
 # Statically known scalar values of the operands of the rule being called, set by the

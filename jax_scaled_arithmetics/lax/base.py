@@ -164,26 +164,46 @@ def _as_scaled(x: Any) -> ScaledArray:
     raise TypeError(f"Expected a ScaledArray operand, got {type(x).__name__}.")
 
 
+def _installed(primitive: Any) -> tuple[str, Any]:
+    """The name of `primitive` and the primitive itself, for a primitive or the name of one
+    that only some supported JAX releases have (`registry.register_optional_scaled_op`):
+    None where the installed JAX does not have it (the rule is then declared, never
+    called)."""
+    if isinstance(primitive, str):
+        return primitive, registry.installed_primitive(primitive)
+    return primitive.name, primitive
+
+
+def _register(primitive: Any, rule: Any, **kwargs: Any) -> None:
+    """`registry.register_scaled_op`, or `register_optional_scaled_op` for a name."""
+    if isinstance(primitive, str):
+        registry.register_optional_scaled_op(primitive, rule, **kwargs)
+    else:
+        registry.register_scaled_op(primitive, rule, **kwargs)
+
+
 def register_linear(
     primitive: Any, scaled_operands: Sequence[int] = (0,), remark: str = ""
 ) -> None:
     """Register a primitive that is linear in one operand and acts on data only.
 
-    Other operands (indices, sizes) are passed through as they are.
+    Other operands (indices, sizes) are passed through as they are. `primitive` is a
+    primitive, or the name of one that only some supported JAX releases have.
     """
     (index,) = scaled_operands
+    name, prim = _installed(primitive)
 
     def rule(*operands: Any, **params: Any) -> Any:
         x = _as_scaled(operands[index])
         args = list(operands)
         args[index] = x.data
-        out = primitive.bind(*args, **params)
-        if primitive.multiple_results:
+        out = prim.bind(*args, **params)
+        if prim.multiple_results:
             return [ScaledArray(o, x.scale) for o in out]
         return ScaledArray(out, x.scale)
 
-    rule.__name__ = f"scaled_{primitive.name}"
-    registry.register_scaled_op(primitive, rule, family="linear", remark=remark)
+    rule.__name__ = f"scaled_{name}"
+    _register(primitive, rule, family="linear", remark=remark)
 
 
 def register_common_scale(
@@ -194,8 +214,10 @@ def register_common_scale(
     """Register a primitive whose floating operands are brought to one common scale.
 
     `scaled_operands` gives the positions of the operands that carry values
-    (default: every floating operand); the output takes the common scale.
+    (default: every floating operand); the output takes the common scale. `primitive` is a
+    primitive, or the name of one that only some supported JAX releases have.
     """
+    name, prim = _installed(primitive)
 
     def rule(*operands: Any, **params: Any) -> Any:
         if scaled_operands is None:
@@ -212,13 +234,13 @@ def register_common_scale(
         args = list(operands)
         for i, d in zip(positions, datas):
             args[i] = d
-        out = primitive.bind(*args, **params)
-        if primitive.multiple_results:
+        out = prim.bind(*args, **params)
+        if prim.multiple_results:
             return [ScaledArray(o, scale) if is_floating(o) else o for o in out]
         return ScaledArray(out, scale)
 
-    rule.__name__ = f"scaled_{primitive.name}"
-    registry.register_scaled_op(primitive, rule, family="common scale", remark=remark)
+    rule.__name__ = f"scaled_{name}"
+    _register(primitive, rule, family="common scale", remark=remark)
 
 
 def register_unscaled_unary(
@@ -458,17 +480,19 @@ def register_unscaled_elementwise(
     plain function does. The result is stored as data `y / scale` in the data
     dtype, with `scale` chosen by `output_scale` (and `bound`, the largest finite
     `|f|`, and `slope`, for the `*_at_most_one` strategies; see
-    `elementwise_output_scale`).
+    `elementwise_output_scale`). `primitive` is a primitive, or the name of one that only
+    some supported JAX releases have.
     """
     if output_scale not in OUTPUT_SCALES:
         raise ValueError(f"Unknown output_scale {output_scale!r}; use one of {OUTPUT_SCALES}.")
+    name, prim = _installed(primitive)
 
     def rule(*operands: Any, **params: Any) -> Any:
         scaled = [o for o in operands if isinstance(o, ScaledArray)]
         dtype = scaled[0].dtype
         cdtype = compute_dtype(dtype)
         values = [unscaled_value(o, cdtype) if isinstance(o, ScaledArray) else o for o in operands]
-        y = fn(*values, **params) if fn is not None else primitive.bind(*values, **params)
+        y = fn(*values, **params) if fn is not None else prim.bind(*values, **params)
         if output_scale == "dynamic":
             return represent_dynamic(y, (), dtype)
         scale = elementwise_output_scale(
@@ -478,10 +502,9 @@ def register_unscaled_elementwise(
         data = y if static_value(scale) == 1.0 else y * as_f32(inverse).astype(y.dtype)
         return ScaledArray(data.astype(dtype), as_f32(scale))
 
-    rule.__name__ = f"scaled_{primitive.name}"
-    registry.register_scaled_op(
-        primitive, rule, family=f"unscaled ({output_scale.replace('_', ' ')} scale)", remark=remark
-    )
+    rule.__name__ = f"scaled_{name}"
+    family = f"unscaled ({output_scale.replace('_', ' ')} scale)"
+    _register(primitive, rule, family=family, remark=remark)
 
 
 def materialized_values(args: Sequence[Any], dtype: Any = None) -> list[Any]:

@@ -152,31 +152,32 @@ def _register_ragged_all_to_all(prim: Any) -> None:
         return ScaledArray(data, common)
 
 
-ragged_all_to_all_p = _compat.optional_primitive("ragged_all_to_all_p")
+ragged_all_to_all_p = _compat.primitives.ragged_all_to_all_p
 _register_ragged_all_to_all(ragged_all_to_all_p)
 
 
-def _shard_map_primitive(fn: Any, name: str, in_spec: Any, *more_fns: Any) -> Any:
-    """A primitive that only appears inside `shard_map` (traced on an abstract 1-device mesh):
-    the first of `fn, *more_fns` that binds it, traced with `in_specs=in_spec(P)` or, as
-    JAX 0.11 asks for an unsharded argument, with the argument's own (replicated) specs."""
+def _shard_map_primitive(fn: Any, name: str, in_spec: Any) -> Any:
+    """A primitive that only appears inside `shard_map`, found by tracing `fn` (on an abstract
+    1-device mesh, with `in_specs=in_spec(P)`, or, where JAX infers them from the argument's
+    own sharding, `_compat.SHARD_MAP_INFERS_IN_SPECS`, without).
+
+    Raises:
+        RuntimeError: `fn` does not bind `name` (the installed JAX spells it otherwise).
+    """
     spec = jax.sharding.PartitionSpec
-    try:
-        mesh = jax.sharding.AbstractMesh((1,), ("i",))
-    except Exception:  # an API that changed: no rule for it
-        return None
-    # From JAX 0.11 `in_specs` must match the argument's own sharding (replicated here):
-    # inferred when left out.
-    for body in (fn, *more_fns):
-        for specs in ({"in_specs": in_spec(spec)}, {}):
-            try:
-                mapped = jax.shard_map(body, mesh=mesh, out_specs=spec("i"), **specs)
-            except Exception:
-                continue
-            found = find_primitive(mapped, np.ones((2,), np.float32), name=name)
-            if found is not None:
-                return found
-    return None
+    mesh = jax.sharding.AbstractMesh((1,), ("i",))
+    specs = {} if _compat.SHARD_MAP_INFERS_IN_SPECS else {"in_specs": in_spec(spec)}
+    mapped = jax.shard_map(fn, mesh=mesh, out_specs=spec("i"), **specs)
+    found = find_primitive(mapped, np.ones((2,), np.float32), name=name)
+    if found is None:
+        raise RuntimeError(f"JAX {jax.__version__}: tracing its public API binds no '{name}'.")
+    return found
+
+
+def _varying(x: Any) -> Any:
+    """`x` made to vary over the mesh axis "i" where specs are inferred (a replicated argument);
+    with explicit `in_specs=P("i")` it varies already."""
+    return jax.lax.pcast(x, "i", to="varying") if _compat.SHARD_MAP_INFERS_IN_SPECS else x
 
 
 psum_invariant_p = _shard_map_primitive(
@@ -186,11 +187,7 @@ pvary_p = _shard_map_primitive(
     lambda x: jax.lax.pcast(x, "i", to="varying"), "pvary", lambda p: p()
 )
 pbroadcast_p = _shard_map_primitive(
-    lambda x: jax.lax.pbroadcast(x, "i", 0),
-    "pbroadcast",
-    lambda p: p("i"),
-    # A replicated argument (JAX 0.11's inferred specs) made to vary first.
-    lambda x: jax.lax.pbroadcast(jax.lax.pcast(x, "i", to="varying"), "i", 0),
+    lambda x: jax.lax.pbroadcast(_varying(x), "i", 0), "pbroadcast", lambda p: p("i")
 )
 _register_common_scale_collective(psum_invariant_p, "axes", sums=True)
 _register_leafwise_collective(pvary_p, None)
@@ -207,43 +204,41 @@ def _expand_specs(specs: Sequence[Any], scaled: Sequence[bool]) -> tuple[Any, ..
     return tuple(out)
 
 
-if shard_map_p is not None:
+@registry.register_scaled_op(
+    shard_map_p,
+    always_scaled=True,
+    promote=False,
+    family="higher-order",
+    remark="jax.shard_map over leaves; scales replicated (largest over the mesh axes)",
+)
+def scaled_shard_map(
+    *args: Any, jaxpr: Any, mesh: Any, in_specs: Any, out_specs: Any, **params: Any
+) -> list[Any]:
+    known = operand_known(len(args))
+    leaves, in_scaled = flatten_scaled(args)
+    axes = tuple(params.get("newly_manual_axes", mesh.axis_names))
+    closed = _compat.ClosedJaxpr(jaxpr, ())
+    # Every floating output is scaled, so the output structure is known before tracing.
+    out_scaled = [is_floating(v.aval.dtype) for v in jaxpr.outvars]
 
-    @registry.register_scaled_op(
-        shard_map_p,
-        always_scaled=True,
-        promote=False,
-        family="higher-order",
-        remark="jax.shard_map over leaves; scales replicated (largest over the mesh axes)",
+    def body(*flat: Any) -> tuple[Any, ...]:
+        values = unflatten_scaled(flat, in_scaled)
+        outs = registry.interpret_closed_jaxpr(closed, values, known)
+        unified = []
+        for out, s in zip(outs, out_scaled, strict=True):
+            out = coerce_scaledness(out, s)
+            if s:  # one scale for all the shards
+                common = _axis_common_scale(out, axes)
+                out = ScaledArray(rescale(out.data, safe_div(out.scale, common)), common)
+            unified.append(out)
+        return tuple(flatten_scaled(unified)[0])
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=_expand_specs(in_specs, in_scaled),
+        out_specs=_expand_specs(out_specs, out_scaled),
+        axis_names=frozenset(axes),
+        check_vma=params.get("check_vma", True),
     )
-    def scaled_shard_map(
-        *args: Any, jaxpr: Any, mesh: Any, in_specs: Any, out_specs: Any, **params: Any
-    ) -> list[Any]:
-        known = operand_known(len(args))
-        leaves, in_scaled = flatten_scaled(args)
-        axes = tuple(params.get("newly_manual_axes", mesh.axis_names))
-        closed = _compat.ClosedJaxpr(jaxpr, ())
-        # Every floating output is scaled, so the output structure is known before tracing.
-        out_scaled = [is_floating(v.aval.dtype) for v in jaxpr.outvars]
-
-        def body(*flat: Any) -> tuple[Any, ...]:
-            values = unflatten_scaled(flat, in_scaled)
-            outs = registry.interpret_closed_jaxpr(closed, values, known)
-            unified = []
-            for out, s in zip(outs, out_scaled, strict=True):
-                out = coerce_scaledness(out, s)
-                if s:  # one scale for all the shards
-                    common = _axis_common_scale(out, axes)
-                    out = ScaledArray(rescale(out.data, safe_div(out.scale, common)), common)
-                unified.append(out)
-            return tuple(flatten_scaled(unified)[0])
-
-        mapped = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=_expand_specs(in_specs, in_scaled),
-            out_specs=_expand_specs(out_specs, out_scaled),
-            axis_names=frozenset(axes),
-            check_vma=params.get("check_vma", True),
-        )
-        return unflatten_scaled(mapped(*leaves), out_scaled)
+    return unflatten_scaled(mapped(*leaves), out_scaled)

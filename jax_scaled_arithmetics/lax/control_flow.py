@@ -5,7 +5,8 @@ flattened leaves (a ScaledArray becomes its `data` and its `scale`), then emits
 the original construct over those leaves:
 
 - `jit` and `remat` are bound again with their per-argument params expanded
-  (shardings, layouts, donation, `prevent_cse`); `closed_call` is inlined.
+  (shardings, layouts, donation, `prevent_cse`); `closed_call` is inlined, and so is a
+  hijax primitive's (`call_hi_primitive`) expansion into ordinary primitives.
 - `custom_jvp` / `custom_vjp` become new `jax.custom_jvp` / `jax.custom_vjp`
   over leaves whose rules run the user's rules scaled (leaf tangents and
   cotangents converted to and from value tangents), so `grad` still uses them.
@@ -112,6 +113,22 @@ def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
 def scaled_closed_call(*args: Any, call_jaxpr: Any, **params: Any) -> list[Any]:
     del params
     return registry.interpret_closed_jaxpr(call_jaxpr, args, operand_constants())
+
+
+@registry.register_scaled_op(
+    _compat.call_hi_primitive_p,
+    promote=False,
+    family="expanded",
+    remark="a hijax HiPrim (jnp.frexp, jnp.ldexp): its expansion into ordinary primitives "
+    "interpreted",
+)
+def scaled_call_hi_primitive(*args: Any, **params: Any) -> list[Any]:
+    """The operation of a `HiPrim` (JAX's "hijax" primitives) in ordinary primitives, as JAX
+    lowers it (its `expand`), run with the scaled interpreter: each of those primitives'
+    rules chooses its scales. Derivatives of `grad(autoscale(f))` are those of the expansion
+    (the HiPrim's own `jvp`/`vjp` rules see no ScaledArrays)."""
+    closed = _compat.hi_primitive_expansion(params)
+    return registry.interpret_closed_jaxpr(closed, args, operand_constants())
 
 
 @_higher_order(

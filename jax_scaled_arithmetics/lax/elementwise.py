@@ -18,12 +18,15 @@ Scale strategies:
 - nextafter: the next value of the data format at the input's scale.
 - comparisons, is_finite: no output scale; data compared directly when both
   scales are statically equal, otherwise in float32 at a common scale.
+- polynomial (JAX >= 0.12): Horner's rule on the scaled operands, whose mul and add rules
+  choose the scales.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -393,6 +396,41 @@ def scaled_nextafter(x1: ScaledArray, x2: ScaledArray, **params: Any) -> ScaledA
     inf = jnp.asarray(jnp.inf, x1.dtype)
     target = jnp.where(c2 > c1, inf, jnp.where(c2 < c1, -inf, d2))
     return ScaledArray(lax.nextafter_p.bind(d1, target, **params), scale)
+
+
+# --- polynomial (JAX 0.12) ----------------------------------------------------------------
+
+
+def _horner(x: Array, *coeffs: Array) -> Array:
+    """`sum_k coeffs[k] * x^k` by Horner's rule, as JAX lowers `polynomial` (operands
+    broadcast to one shape first)."""
+    shape = np.broadcast_shapes(*(np.shape(o) for o in (x, *coeffs)))
+    x, *terms = [jnp.broadcast_to(o, shape) for o in (x, *coeffs)]
+    acc = terms[-1]
+    for c in reversed(terms[:-1]):
+        acc = lax.add(lax.mul(acc, x), c)
+    return acc
+
+
+@registry.register_optional_scaled_op(
+    "polynomial",
+    promote=False,
+    family="expanded",
+    remark="Horner's rule: the mul and add rules choose the scales; coefficients scaled or plain",
+)
+def scaled_polynomial(x: Any, *coeffs: Any, **params: Any) -> Any:
+    """`lax.polynomial` (the derivative of erf, of gelu) as the mul/add chain of Horner's
+    rule, run with the scaled interpreter: constant coefficients keep their known values
+    (power-of-two scales), scaled ones their scales. `unroll` only shapes JAX's lowering."""
+    del params
+    operands = [x, *coeffs]
+    avals = [
+        _compat.shape_dtype_struct(_compat.typeof(o.data if isinstance(o, ScaledArray) else o))
+        for o in operands
+    ]
+    closed = jax.make_jaxpr(_horner)(*avals)
+    (out,) = registry.interpret_closed_jaxpr(closed, operands, operand_constants())
+    return out
 
 
 REGISTERED = tuple(

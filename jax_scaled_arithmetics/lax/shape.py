@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core import registry
-from ..core._compat import optional_primitive, primitives
+from ..core._compat import primitives
 from ..core.datatype import ScaledArray
 from .base import compute_dtype, register_common_scale, register_linear
 
@@ -27,15 +27,15 @@ for _prim in (
     lax.copy_p,
     primitives.copy_p,
     lax.split_p,
-    # Primitives added in JAX 0.10 (jnp.stack / unstack / tile were compositions before).
-    *[p for p in (optional_primitive("unstack_p"), optional_primitive("tile_p")) if p],
+    primitives.tile_p,
 ):
     if not registry.has_scaled_rule(_prim):
         register_linear(_prim)
+# From JAX 0.10.2 (jnp.unstack and jnp.stack were compositions before).
+register_linear("unstack")
 
 register_common_scale(lax.concatenate_p, remark="operands at a common scale")
-if (stack_p := optional_primitive("stack_p")) is not None:
-    register_common_scale(stack_p, remark="operands at a common scale")
+register_common_scale("stack", remark="operands at a common scale")
 register_common_scale(
     lax.pad_p,
     scaled_operands=(0, 1),

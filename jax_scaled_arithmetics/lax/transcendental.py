@@ -21,7 +21,7 @@ function does; the families differ in the output scale:
   polygamma, zeta, igamma_grad_a), special functions whose outputs may all
   be tiny (igamma, igammac, regularized_incomplete_beta, bessel_i0e/i1e), and
   random_gamma (samples drawn with the unscaled alpha; the key stays plain).
-- log: `log(data) + log(scale)` where the value leaves the float32 range.
+- log, log2: `log(data) + log(scale)` where the value leaves the float32 range.
 """
 
 from __future__ import annotations
@@ -41,32 +41,51 @@ _REGISTERED_BEFORE = frozenset(registry.coverage())
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
 
-@registry.register_scaled_op(
-    lax.log_p, family="log", remark="log(value), or log(data) + log(scale) out of float32 range"
-)
-def scaled_log(x: ScaledArray, **params: Any) -> ScaledArray:
-    """log of the value, scale 1.
+def _log_rule(name: str, prim: Any, log_of_scale: Any) -> Any:
+    """The rule of `log` or `log2` (`prim`, None where the installed JAX lacks it),
+    `log_of_scale` the same logarithm in jax.numpy."""
 
-    Where `data * scale` overflows or underflows float32 (a finite non-zero data
-    with a non-zero scale), `log(data) + log(scale)` is used instead.
-    """
-    cdtype = compute_dtype(x.dtype)
-    data = x.data.astype(cdtype)
-    scale = jnp.asarray(x.scale).astype(cdtype)
-    value = data * scale
-    out_of_range = (
-        ~(jnp.isfinite(value) & (jnp.abs(value) >= _F32_TINY))
-        & jnp.isfinite(data)
-        & (data != 0)
-        & (scale != 0)
-    )
-    # Each branch only sees the values it is used for, so neither puts inf into gradients.
-    direct = lax.log_p.bind(jnp.where(out_of_range, jnp.ones_like(value), value), **params)
-    safe_data = jnp.where(out_of_range, data, jnp.ones_like(data))
-    safe_scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-    split = lax.log_p.bind(safe_data, **params) + jnp.log(safe_scale)
-    out = jnp.where(out_of_range, split, direct)
-    return ScaledArray(out.astype(x.dtype), np.asarray(1.0, np.float32))
+    def scaled_log(x: ScaledArray, **params: Any) -> ScaledArray:
+        """The logarithm of the value, scale 1.
+
+        Where `data * scale` overflows or underflows float32 (a finite non-zero data
+        with a non-zero scale), `log(data) + log(scale)` is used instead.
+        """
+        cdtype = compute_dtype(x.dtype)
+        data = x.data.astype(cdtype)
+        scale = jnp.asarray(x.scale).astype(cdtype)
+        value = data * scale
+        out_of_range = (
+            ~(jnp.isfinite(value) & (jnp.abs(value) >= _F32_TINY))
+            & jnp.isfinite(data)
+            & (data != 0)
+            & (scale != 0)
+        )
+        # Each branch only sees the values it is used for, so neither puts inf into gradients.
+        direct = prim.bind(jnp.where(out_of_range, jnp.ones_like(value), value), **params)
+        safe_data = jnp.where(out_of_range, data, jnp.ones_like(data))
+        safe_scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+        split = prim.bind(safe_data, **params) + log_of_scale(safe_scale)
+        out = jnp.where(out_of_range, split, direct)
+        return ScaledArray(out.astype(x.dtype), np.asarray(1.0, np.float32))
+
+    scaled_log.__name__ = f"scaled_{name}"
+    return scaled_log
+
+
+scaled_log = registry.register_scaled_op(
+    lax.log_p,
+    _log_rule("log", lax.log_p, jnp.log),
+    family="log",
+    remark="log(value), or log(data) + log(scale) out of float32 range",
+)
+# From JAX 0.11 (`jnp.log2` was `log(x) / log(2)` before).
+registry.register_optional_scaled_op(
+    "log2",
+    _log_rule("log2", registry.installed_primitive("log2"), jnp.log2),
+    family="log",
+    remark="log2(value), or log2(data) + log2(scale) out of float32 range",
+)
 
 
 _SCALE_ONE = (lax.cos_p, lax.acos_p, lax.acosh_p, lax.logistic_p, lax.erfc_p)
@@ -130,13 +149,11 @@ for _prim in _SCALE_DYNAMIC:
 
 # `1 - x^2` (JAX 0.11 and later write tanh's derivative with it): its own primitive there,
 # `sub` and `mul` in older releases, whose rules cover them.
-_ONE_MINUS_SQUARE = _compat.optional_primitive("one_minus_square_p")
-if _ONE_MINUS_SQUARE is not None:
-    register_unscaled_elementwise(
-        _ONE_MINUS_SQUARE,
-        output_scale="dynamic",
-        remark="1 - x^2 on the value, dynamic scale (JAX >= 0.11)",
-    )
+register_unscaled_elementwise(
+    "one_minus_square",
+    output_scale="dynamic",
+    remark="1 - x^2 on the value, dynamic scale",
+)
 
 
 REGISTERED = tuple(

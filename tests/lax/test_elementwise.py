@@ -226,6 +226,20 @@ ELEMENTWISE_CASES: tuple[Case, ...] = (
     Case("reduce_precision_e5m10", lambda x: lax.reduce_precision(x, 5, 10), normal()),
     Case("reduce_precision_e8m7", lambda x: lax.reduce_precision(x, 8, 7), normal()),
     Case("reduce_precision_e4m3", lambda x: lax.reduce_precision(x, 4, 3), normal()),
+    # JAX >= 0.12 (the derivative of erf and of gelu): a scaled and three constant coefficients.
+    *(
+        [
+            Case(
+                "polynomial",
+                lambda x, c: lax.polynomial(x, [1.0, c, 0.5, -0.25]),
+                normal(2),
+                scales=scales_between(2.0**-30, 2.0**30),
+                note="x**3 overflows float32 at 2^60",
+            )
+        ]
+        if _compat.has_primitive("polynomial")
+        else []
+    ),
 )
 
 

@@ -18,6 +18,7 @@ import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.lax import linalg_decompositions as ld
 from tests.helpers import (
     FLOAT_DTYPES,
+    assert_close,
     check_autoscale_matches,
     check_grad_matches,
     make_scaled,
@@ -349,3 +350,70 @@ def test_grad_eigh_and_svd(scale):
 
 def test_grad_bfloat16_solve():
     check_grad_matches(jnp.linalg.solve, [_general(), _rhs()], BF16, 2.0**30, rtol=0.15)
+
+
+# --- float16 / bfloat16 operands: computed in float32 while autoscale traces ---------------
+
+
+def _plain_outcome(fn, *args):
+    """What plain JAX does with `fn(*args)`: None, or the type of the error it raises."""
+    try:
+        jax.block_until_ready(fn(*args))
+    except Exception as err:  # JAX >= 0.11 refuses float16 when tracing, 0.10 when lowering
+        return type(err)
+    return None
+
+
+def test_plain_jax_outside_autoscale_is_unchanged():
+    """Nothing leaks out of autoscale's trace: a jitted float16 solve traced inside it (its
+    trace cached by jit) does in plain JAX what it did before, e.g. raises on JAX 0.12."""
+    a16, b16 = jnp.asarray(_general(), F16), jnp.asarray(_rhs(), F16)
+    solve = jax.jit(jnp.linalg.solve)
+    qr = lambda m: jax.make_jaxpr(jnp.linalg.qr)(m)  # noqa: E731
+    before = [_plain_outcome(solve, a16, b16), _plain_outcome(qr, a16)]
+    assert before[0] is not None  # no float16 kernel on any release
+    x, y = make_scaled(_general(), F16, 2.0**20), make_scaled(_rhs(), F16, 2.0**-20)
+    jax.jit(jsa.autoscale(lambda m, v: (solve(m, v), jnp.linalg.qr(m))))(x, y)
+    assert [_plain_outcome(solve, a16, b16), _plain_outcome(qr, a16)] == before
+
+
+def _eqns(jaxpr, names):
+    """The equations of `jaxpr` (sub-jaxprs included) that bind one of `names`."""
+    found = [e for e in jaxpr.eqns if e.primitive.name in names]
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                found += _eqns(inner, names)
+    return found
+
+
+def test_narrow_linalg_traced_in_float32():
+    """Linear algebra on float16 data is traced as float32 between two converts, so the
+    program autoscale runs never has a float16 factorisation, scaled operand or not."""
+    a16 = jnp.asarray(_general(), F16)  # a plain (unscaled) float16 matrix
+    y = make_scaled(_rhs(), F16, 2.0**-30)
+    fn = jsa.autoscale(lambda v: (jnp.linalg.solve(a16, v), jnp.linalg.eigvalsh(a16 @ a16.T)))
+    linalg = _eqns(jax.make_jaxpr(fn)(y).jaxpr, ("lu", "eigh"))
+    assert len(linalg) == 2 and all(v.aval.dtype == F32 for e in linalg for v in e.invars)
+    solved, eig = jax.jit(fn)(y)
+    a = np.asarray(a16, np.float64)
+    assert_close(solved, np.linalg.solve(a, represented(y)), 3e-2)
+    np.testing.assert_allclose(np.asarray(eig, np.float64), np.linalg.eigvalsh(a @ a.T), rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_grad_inside_autoscale_narrow(dtype):
+    """`jax.grad` taken inside the function: the JVP and transpose rules of lu (and eigh)
+    trace more linear algebra, on float16/bfloat16 values too."""
+
+    def fn(m):
+        g = jax.grad(lambda a: jnp.sum(jnp.linalg.inv(a).astype(F32)))(m)
+        return g, jax.grad(lambda a: jnp.sum(jnp.linalg.eigvalsh(a).astype(F32) ** 2))(m)
+
+    x = make_scaled(_spd(), dtype, 2.0**-20)
+    out = jax.jit(jsa.autoscale(fn))(x)
+    expected = fn(jnp.asarray(represented(x), F32))
+    for o, e in zip(out, expected):
+        assert isinstance(o, jsa.ScaledArray) and o.dtype == dtype
+        assert_close(o, np.asarray(e), DECOMP_RTOL[dtype])

@@ -74,6 +74,14 @@ TRANSCENDENTAL_CASES: tuple[Case, ...] = (
     Case("sinh", lax.sinh, normal(), scales=UP_TO_16, note=OVERFLOW),
     Case("cosh", lax.cosh, normal(), scales=UP_TO_16, note=OVERFLOW),
     Case("log", lax.log, positive()),
+    # JAX >= 0.11 (jnp.log2 was log(x) / log(2) before).
+    *([Case("log2", lax.log2, positive())] if _compat.has_primitive("log2") else []),
+    # JAX >= 0.11 (tanh's derivative; sub and mul before).
+    *(
+        [Case("one_minus_square", lax.one_minus_square, normal())]
+        if _compat.has_primitive("one_minus_square")
+        else []
+    ),
     Case("log1p", lax.log1p, positive(), **F16_FLOOR_17, note=F16_FLOOR_NOTE),
     Case(
         "log1p_negative",
