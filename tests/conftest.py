@@ -47,13 +47,27 @@ _CACHE_LIMIT = 2 << 30  # bytes: a larger cache is emptied when a run starts
 
 
 def pytest_configure(config):
-    """Empty the compilation cache when it outgrew its limit (controller process only)."""
+    """Controller process only: send each test file to one xdist worker, and empty the
+    compilation cache when it outgrew its limit."""
+    _one_worker_per_file(config)
     directory = jax.config.jax_compilation_cache_dir
     if directory is None or hasattr(config, "workerinput") or not os.path.isdir(directory):
         return
     size = sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
     if size > _CACHE_LIMIT:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _one_worker_per_file(config):
+    """`-n 2` distributes the tests file by file (xdist's `loadfile`) unless `--dist` says
+    otherwise: the tests of a file compile the same shapes and programs, and a worker
+    compiles each once in memory where two workers would both compile it (10% less time
+    measured on tests/quantization + tests/unit_scaling). Not in `addopts`, where `--dist`
+    would break `-p no:xdist`."""
+    args = config.invocation_params.args
+    explicit = any(str(a) == "--dist" or str(a).startswith("--dist=") for a in args)
+    if getattr(config.option, "dist", "no") == "load" and not explicit:
+        config.option.dist = "loadfile"
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 from pathlib import Path
+
+import pytest
 
 import jax_scaled_arithmetics
 
@@ -112,3 +115,30 @@ def test_modules_import_only_what_their_source_exports():
             if name not in getattr(loaded, "__all__", public):
                 unexported.append(f"{module} imports {name} from {source}")
     assert unexported == []
+
+
+def test_version_is_the_installed_distribution_s():
+    """`jsa.__version__` is the version pip installed (pyproject.toml reads it from the
+    package: one place to change)."""
+    from importlib.metadata import version
+
+    assert jax_scaled_arithmetics.__version__ == version("jax_scaled_arithmetics")
+
+
+def test_package_data_is_installed():
+    """`py.typed` ships with the package (PEP 561), wheel included."""
+    assert (ROOT / "py.typed").is_file()
+
+
+@pytest.mark.skipif(
+    not os.environ.get("JSA_TEST_INSTALLED"),
+    reason="only when testing an installed wheel (JSA_TEST_INSTALLED=1, as .ci/run does)",
+)
+def test_tests_run_against_the_installed_wheel():
+    """With JSA_TEST_INSTALLED=1 the suite runs against a non-editable install: the package
+    imported is the one in site-packages, not a source tree beside the tests."""
+    import sysconfig
+
+    site_packages = Path(sysconfig.get_paths()["purelib"]).resolve()
+    assert ROOT.resolve().parent == site_packages, ROOT
+    assert not (Path(__file__).resolve().parents[1] / PACKAGE).exists()

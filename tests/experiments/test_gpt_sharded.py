@@ -41,6 +41,10 @@ def _implicit_broadcasting():
         yield
 
 
+# Training runs of the experiment: the slow step (the default run checks the recipe's
+# collectives in tests/test_sharding.py::test_fsdp_moves_one_byte_per_parameter_and_bf16_gradients
+# and its values in ::test_fsdp_under_autoscale_with_fp8_gathers_and_bf16_reductions).
+@pytest.mark.slow
 def test_every_recipe_trains_on_four_devices_and_float32_matches_one(tmp_path):
     text = FIXTURE.read_text()
     devices = jax.devices()[:4]
@@ -54,6 +58,7 @@ def test_every_recipe_trains_on_four_devices_and_float32_matches_one(tmp_path):
     np.testing.assert_allclose(logs["fp8-fsdp"]["val_loss"], one["val_loss"], atol=0.02)
 
 
+@pytest.mark.slow  # compiles every recipe's GPT step; see the note above
 def test_collective_bytes_of_a_step():
     report = sharded.hlo_report(sharded.RECIPES, jax.devices()[:4], CONFIG)
     fp32, bf16, fp8 = (report[r]["partitioned"] for r in sharded.RECIPES)

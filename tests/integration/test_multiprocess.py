@@ -92,6 +92,9 @@ def _train(tmp_path: Path, processes: int, devices: int) -> dict[str, np.ndarray
         return dict(results)
 
 
+# Three fresh interpreters: the slow step. The default run checks the same FSDP program on
+# one process's devices (tests/test_sharding.py); this adds JAX's multi-process runtime.
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path: Path) -> None:
     if not _localhost_usable():
         pytest.skip("no TCP socket on localhost: the processes cannot reach each other")
