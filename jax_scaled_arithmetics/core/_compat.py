@@ -467,6 +467,20 @@ def eqn_code_frames(eqn: JaxprEqn) -> list[tuple[Any, int]]:
     return list(zip(codes, offsets))
 
 
+def program_state(name: str, default: Any, help_text: str) -> Any:
+    """A JAX configuration state whose value changes the programs traced under it, as
+    `jax.default_matmul_precision`'s does: part of jit's cache key and of JAX's trace
+    context, so that a jitted function is traced again under another value.
+
+    `state.value` reads it (the thread's value, else the global one); `swap_local`/
+    `set_local` set the thread's, `get_global`/`set_global` the process's. Values must be
+    hashable.
+    """
+    return _jax_config.State(
+        name, default, help_text, include_in_jit_key=True, include_in_trace_context=True
+    )
+
+
 # --- float16/bfloat16 linear algebra while autoscale traces ----------------------------------
 
 # `jax.lax.linalg` primitives with float32/float64 (and complex) kernels only. From JAX 0.11

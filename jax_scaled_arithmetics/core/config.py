@@ -1,4 +1,9 @@
-"""`AutoScaleConfig`: the settings `autoscale` reads while it interprets a function."""
+"""`AutoScaleConfig`: the settings `autoscale` reads while it interprets a function.
+
+The configuration in force is a JAX configuration state that `jax.jit` keys its cache on
+(as it does `jax.default_matmul_precision`): a jitted autoscaled function called under
+another configuration is traced again under it, never run as the program of the first.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from . import _compat
 
 __all__ = ["AutoScaleConfig", "Pow2RoundMode", "ScalePolicy", "get_autoscale_config"]
 
@@ -81,39 +88,50 @@ class AutoScaleConfig:
             raise TypeError(f"policy must be a ScalePolicy, got {self.policy!r}.")
         if not np.issubdtype(np.dtype(self.scale_dtype), np.floating):
             raise TypeError(f"scale_dtype must be a floating dtype, got {self.scale_dtype!r}.")
+        # One spelling per dtype (np.float32, "float32", jnp.float32 are one key of jit's
+        # cache); a frozen dataclass sets its field this way.
+        object.__setattr__(self, "scale_dtype", np.dtype(self.scale_dtype))
 
     def __enter__(self) -> AutoScaleConfig:
-        _stack().append(self)
+        _ENTERED.stack.append(_IN_FORCE.swap_local(self))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _stack().pop()
+        _IN_FORCE.set_local(_ENTERED.stack.pop())
 
 
-class _ConfigState(threading.local):
+# The configuration in force: a thread's innermost `AutoScaleConfig` context, else the
+# process default. Part of jit's cache key and of JAX's trace context.
+_IN_FORCE = _compat.program_state(
+    "jax_scaled_arithmetics_autoscale_config",
+    AutoScaleConfig(),
+    "The AutoScaleConfig in force (set with `with jsa.AutoScaleConfig(...)`).",
+)
+
+
+class _Entered(threading.local):
+    """Per thread: what each entered `AutoScaleConfig` context replaced, innermost last."""
+
     def __init__(self) -> None:
-        self.stack: list[AutoScaleConfig] = [AutoScaleConfig()]
+        self.stack: list[Any] = []
 
 
-_STATE = _ConfigState()
-
-
-def _stack() -> list[AutoScaleConfig]:
-    return _STATE.stack
+_ENTERED = _Entered()
 
 
 def get_autoscale_config() -> AutoScaleConfig:
     """The configuration in force (the innermost `AutoScaleConfig` context)."""
-    return _stack()[-1]
+    config: AutoScaleConfig = _IN_FORCE.value
+    return config
 
 
 @contextlib.contextmanager
 def default_config(config: AutoScaleConfig) -> Iterator[None]:
-    """Replace the bottom (default) configuration, e.g. in a test session."""
-    stack = _stack()
-    previous = stack[0]
-    stack[0] = config
+    """Replace the process's default configuration (under every context), e.g. in a test
+    session."""
+    previous = _IN_FORCE.get_global()
+    _IN_FORCE.set_global(config)
     try:
         yield
     finally:
-        stack[0] = previous
+        _IN_FORCE.set_global(previous)
