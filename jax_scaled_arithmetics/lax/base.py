@@ -206,12 +206,26 @@ def register_linear(
     _register(primitive, rule, family="linear", remark=remark)
 
 
-def register_common_scale(
+def select_whole_cases(which: Any, cases: Sequence[Any], **params: Any) -> ScaledArray | None:
+    """`select_n` by a scalar predicate: the chosen case's data and scale as they are, each
+    selected on its own (exact: no case is brought to another's scale and rounded), so a
+    step that keeps the old state (`jmp.select_tree(finite, new, old)`) keeps it bit for
+    bit. None where that does not apply (a predicate per element, cases whose data dtypes
+    or scale shapes differ, a plain case): the caller then uses a common scale."""
+    if np.ndim(which) != 0 or not all(isinstance(c, ScaledArray) for c in cases):
+        return None
+    scales = [jnp.asarray(c.scale) for c in cases]
+    if len({(c.dtype, np.shape(c.scale), s.dtype) for c, s in zip(cases, scales)}) != 1:
+        return None
+    data = lax.select_n_p.bind(which, *[c.data for c in cases], **params)
+    return ScaledArray(data, lax.select_n(which, *scales))
+
+
+def common_scale_rule(
     primitive: Any,
     scaled_operands: Callable[[int], Sequence[int]] | Sequence[int] | None = None,
-    remark: str = "",
-) -> None:
-    """Register a primitive whose floating operands are brought to one common scale.
+) -> Callable[..., Any]:
+    """The rule of a primitive whose floating operands are brought to one common scale.
 
     `scaled_operands` gives the positions of the operands that carry values
     (default: every floating operand); the output takes the common scale. `primitive` is a
@@ -240,6 +254,16 @@ def register_common_scale(
         return ScaledArray(out, scale)
 
     rule.__name__ = f"scaled_{name}"
+    return rule
+
+
+def register_common_scale(
+    primitive: Any,
+    scaled_operands: Callable[[int], Sequence[int]] | Sequence[int] | None = None,
+    remark: str = "",
+) -> None:
+    """Register `common_scale_rule(primitive, scaled_operands)` as the primitive's rule."""
+    rule = common_scale_rule(primitive, scaled_operands)
     _register(primitive, rule, family="common scale", remark=remark)
 
 

@@ -67,7 +67,7 @@ from jax import lax
 from ..core import _compat, block_scales, registry
 from ..core.datatype import ScaledArray, is_floating
 from ..core.types import Array
-from .base import compute_dtype
+from .base import compute_dtype, select_whole_cases
 from .indexing import scatter_update_params
 from .scale_algebra import static_value
 
@@ -296,9 +296,22 @@ for _prim in (
     _compat.primitives.add_jaxvals_p,
     lax.max_p,
     lax.min_p,
-    lax.select_n_p,
 ):
     _common_scale_rule(_prim)
+
+
+@registry.register_block_rule(lax.select_n_p)
+def _select_n_blocks(which: Any, *cases: Any, **params: Any) -> Any:
+    """A scalar predicate selects a whole case, blocks and all; otherwise each block of the
+    cases at the largest of their scales."""
+    whole = select_whole_cases(which, cases, **params)
+    if whole is not None:
+        return whole
+    datas, common = _at_common_scale(list(cases))
+    return _scaled(
+        lax.select_n_p.bind(which, *[d.astype(c.dtype) for d, c in zip(datas, cases)], **params),
+        common,
+    )
 
 
 # Non-linear functions of one operand: computed on the value in float32, each block of

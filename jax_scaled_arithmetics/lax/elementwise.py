@@ -38,10 +38,11 @@ from ..core.pow2 import pow2_floor, pow2_round_up, static_pow2
 from ..core.registry import operand_constants
 from ..core.types import Array
 from .base import (
+    common_scale_rule,
     compute_dtype,
-    register_common_scale,
     register_linear,
     register_unscaled_elementwise,
+    select_whole_cases,
     zeros_where_scale_zero,
 )
 from .scale_algebra import (
@@ -206,9 +207,22 @@ for _prim, _is_max in ((lax.max_p, True), (lax.min_p, False)):
         remark="the larger scale; the array's own against a constant bound (clip, relu)",
     )
 
-register_common_scale(
-    lax.select_n_p, scaled_operands=lambda n: range(1, n), remark="cases at a common scale"
+_select_n_at_common_scale = common_scale_rule(lax.select_n_p, lambda n: range(1, n))
+
+
+@registry.register_scaled_op(
+    lax.select_n_p,
+    family="common scale",
+    remark="cases at a common scale; by a scalar predicate, the chosen case as it is",
 )
+def scaled_select_n(which: Any, *cases: Any, **params: Any) -> ScaledArray:
+    """A scalar predicate selects a whole case (data and scale: exact); a predicate per
+    element selects among the cases brought to a common scale."""
+    whole = select_whole_cases(which, cases, **params)
+    if whole is not None:
+        return whole
+    out: ScaledArray = _select_n_at_common_scale(which, *cases, **params)
+    return out
 
 
 @registry.register_scaled_op(

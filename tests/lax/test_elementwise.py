@@ -777,3 +777,25 @@ def test_products_beyond_float32_overflow_elementwise_like_plain(use_jit):
     np.testing.assert_array_equal(
         np.asarray(scaled_fn(far, far)[0].to_array()), np.array([2.0**120, 2.0**120], np.float32)
     )
+
+
+@pytest.mark.parametrize("use_jit", (False, True), ids=("eager", "jit"))
+@pytest.mark.parametrize("scale_shape", [(), (2, 1)], ids=("per_tensor", "per_row"))
+def test_select_by_a_scalar_predicate_returns_the_case_as_it_is(use_jit, scale_shape):
+    """`lax.select(pred, a, b)` with a scalar `pred` (jmp's `select_tree`, a skipped step):
+    the chosen case's data and scale, bit for bit, however far apart the cases' scales;
+    a predicate per element still selects at a common scale."""
+    rng = np.random.default_rng(3)
+    a = jsa.as_scaled_array(rng.normal(size=(2, 4)) * 2.0**-20, scale_shape=scale_shape)
+    b = jsa.as_scaled_array(rng.normal(size=(2, 4)) * 2.0**9, scale_shape=scale_shape)
+    a, b = (jsa.ScaledArray(x.data.astype(np.float16), x.scale) for x in (a, b))
+    select = jsa.autoscale(lambda p, x, y: lax.select(p, x, y))
+    select = jax.jit(select) if use_jit else select
+    for pred, chosen in ((True, a), (False, b)):
+        out = select(jnp.asarray(pred), a, b)
+        np.testing.assert_array_equal(np.asarray(out.data), np.asarray(chosen.data))
+        np.testing.assert_array_equal(np.asarray(out.scale), np.asarray(chosen.scale))
+    mask = jnp.asarray([[True, False, True, False]] * 2)
+    out = select(mask, a, b)
+    want = np.where(np.asarray(mask), represented(a), represented(b))
+    assert_close(out, want, RTOL[F16])

@@ -362,6 +362,42 @@ def test_training_step_pattern_under_jit():
     assert float(ls2.loss_scale) == 2.0**100
 
 
+def test_skipped_scaled_adam_step_keeps_parameters_and_state_bit_for_bit():
+    """A scaled float16 Adam step under `autoscale` that skips a NaN batch the jmp way:
+    after the NaN batch, every parameter and optimizer-state leaf (data and scale) is the
+    one before it, as if the batch had never been seen."""
+    import optax
+
+    import jax_scaled_arithmetics as jsa
+
+    rng = np.random.default_rng(0)
+    params = jsa.as_scaled_array(
+        {"w": rng.normal(size=(4, 3)), "b": np.full(3, 0.1)}, dtype=jnp.float16
+    )
+    tx = jsa.optax.scale_optimizer(optax.adam(1e-2))
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"] + p["b"][None, :]) ** 2)
+
+    @jax.jit
+    @jsa.autoscale
+    def step(p, state, x):
+        grads = jax.grad(loss)(p, x)
+        updates, new_state = tx.update(grads, state, p)
+        finite = mp.all_finite(grads)
+        return mp.select_tree(finite, (jsa.optax.apply_updates(p, updates), new_state), (p, state))
+
+    x = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+    before = step(params, tx.init(params), x)  # a real step: moments with scales of their own
+    after = step(*before, x.at[0, 0].set(jnp.nan))
+    leaves_before = jax.tree_util.tree_leaves(before)
+    leaves_after = jax.tree_util.tree_leaves(after)
+    assert len(leaves_before) == len(leaves_after) > 8
+    for old, new in zip(leaves_before, leaves_after, strict=True):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+        assert np.asarray(new).dtype == np.asarray(old).dtype
+
+
 # --------------------------------------------------------------------------------------
 # all_finite.
 
