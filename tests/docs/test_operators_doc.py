@@ -37,3 +37,18 @@ def test_operators_doc_lists_every_registered_rule_as_supported():
     text = (ROOT / "docs" / "operators.md").read_text()
     for name in registry.declared_rules():
         assert f"| `{name}` | supported |" in text
+
+
+def test_every_primitive_of_this_jax_has_a_rule_or_never_sees_floats():
+    """A primitive the installed JAX has (a new release's new one included) either has a
+    scaled rule or is listed as never seeing floating-point tensors: none is 'not yet'."""
+    from jax_scaled_arithmetics.core import registry
+
+    generator = _load_generator()
+    rules = registry.declared_rules()
+    missing = [
+        name
+        for name in generator.installed_primitives()
+        if name not in rules and name not in generator.NOT_APPLICABLE
+    ]
+    assert not missing, f"primitives with no scaled rule: {missing}"
