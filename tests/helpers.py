@@ -242,3 +242,39 @@ def lowered_divides(fun: Callable[..., Any], args: Sequence[Any], platform: str)
     """Divisions in `jax.jit(fun)` lowered for `platform` (no device of it needed)."""
     lowered = jax.jit(fun).trace(*args).lower(lowering_platforms=(platform,))
     return lowered.as_text().count("stablehlo.divide")
+
+
+_AS_SCALED_ARRAY = jax.jit(jsa.as_scaled_array, static_argnames=("dtype", "scale_shape"))
+
+
+def as_scaled_array_jit(x: Any, scale_shape: Any = None, dtype: Any = None) -> Any:
+    """`jsa.as_scaled_array(x, scale_shape=scale_shape, dtype=dtype)` under one `jax.jit`: a
+    compile per input shape, layout and dtype, where eagerly each of its operations compiles
+    for every new layout (~28 compiles for the first, ~17 for each other). The same values
+    (block maxima, powers of two, divisions by them: exact). For building test inputs; the
+    eager function has tests of its own (tests/core/test_block_scales.py)."""
+    return _AS_SCALED_ARRAY(x, scale_shape=scale_shape, dtype=dtype)
+
+
+def in_turn(
+    cases: Sequence[Any], ids: Sequence[str], variants: Sequence[tuple], variant_ids: Sequence[str]
+) -> list[Any]:
+    """pytest params `(case, *variant)` for each case with each variant, with ids
+    `f"{id}-{variant_id}"`. The default run holds each case with one variant, the variants in
+    turn over the cases; CI's slow step runs the others."""
+    return [
+        pytest.param(
+            case,
+            *variant,
+            marks=() if (i + j) % len(variants) == 0 else _SLOW,
+            id=f"{name}-{variant_id}",
+        )
+        for i, (case, name) in enumerate(zip(cases, ids, strict=True))
+        for j, (variant, variant_id) in enumerate(zip(variants, variant_ids, strict=True))
+    ]
+
+
+def one_dtype_each(cases: Sequence[Any], ids: Sequence[str]) -> list[Any]:
+    """pytest params `(case, dtype)` for each case with each of FLOAT_DTYPES (`in_turn`): the
+    default run holds each case with one dtype, so each dtype with a third of the cases."""
+    return in_turn(cases, ids, [(d,) for d in FLOAT_DTYPES], [str(d) for d in FLOAT_DTYPES])

@@ -17,7 +17,7 @@ import pytest
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.core import block_scales
 from tests import helpers
-from tests.helpers import represented
+from tests.helpers import as_scaled_array_jit, represented
 
 M, K, N = 8, 64, 16
 # Block layouts of an (M, K) array.
@@ -179,11 +179,23 @@ BLOCK_LAYOUT_CASES = [(f, d, layout) for f in FUNCTIONS for d in DTYPES for layo
 ]
 
 
+# Eagerly in the default run: with tiles (the finest layout), the dtypes in turn, the
+# functions whose rules cover the block rules' families (dot_general and elementwise,
+# reductions and rsqrt, shapes); each operation is a compile of its own: the slow step runs
+# the others.
+EAGER_BLOCK_LAYOUT_CASES = {
+    "linear_relu": np.float16,
+    "norm_rows": ml_dtypes.bfloat16,
+    "reductions": np.float32,
+    "shapes": ml_dtypes.float8_e4m3fn,
+}
+
+
 @pytest.mark.parametrize(
     "fn_name, dtype, layout, jit",
     helpers.eager_and_jit(
         BLOCK_LAYOUT_CASES,
-        lambda f, d, layout: layout == "tile",
+        lambda f, d, layout: layout == "tile" and EAGER_BLOCK_LAYOUT_CASES.get(f) is d,
         # The default run: every (function, dtype), (function, layout) and (dtype, layout)
         # pair jitted; the slow step runs the whole product.
         helpers.pairwise_cover(BLOCK_LAYOUT_CASES),
@@ -192,8 +204,8 @@ BLOCK_LAYOUT_CASES = [(f, d, layout) for f in FUNCTIONS for d in DTYPES for layo
 def test_autoscale_matches_plain_on_block_layouts(fn_name, dtype, layout, jit):
     fn = FUNCTIONS[fn_name]
     plain = _inputs(fn_name)
-    x = jsa.as_scaled_array(plain[0], scale_shape=LAYOUTS[layout], dtype=dtype)
-    rest = [jsa.as_scaled_array(p, dtype=dtype) for p in plain[1:]]
+    x = as_scaled_array_jit(plain[0], scale_shape=LAYOUTS[layout], dtype=dtype)
+    rest = [as_scaled_array_jit(p, dtype=dtype) for p in plain[1:]]
     values = [represented(x)] + [represented(r) for r in rest]
     scaled_fn = jsa.autoscale(fn)
     if jit:
@@ -205,7 +217,7 @@ def test_autoscale_matches_plain_on_block_layouts(fn_name, dtype, layout, jit):
 
 @pytest.mark.parametrize("layout", ["row", "mx32", "tile"])
 def test_block_layouts_kept_by_block_rules(layout):
-    x = jsa.as_scaled_array(rows_far_apart((M, K)), scale_shape=LAYOUTS[layout])
+    x = as_scaled_array_jit(rows_far_apart((M, K)), scale_shape=LAYOUTS[layout])
     out = jsa.autoscale(lambda a: (-a * a).T)(x)
     assert out.scale.shape == LAYOUTS[layout][::-1]
     assert jsa.autoscale(jnp.tanh)(x).scale.shape == LAYOUTS[layout]
@@ -219,44 +231,64 @@ def test_row_scales_keep_rows_that_one_float16_scale_loses():
     x = np.ones((4, 32), np.float32) * np.float32([[2.0**-12], [1.0], [2.0**6], [2.0**12]])
     x[:, ::2] *= -1
     ref = _norm_rows(jnp.asarray(x))
-    rows = jsa.autoscale(_norm_rows)(jsa.as_scaled_array(x, scale_shape=(4, 1), dtype=np.float16))
+    # Jitted (the eager rules: test_autoscale_matches_plain_on_block_layouts).
+    norm_rows = jax.jit(jsa.autoscale(_norm_rows))
+    rows = norm_rows(as_scaled_array_jit(x, scale_shape=(4, 1), dtype=np.float16))
     assert_close(rows, ref, np.float16)
-    tensor = jsa.autoscale(_norm_rows)(jsa.as_scaled_array(x, scale_shape=(1, 1), dtype=np.float16))
+    tensor = norm_rows(as_scaled_array_jit(x, scale_shape=(1, 1), dtype=np.float16))
     assert np.abs(represented(tensor)[0] - np.asarray(ref)[0]).max() > 0.1
 
 
-@pytest.mark.parametrize("w_layout", [(1, 1), (1, N), (2, 1), (2, N)])
+W_LAYOUTS = [(1, 1), (1, N), (2, 1), (2, N)]
+
+
 @pytest.mark.parametrize("x_layout", ["tensor", "row", "mx32"])
-def test_dot_general_block_layouts(x_layout, w_layout):
-    """Row / MX blocks of x and column / MX blocks of w: the product is exact in float32
-    (power-of-two scales), and the output keeps x's row blocks."""
+def test_dot_general_block_layouts(x_layout):
+    """Row / MX blocks of x and column / MX blocks of w (every w layout of W_LAYOUTS, in one
+    program): the product is exact in float32 (power-of-two scales), and the output keeps
+    x's row blocks."""
     x_plain, w_plain, _ = _inputs("linear_relu")
-    x = jsa.as_scaled_array(x_plain, scale_shape=LAYOUTS[x_layout])
-    w = jsa.as_scaled_array(w_plain, scale_shape=w_layout)
-    out = jax.jit(jsa.autoscale(jnp.matmul))(x, w)
-    np.testing.assert_allclose(out.to_array(), x_plain @ w_plain, rtol=1e-5, atol=1e-6)
+    x = as_scaled_array_jit(x_plain, scale_shape=LAYOUTS[x_layout])
+    ws = [as_scaled_array_jit(w_plain, scale_shape=layout) for layout in W_LAYOUTS]
+    outs = jax.jit(jsa.autoscale(lambda a, bs: [jnp.matmul(a, b) for b in bs]))(x, ws)
     rows = LAYOUTS[x_layout][0]
-    assert np.shape(out.scale) == ((rows, 1) if rows > 1 else ())
+    for w_layout, out in zip(W_LAYOUTS, outs, strict=True):
+        np.testing.assert_allclose(
+            out.to_array(), x_plain @ w_plain, rtol=1e-5, atol=1e-6, err_msg=f"w {w_layout}"
+        )
+        assert np.shape(out.scale) == ((rows, 1) if rows > 1 else ()), w_layout
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["row", "mx32"])
+# Every layout and every dtype in the default run (the slow step: the other three pairs).
+GRADIENT_CASES = [(layout, dtype) for layout in ("row", "mx32") for dtype in DTYPES]
+GRADIENT_DEFAULT = {("row", np.float32), ("mx32", np.float16), ("row", ml_dtypes.bfloat16)}
+
+
+@pytest.mark.parametrize(
+    "layout, dtype",
+    [
+        pytest.param(*case, marks=() if case in GRADIENT_DEFAULT else pytest.mark.slow)
+        for case in GRADIENT_CASES
+    ],
+)
 def test_gradients_through_block_scaled_inputs(layout, dtype):
     x_plain, w_plain, b_plain = _inputs("linear_relu")
 
     def loss(x, w, b):
         return jnp.sum(_linear_relu(x, w, b) ** 2)
 
-    x = jsa.as_scaled_array(x_plain, scale_shape=LAYOUTS[layout], dtype=dtype)
-    w = jsa.as_scaled_array(w_plain, scale_shape=(1, N), dtype=dtype)
-    b = jsa.as_scaled_array(b_plain, dtype=dtype)
-    grads = jax.jit(jsa.autoscale(jax.grad(loss, argnums=(0, 1, 2))))(x, w, b)
-    ref = jax.grad(loss, argnums=(0, 1, 2))(represented(x), represented(w), represented(b))
+    x = as_scaled_array_jit(x_plain, scale_shape=LAYOUTS[layout], dtype=dtype)
+    w = as_scaled_array_jit(w_plain, scale_shape=(1, N), dtype=dtype)
+    b = as_scaled_array_jit(b_plain, dtype=dtype)
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    grads = jax.jit(jsa.autoscale(grad))(x, w, b)
+    ref = jax.jit(grad)(represented(x), represented(w), represented(b))
     for g, r in zip(grads, ref):
         assert_close(g, r, dtype)
     # Outside autoscale, the gradient with respect to the data is dL/dvalue times the
-    # data's block scale.
-    outer = jax.grad(lambda x: jsa.autoscale(loss)(x, w, b).to_array(jnp.float32))(x)
+    # data's block scale (eagerly in float32, jitted in the other dtypes).
+    outer = jax.grad(lambda x: jsa.autoscale(loss)(x, w, b).to_array(jnp.float32))
+    outer = (outer if dtype is np.float32 else jax.jit(outer))(x)
     assert_close(
         outer.data.astype(np.float32) / block_scales.expand_scale(x.scale, x.shape), ref[0], dtype
     )
@@ -265,15 +297,15 @@ def test_gradients_through_block_scaled_inputs(layout, dtype):
 def test_float8_data_with_mx_blocks_through_a_matmul():
     """MXFP8-style operands: float8_e4m3fn data with one scale per 32 elements."""
     x_plain, w_plain, _ = _inputs("linear_relu")
-    x = jsa.as_scaled_array(x_plain, scale_shape=(M, K // 32), dtype=ml_dtypes.float8_e4m3fn)
-    w = jsa.as_scaled_array(w_plain, scale_shape=(K // 32, 1), dtype=ml_dtypes.float8_e4m3fn)
+    x = as_scaled_array_jit(x_plain, scale_shape=(M, K // 32), dtype=ml_dtypes.float8_e4m3fn)
+    w = as_scaled_array_jit(w_plain, scale_shape=(K // 32, 1), dtype=ml_dtypes.float8_e4m3fn)
     out = jax.jit(jsa.autoscale(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)))(
         x, w
     )
     ref = represented(x).astype(np.float64) @ represented(w).astype(np.float64)
     np.testing.assert_allclose(out.to_array(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     # Against per-tensor float8 scaling, MX blocks keep the small rows' precision.
-    x_tensor = jsa.as_scaled_array(x_plain, scale_shape=(1, 1), dtype=ml_dtypes.float8_e4m3fn)
+    x_tensor = as_scaled_array_jit(x_plain, scale_shape=(1, 1), dtype=ml_dtypes.float8_e4m3fn)
     err_mx = np.abs(represented(x) - x_plain).max(axis=1) / np.abs(x_plain).max(axis=1)
     err_tensor = np.abs(represented(x_tensor) - x_plain).max(axis=1) / np.abs(x_plain).max(axis=1)
     assert err_mx.max() < 0.07 < err_tensor.max()
@@ -304,13 +336,34 @@ def _tile_loss(x, w):
     return jnp.sum(jnp.tanh(x @ w) * (x @ w)) / T
 
 
+# The default run: every layout pair jitted once, the dtypes in turn (float8 with the
+# 1x128 x 128x128 recipe); the slow step runs every pair with every dtype, jitted and
+# eagerly.
+TILE_DEFAULT_JIT = {
+    ("tensor x tensor", np.float32),
+    ("row x column", np.float16),
+    ("1x128 x 128x128", ml_dtypes.float8_e4m3fn),
+    ("128x128 x 128x128", ml_dtypes.bfloat16),
+    ("1x128 x column", np.float16),
+}
+
+
+def _tile_loss_grads_and_product(x, w):
+    return jax.value_and_grad(_tile_loss, argnums=(0, 1))(x, w), x @ w
+
+
+_tile_reference = jax.jit(_tile_loss_grads_and_product)
+
+
 @pytest.mark.parametrize(
     "pair, dtype, jit",
     helpers.eager_and_jit(
         [(pair, dtype) for pair in TILE_PAIRS for dtype in TILE_DTYPES],
-        lambda pair, dtype: pair == "1x128 x 128x128",
-        # Default run: every layout pair in FP8, every dtype with the 1x128 x 128x128 tiles.
-        lambda pair, dtype: pair == "1x128 x 128x128" or dtype == ml_dtypes.float8_e4m3fn,
+        # Not eagerly: the block rules run eagerly in
+        # test_autoscale_matches_plain_on_block_layouts, and their gradients in
+        # test_gradients_through_block_scaled_inputs (the slow step runs these).
+        lambda pair, dtype: False,
+        lambda pair, dtype: (pair, dtype) in TILE_DEFAULT_JIT,
     ),
 )
 def test_tiles_of_fp8_training_through_a_matmul_with_gradients(pair, dtype, jit):
@@ -321,24 +374,20 @@ def test_tiles_of_fp8_training_through_a_matmul_with_gradients(pair, dtype, jit)
     intermediate in 3 mantissa bits, a test of the format rather than of the scales)."""
     x_layout, w_layout = TILE_PAIRS[pair]
     x_plain, w_plain = _tile_inputs()
-    x = jsa.as_scaled_array(x_plain, scale_shape=x_layout, dtype=dtype)
-    w = jsa.as_scaled_array(w_plain, scale_shape=w_layout, dtype=dtype)
+    x = as_scaled_array_jit(x_plain, scale_shape=x_layout, dtype=dtype)
+    w = as_scaled_array_jit(w_plain, scale_shape=w_layout, dtype=dtype)
     assert x.scale.shape == x_layout and w.scale.shape == w_layout
-    fn = jsa.autoscale(jax.value_and_grad(_tile_loss, argnums=(0, 1)))
-    product = jsa.autoscale(jnp.matmul)
-    if jit:
-        fn, product = jax.jit(fn), jax.jit(product)
-    loss, grads = fn(x, w)
+    fn = jsa.autoscale(_tile_loss_grads_and_product)  # one program for all three
+    (loss, grads), out = (jax.jit(fn) if jit else fn)(x, w)
     xv, wv = jnp.asarray(represented(x)), jnp.asarray(represented(w))
-    ref_loss, ref_grads = jax.value_and_grad(_tile_loss, argnums=(0, 1))(xv, wv)
+    (ref_loss, ref_grads), ref_out = _tile_reference(xv, wv)
     tol = {ml_dtypes.float8_e4m3fn: 0.25, ml_dtypes.bfloat16: 3e-2}.get(dtype, 4e-3)
     assert abs(float(represented(loss)) - float(ref_loss)) <= tol * abs(float(ref_loss))
     if dtype != ml_dtypes.float8_e4m3fn:
         for g, r in zip(grads, ref_grads):
             assert_close(g, r, dtype if dtype != np.float32 else np.float16)
-    out = product(x, w)
     np.testing.assert_allclose(
-        represented(out), np.asarray(xv @ wv), rtol=0, atol=2 * tol * float(jnp.abs(xv @ wv).max())
+        represented(out), np.asarray(ref_out), rtol=0, atol=2 * tol * float(jnp.abs(ref_out).max())
     )
     rows = x_layout[0]
     assert np.shape(out.scale) == ((rows, 1) if rows > 1 else ())
@@ -365,13 +414,27 @@ STACKED_FUNCTIONS = {
 }
 
 
+STACKED_REFERENCES = {name: jax.jit(jax.grad(fn)) for name, fn in STACKED_FUNCTIONS.items()}
+
+
 @pytest.mark.parametrize(
     "fn_name, dtype, jit",
     helpers.eager_and_jit(
         [(fn_name, dtype) for fn_name in STACKED_FUNCTIONS for dtype in DTYPES],
-        lambda fn_name, dtype: fn_name == "elementwise_reduce" and dtype is np.float16,
-        # Default run: every function in float32, every dtype with the layer matmul.
-        lambda fn_name, dtype: dtype is np.float32 or fn_name == "layer_matmul",
+        # Not eagerly: autoscale(grad) with block scales runs eagerly in
+        # test_tiles_of_fp8_training_through_a_matmul_with_gradients, the block rules in
+        # test_autoscale_matches_plain_on_block_layouts (the slow step runs these).
+        lambda fn_name, dtype: False,
+        # Default run: each function jitted once, the dtypes in turn (the slow step: the
+        # other pairs).
+        lambda fn_name, dtype: (
+            (fn_name, dtype)
+            in {
+                ("layer_matmul", np.float32),
+                ("norm_rows", np.float16),
+                ("elementwise_reduce", ml_dtypes.bfloat16),
+            }
+        ),
     ),
 )
 def test_stacked_layer_scales_with_gradients(fn_name, dtype, jit):
@@ -379,12 +442,12 @@ def test_stacked_layer_scales_with_gradients(fn_name, dtype, jit):
     gradient (which keeps the per-layer layout) match the plain ones per layer."""
     fn = STACKED_FUNCTIONS[fn_name]
     x_plain, w_plain = _stacked_inputs()
-    x = jsa.as_scaled_array(x_plain, scale_shape=(L_LAYERS, 1, 1), dtype=dtype)
-    w = jsa.as_scaled_array(w_plain, scale_shape=(L_LAYERS, 1, 1), dtype=dtype)
+    x = as_scaled_array_jit(x_plain, scale_shape=(L_LAYERS, 1, 1), dtype=dtype)
+    w = as_scaled_array_jit(w_plain, scale_shape=(L_LAYERS, 1, 1), dtype=dtype)
     grad_fn = jsa.autoscale(jax.grad(fn))
     grad_fn = jax.jit(grad_fn) if jit else grad_fn
     g = grad_fn(x, w)
-    ref = jax.grad(fn)(jnp.asarray(represented(x)), jnp.asarray(represented(w)))
+    ref = STACKED_REFERENCES[fn_name](jnp.asarray(represented(x)), jnp.asarray(represented(w)))
     assert g.scale.shape == (L_LAYERS, 1, 1)
     for layer in range(L_LAYERS):  # each layer against its own magnitude
         assert_close(g[layer], np.asarray(ref)[layer], dtype)
@@ -395,7 +458,7 @@ def test_stacked_layer_scales_with_gradients(fn_name, dtype, jit):
 
 def _per_example(x):
     """One power-of-two scale per example (leading axis): a (B, 1, ...) block scale."""
-    return jsa.as_scaled_array(x, scale_shape=(x.shape[0],) + (1,) * (x.ndim - 1))
+    return as_scaled_array_jit(x, scale_shape=(x.shape[0],) + (1,) * (x.ndim - 1))
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -425,7 +488,7 @@ def test_autoscale_of_vmap_with_per_example_scales():
         return jax.nn.relu(a @ w)
 
     out = jax.jit(jsa.autoscale(jax.vmap(per_example, in_axes=(0, None))))(
-        _per_example(x), jsa.as_scaled_array(w)
+        _per_example(x), as_scaled_array_jit(w)
     )
     assert out.scale.shape == (M, 1)
     assert_close(out, jax.vmap(per_example, in_axes=(0, None))(x, w), np.float32)

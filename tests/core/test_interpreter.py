@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
+from tests import helpers
 from tests.helpers import FLOAT_DTYPES, RTOL, WIDE_SCALES, assert_close, make_scaled, represented
 
 
@@ -37,17 +38,34 @@ def plain(tree):
     )
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("scale", [2.0**-8, 1.0, 2.0**8])
-@pytest.mark.parametrize("use_jit", [False, True])
+def _pairwise_ids(cases):
+    return [f"{use_jit}-{scale}-{dtype}" for dtype, scale, use_jit in cases]
+
+
+# The default run: every (dtype, scale), (dtype, jit) and (scale, jit) pair; the slow step
+# runs the whole product.
+MLP_CASES = [
+    (dtype, scale, use_jit)
+    for dtype in FLOAT_DTYPES
+    for scale in [2.0**-8, 1.0, 2.0**8]
+    for use_jit in [False, True]
+]
+# Built once: a compile per dtype, whichever scale (a value of the inputs).
+MLP_JIT = jax.jit(jsa.autoscale(mlp)), jax.jit(jsa.autoscale(jax.grad(mlp)))
+MLP_REFERENCE = jax.jit(lambda p, x: (mlp(p, x), jax.grad(mlp)(p, x)))
+
+
+@pytest.mark.parametrize(
+    "dtype, scale, use_jit", helpers.pairwise_params(MLP_CASES), ids=_pairwise_ids(MLP_CASES)
+)
 def test_mlp_forward_and_backward(dtype, scale, use_jit):
     sparams, sx = mlp_inputs(dtype, scale)
-    fwd = jax.jit(jsa.autoscale(mlp)) if use_jit else jsa.autoscale(mlp)
+    fwd, grad = MLP_JIT if use_jit else (jsa.autoscale(mlp), jsa.autoscale(jax.grad(mlp)))
     out = fwd(sparams, sx)
     assert isinstance(out, jsa.ScaledArray) and out.dtype == dtype
-    assert_close(out, mlp(plain(sparams), plain(sx)), 4 * RTOL[np.dtype(dtype)])
-    grads = jsa.autoscale(jax.grad(mlp))(sparams, sx)
-    expected = jax.grad(mlp)(plain(sparams), plain(sx))
+    ref, expected = MLP_REFERENCE(plain(sparams), plain(sx))
+    assert_close(out, ref, 4 * RTOL[np.dtype(dtype)])
+    grads = grad(sparams, sx)
     for g, e in zip(
         jax.tree_util.tree_leaves(grads, is_leaf=jsa.is_scaled_leaf),
         jax.tree_util.tree_leaves(expected),
@@ -180,8 +198,17 @@ DATA_GRAD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,scale", DATA_GRAD_CASES)
-@pytest.mark.parametrize("use_jit", [False, True])
+# The default run: every (dtype, scale), (dtype, jit) and (scale, jit) pair; the slow step
+# runs the whole product.
+DATA_GRAD_PARAMS = helpers.pairwise_params(
+    [(dtype, scale, use_jit) for dtype, scale in DATA_GRAD_CASES for use_jit in (False, True)]
+)
+DATA_GRAD_IDS = _pairwise_ids(
+    [(dtype, scale, use_jit) for dtype, scale in DATA_GRAD_CASES for use_jit in (False, True)]
+)
+
+
+@pytest.mark.parametrize("dtype, scale, use_jit", DATA_GRAD_PARAMS, ids=DATA_GRAD_IDS)
 def test_grad_of_autoscale_uses_custom_jvp_rule(dtype, scale, use_jit):
     x = make_scaled(np.array([0.25, 0.5, 1.0]), dtype, scale)
 
@@ -199,8 +226,7 @@ def test_grad_of_autoscale_uses_custom_jvp_rule(dtype, scale, use_jit):
     assert_close(g, np.full(3, 3.0), RTOL[np.dtype(dtype)])
 
 
-@pytest.mark.parametrize("dtype,scale", DATA_GRAD_CASES)
-@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("dtype, scale, use_jit", DATA_GRAD_PARAMS, ids=DATA_GRAD_IDS)
 def test_grad_of_autoscale_uses_custom_vjp_rule(dtype, scale, use_jit):
     x = make_scaled(np.array([0.25, 0.5, 1.0]), dtype, scale)
     value = represented(x)

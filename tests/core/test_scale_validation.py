@@ -49,6 +49,20 @@ FUNCTIONS: dict[str, Callable[[Any], Any]] = {
     "matmul": lambda a: a @ a.T,
     "exp": jnp.exp,
 }
+# autoscale and jit(autoscale) of each function, built once: the examples of a property
+# share a compile per dtype and scale shape (the scale values are arguments).
+SCALED = {name: jsa.autoscale(fn) for name, fn in FUNCTIONS.items()}
+JITTED = {name: jax.jit(fn) for name, fn in SCALED.items()}
+
+
+def all_functions(a: Any) -> dict[str, Any]:
+    return {name: fn(a) for name, fn in FUNCTIONS.items()}
+
+
+# Every function in one program (eager: the same rules, one by one), and its reference.
+SCALED_ALL = jsa.autoscale(all_functions)
+JITTED_ALL = jax.jit(SCALED_ALL)
+PLAIN_ALL = jax.jit(all_functions)
 
 
 def within_time_bound(fn: Callable[[], Any]) -> Any:
@@ -118,11 +132,13 @@ def test_a_zero_scale_represents_zeros(dtype, block):
         represented(y), np.where(zero_blocks, 0.0, data.astype(np.float64))
     )
     # Through autoscale, eager and jitted: what the plain function gives on zeros.
-    for name, fn in FUNCTIONS.items():
-        for run in (jsa.autoscale(fn), jax.jit(jsa.autoscale(fn))):
-            out = within_time_bound(functools.partial(run, x))
-            reference = np.asarray(fn(jnp.asarray(represented(x), jnp.float32)), np.float64)
-            np.testing.assert_allclose(represented(out), reference, rtol=2e-2, err_msg=name)
+    references = PLAIN_ALL(jnp.asarray(represented(x), jnp.float32))
+    for run in (SCALED_ALL, JITTED_ALL):
+        outs = within_time_bound(functools.partial(run, x))
+        for name, reference in references.items():
+            np.testing.assert_allclose(
+                represented(outs[name]), np.asarray(reference, np.float64), rtol=2e-2, err_msg=name
+            )
 
 
 @SETTINGS
@@ -134,7 +150,7 @@ def test_scales_that_are_not_powers_of_two_are_accepted_and_computed_with(
     scale = np.float32(mantissa * 2.0**exponent)
     x = jsa.scaled_array(data_of(dtype), scale)
     np.testing.assert_array_equal(represented(x), data_of(dtype).astype(np.float64) * scale)
-    for run in (jsa.autoscale(FUNCTIONS["mul"]), jax.jit(jsa.autoscale(FUNCTIONS["mul"]))):
+    for run in (SCALED["mul"], JITTED["mul"]):
         out = within_time_bound(functools.partial(run, x))
         np.testing.assert_allclose(represented(out), 2 * represented(x), rtol=1e-2)
 
@@ -176,7 +192,7 @@ def test_under_jit_a_traced_bad_scale_is_not_checked_but_every_call_ends(bad, dt
     """Inside `jax.jit` a scale's value is not known: autoscale cannot check it (the
     documented contract: the values are unspecified). It must still end."""
     x = jsa.ScaledArray(jnp.asarray(data_of(dtype)), jnp.float32(bad))
-    out = within_time_bound(lambda: jax.jit(jsa.autoscale(FUNCTIONS[name]))(x))
+    out = within_time_bound(lambda: JITTED[name](x))
     assert isinstance(out, jsa.ScaledArray)
 
 
@@ -222,6 +238,13 @@ def test_set_scaling_and_rebalance_refuse_a_known_bad_scale_or_factor(bad, dtype
         inside(x)
 
 
+# Built once: the examples share a compile per dtype and scale shape.
+SET_SCALING_AND_REBALANCE = (
+    jax.jit(jsa.autoscale(jsa.lax.set_scaling)),
+    jax.jit(jsa.autoscale(jsa.lax.rebalance)),
+)
+
+
 @SETTINGS
 @given(bad=st.one_of(invalid, st.just(0.0)), dtype=dtypes, block=st.booleans())
 def test_a_traced_bad_scale_or_factor_leaves_the_value_unchanged(bad, dtype, block):
@@ -229,8 +252,7 @@ def test_a_traced_bad_scale_or_factor_leaves_the_value_unchanged(bad, dtype, blo
     bad factor is taken as 1), so the represented value is exactly what it was."""
     scale = jnp.array([[2.0**-3], [4.0]], jnp.float32) if block else jnp.float32(2.0**-3)
     x = jsa.scaled_array(jnp.asarray(data_of(dtype)), scale)
-    set_to = jax.jit(jsa.autoscale(jsa.lax.set_scaling))
-    rebalance = jax.jit(jsa.autoscale(jsa.lax.rebalance))
+    set_to, rebalance = SET_SCALING_AND_REBALANCE
     for out in (
         within_time_bound(lambda: set_to(x, jnp.float32(bad))),
         within_time_bound(lambda: rebalance(x, jnp.float32(bad))),

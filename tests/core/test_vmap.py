@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
+from tests import helpers
 
 USE_JIT = [False, True]
 
@@ -20,9 +21,21 @@ def _row_fn(row, w):
     return jnp.tanh(row @ w) * 2.0 + jnp.sum(row)
 
 
-@pytest.mark.parametrize("use_jit", USE_JIT)
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
-@pytest.mark.parametrize("autoscaled", [False, True])
+# The default run: every (autoscaled, dtype), (autoscaled, jit) and (dtype, jit) pair; the
+# slow step runs the whole product.
+MAP_CASES = [
+    (autoscaled, dtype, use_jit)
+    for autoscaled in [False, True]
+    for dtype in [np.float32, np.float16, jnp.bfloat16]
+    for use_jit in USE_JIT
+]
+
+
+@pytest.mark.parametrize(
+    "autoscaled, dtype, use_jit",
+    helpers.pairwise_params(MAP_CASES),
+    ids=[f"{a}-{np.dtype(d).name}-{j}" for a, d, j in MAP_CASES],
+)
 def test_vmap_maps_data_and_shares_the_scale(autoscaled, dtype, use_jit):
     rng = np.random.default_rng(0)
     x = jsa.scaled_array(rng.normal(size=(5, 8)).astype(dtype), np.float32(2.0**-20))
