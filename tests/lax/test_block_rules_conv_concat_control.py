@@ -8,6 +8,8 @@ checks the output's scale shape: the blocks are kept.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,7 +19,7 @@ from jax import lax
 
 import jax_scaled_arithmetics as jsa
 from tests import helpers
-from tests.helpers import represented
+from tests.helpers import as_scaled_array_jit, represented
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 # Relative to the reference's largest magnitude.
@@ -31,6 +33,29 @@ DTYPE_JIT = [
     pytest.param(np.float16, True, id="float16-jit"),
     pytest.param(ml_dtypes.bfloat16, True, id="bfloat16-jit"),
 ]
+
+
+def dtype_jit_params(cases, eager=()):
+    """pytest params `(*values, dtype, jit)` for each case (id -> values) with each DTYPE_JIT
+    variant. The default run: each case jitted once, the dtypes in turn over the cases, and
+    eagerly (float32) the cases of `eager`; the slow step runs the rest (the same rules in
+    the other dtypes; eagerly, each operation is a compile of its own)."""
+    jitted = [p.id for p in DTYPE_JIT if p.values[1]]
+    params = []
+    for i, (name, values) in enumerate(cases.items()):
+        default = {jitted[i % len(jitted)]} | ({"float32-eager"} if name in eager else set())
+        params += [
+            pytest.param(
+                *values,
+                *p.values,
+                marks=() if p.id in default else pytest.mark.slow,
+                id=f"{name}-{p.id}",
+            )
+            for p in DTYPE_JIT
+        ]
+    return params
+
+
 # The eager variants in the default run (the others are marked slow: the same rules, each
 # operation compiled on its own).
 EAGER_CONV = ("spatial_blocks",)
@@ -61,26 +86,33 @@ def is_float(x):
 
 def per_tensor(x, dtype):
     """One power-of-two scale for the whole tensor (its largest magnitude), a scalar."""
-    y = jsa.as_scaled_array(x, scale_shape=(1,) * np.ndim(x), dtype=dtype)
+    y = as_scaled_array_jit(x, scale_shape=(1,) * np.ndim(x), dtype=dtype)
     return jsa.ScaledArray(y.data, y.scale.reshape(()))
+
+
+@functools.cache
+def _programs(fn, argnums):
+    """Built once per function: autoscale(fn) eagerly, grad(sum(fn^2)) and its jitted
+    autoscale, and one jitted autoscale of both (the value and its gradient: one compile,
+    which shares the forward pass). The cases of a function with the same layouts and dtype
+    share their compiled programs."""
+    grad = jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=argnums)
+    both = jax.jit(jsa.autoscale(lambda *a: (fn(*a), grad(*a))))
+    return jsa.autoscale(fn), grad, jax.jit(jsa.autoscale(grad)), both
 
 
 def check(fn, args, dtype, jit, argnums=(0,), extra=()):
     """autoscale(fn) and autoscale(grad(sum(fn^2))) against the plain ones on the values;
     `extra`: more trailing arguments to call them with (one compilation for all). The
     gradient is always jitted (eagerly, only the function itself: keeps the tests fast)."""
-    scaled = jsa.autoscale(fn)
-    grad = jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=argnums)
-    scaled_grad = jax.jit(jsa.autoscale(grad))
-    if jit:
-        scaled = jax.jit(scaled)
+    eager, grad, scaled_grad, both = _programs(fn, argnums)
     outs = []
     for tail in [()] if not extra else [(e,) for e in extra]:
         call = (*args, *tail)
         values = [jnp.asarray(represented(a), jnp.float32) if is_float(a) else a for a in call]
-        out = scaled(*call)
+        out, grads = both(*call) if jit else (eager(*call), scaled_grad(*call))
         assert_close(out, fn(*values), dtype)
-        for g, r in zip(scaled_grad(*call), grad(*values), strict=True):
+        for g, r in zip(grads, grad(*values), strict=True):
             assert_close(g, r, dtype)
         outs.append(out)
     return outs[0] if not extra else outs
@@ -117,29 +149,12 @@ CONV_LAYOUTS = {
 def _scaled(x, shape, dtype):
     if shape == ():
         return per_tensor(x, dtype)
-    return jsa.as_scaled_array(x, scale_shape=shape, dtype=dtype)
-
-
-def _conv_case_is_slow(layout, dtype, jit):
-    """Default run: every layout jitted in float32, every dtype with per-example x
-    per-output-channel blocks, eager for EAGER_CONV; the slow step runs the rest."""
-    if not jit:
-        return layout not in EAGER_CONV
-    return dtype is not np.float32 and layout != "example_x_out_channel"
+    return as_scaled_array_jit(x, scale_shape=shape, dtype=dtype)
 
 
 @pytest.mark.parametrize(
     "layout, dtype, jit",
-    [
-        pytest.param(
-            layout,
-            *p.values,
-            marks=pytest.mark.slow if _conv_case_is_slow(layout, *p.values) else (),
-            id=f"{layout}-{p.id}",
-        )
-        for layout in CONV_LAYOUTS
-        for p in DTYPE_JIT
-    ],
+    dtype_jit_params({layout: (layout,) for layout in CONV_LAYOUTS}, eager=EAGER_CONV),
 )
 def test_conv_block_layouts(layout, dtype, jit):
     x_shape, w_shape, out_shape = CONV_LAYOUTS[layout]
@@ -193,8 +208,8 @@ def test_conv_groups_and_dimension_numbers(groups, dimension_numbers, x_shape, w
             **groups,
         )
 
-    x = jsa.as_scaled_array(x_plain, scale_shape=x_shape)
-    w = jsa.as_scaled_array(w_plain, scale_shape=w_shape)
+    x = as_scaled_array_jit(x_plain, scale_shape=x_shape)
+    w = as_scaled_array_jit(w_plain, scale_shape=w_shape)
     out = check(conv, (x, w), np.float32, jit=True, argnums=(0, 1))
     assert scale_shape(out) == out_shape
 
@@ -215,7 +230,7 @@ def test_conv_per_channel_keeps_small_channels_in_float16():
     ref = _conv_nhwc(jnp.asarray(x_plain), jnp.asarray(w_plain))
     x = per_tensor(x_plain, np.float16)
     conv = jax.jit(jsa.autoscale(_conv_nhwc))
-    channel = conv(x, jsa.as_scaled_array(w_plain, scale_shape=(1, 1, 1, CO), dtype=np.float16))
+    channel = conv(x, as_scaled_array_jit(w_plain, scale_shape=(1, 1, 1, CO), dtype=np.float16))
     tensor = conv(x, per_tensor(w_plain, np.float16))
     assert scale_shape(channel) == (1, 1, 1, CO)
     assert _per_channel_error(channel, ref).max() < TOL[np.float16]
@@ -224,7 +239,7 @@ def test_conv_per_channel_keeps_small_channels_in_float16():
 
 def test_rev_moves_blocks_with_the_data():
     x_plain = far_apart((8, 16), axis=0)
-    x = jsa.as_scaled_array(x_plain, scale_shape=(4, 2))
+    x = as_scaled_array_jit(x_plain, scale_shape=(4, 2))
     out = jsa.autoscale(lambda a: lax.rev(a, (0, 1)))(x)
     assert scale_shape(out) == (4, 2)
     np.testing.assert_array_equal(represented(out), represented(x)[::-1, ::-1])
@@ -287,8 +302,8 @@ def test_concatenate_keeps_small_rows_in_float16():
     ref = np.concatenate([small, large])
     cat = jsa.autoscale(lambda a, b: jnp.concatenate([a, b]))
     rows = cat(
-        jsa.as_scaled_array(small, scale_shape=(4, 1), dtype=np.float16),
-        jsa.as_scaled_array(large, scale_shape=(4, 1), dtype=np.float16),
+        as_scaled_array_jit(small, scale_shape=(4, 1), dtype=np.float16),
+        as_scaled_array_jit(large, scale_shape=(4, 1), dtype=np.float16),
     )
     tensor = cat(per_tensor(small, np.float16), per_tensor(large, np.float16))
     row_err = np.abs(represented(rows) - ref).max(1) / np.abs(ref).max(1)
@@ -301,17 +316,18 @@ def test_concatenate_keeps_small_rows_in_float16():
 
 LAYOUTS = {"tensor": (), "row": (M, 1), "column": (1, K), "mx32": (M, K // 32)}
 CONTROL_LAYOUTS = ["tensor", "row", "mx32"]
+# Cond and while over layout x (dtype, jit): eagerly with MX blocks in the default run.
+CONTROL_PARAMS = dtype_jit_params({layout: (layout,) for layout in CONTROL_LAYOUTS}, ("mx32",))
 
 
 def _cond_fn(x, b, index):
     return lax.switch(index, [lambda a, c: a * 2.0 + c, lambda a, c: jnp.tanh(a) * c], x, b)
 
 
-@pytest.mark.parametrize("dtype, jit", DTYPE_JIT)
-@pytest.mark.parametrize("layout", CONTROL_LAYOUTS)
+@pytest.mark.parametrize("layout, dtype, jit", CONTROL_PARAMS)
 def test_cond_keeps_block_layouts(layout, dtype, jit):
     x = _scaled(far_apart((M, K), axis=0), LAYOUTS[layout], dtype)
-    b = jsa.as_scaled_array(np.full((M, K), 0.75, np.float32), dtype=dtype)
+    b = as_scaled_array_jit(np.full((M, K), 0.75, np.float32), dtype=dtype)
     for out in check(_cond_fn, (x, b), dtype, jit, argnums=(0, 1), extra=range(2)):
         assert scale_shape(out) == LAYOUTS[layout]
 
@@ -347,7 +363,7 @@ def test_cond_keeps_small_rows_in_float16():
 
     ref = fn(jnp.asarray(x_plain), True)
     scaled = jax.jit(jsa.autoscale(fn))
-    rows = scaled(jsa.as_scaled_array(x_plain, scale_shape=(M, 1), dtype=np.float16), True)
+    rows = scaled(as_scaled_array_jit(x_plain, scale_shape=(M, 1), dtype=np.float16), True)
     tensor = scaled(per_tensor(x_plain, np.float16), True)
     err = lambda out: np.abs(represented(out) - ref).max(1) / np.abs(ref).max(1)  # noqa: E731
     assert scale_shape(rows) == (M, 1) and err(rows).max() < TOL[np.float16]
@@ -365,35 +381,38 @@ def _while_fn(x, w):
     return lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
 
 
-@pytest.mark.parametrize("dtype, jit", DTYPE_JIT)
-@pytest.mark.parametrize("layout", CONTROL_LAYOUTS)
+def _while_value_and_tangent(x, w):
+    """The loop's value and its tangent along x (one program jitted). Forward mode:
+    reverse-mode differentiation of while_loop is not defined."""
+    return _while_fn(x, w), jax.jvp(lambda u: _while_fn(u, w), (x,), (x,))[1]
+
+
+_while_value_and_tangent_jit = jax.jit(_while_value_and_tangent)  # the reference
+
+
+@pytest.mark.parametrize("layout, dtype, jit", CONTROL_PARAMS)
 def test_while_keeps_carry_layouts(layout, dtype, jit):
     """The carry keeps its initial layout, also where the body gives it another (a
     per-column constant): the body's output is brought back to it."""
     x = _scaled(far_apart((M, K), axis=0), LAYOUTS[layout], dtype)
     w = _scaled(np.abs(far_apart((M, K), axis=1, seed=5, binades=3)) / 8, LAYOUTS["column"], dtype)
     values = [jnp.asarray(represented(v)) for v in (x, w)]
-    scaled = jsa.autoscale(_while_fn)
-    # Forward mode: reverse-mode differentiation of while_loop is not defined.
-    scaled_jvp = jsa.autoscale(lambda a, b: jax.jvp(lambda u: _while_fn(u, b), (a,), (a,))[1])
-    if jit:
-        scaled, scaled_jvp = jax.jit(scaled), jax.jit(scaled_jvp)
-    out = scaled(x, w)
+    scaled = jsa.autoscale(_while_value_and_tangent)
+    out, tangent = (jax.jit(scaled) if jit else scaled)(x, w)
+    ref, ref_tangent = _while_value_and_tangent_jit(*values)
     assert scale_shape(out) == LAYOUTS[layout]
-    assert_close(out, _while_fn(*values), dtype)
-    tangent = scaled_jvp(x, w)
+    assert_close(out, ref, dtype)
     assert scale_shape(tangent) == LAYOUTS[layout]
-    ref = jax.jvp(lambda u: _while_fn(u, values[1]), (values[0],), (values[0],))[1]
-    assert_close(tangent, ref, dtype)
+    assert_close(tangent, ref_tangent, dtype)
 
 
 def test_while_keeps_small_rows_in_float16():
     """Rows 2^-12 .. 2^12 carried through a loop in float16 data with per-row scales."""
     x_plain = far_apart((M, K), axis=0, binades=0) * np.exp2(np.linspace(-12, 12, M))[:, None]
-    w = jsa.as_scaled_array(np.full((M, K), 0.75, np.float32), dtype=np.float16)
+    w = as_scaled_array_jit(np.full((M, K), 0.75, np.float32), dtype=np.float16)
     ref = _while_fn(jnp.asarray(x_plain), jnp.asarray(represented(w)))
     scaled = jax.jit(jsa.autoscale(_while_fn))
-    rows = scaled(jsa.as_scaled_array(x_plain, scale_shape=(M, 1), dtype=np.float16), w)
+    rows = scaled(as_scaled_array_jit(x_plain, scale_shape=(M, 1), dtype=np.float16), w)
     tensor = scaled(per_tensor(x_plain, np.float16), w)
     err = lambda out: np.abs(represented(out) - ref).max(1) / np.abs(ref).max(1)  # noqa: E731
     assert scale_shape(rows) == (M, 1) and err(rows).max() < TOL[np.float16]
@@ -405,7 +424,7 @@ def test_while_keeps_small_rows_in_float16():
 )
 def test_scan_carry_keeps_block_layout(layout, dtype):
     x = _scaled(far_apart((M, K), axis=0), LAYOUTS[layout], dtype)
-    ws = jsa.as_scaled_array(
+    ws = as_scaled_array_jit(
         np.abs(far_apart((3, M, K), axis=0, seed=6)) / 8, scale_shape=(3, 1, 1), dtype=dtype
     )
 
@@ -416,14 +435,16 @@ def test_scan_carry_keeps_block_layout(layout, dtype):
 
         return lax.scan(body, a, stacked)
 
-    carry, ys = jax.jit(jsa.autoscale(fn))(x, ws)
+    def value_and_grads(a, stacked):  # one program for both
+        grads = jax.grad(lambda a, s: jnp.sum(fn(a, s)[0] ** 2), (0, 1))(a, stacked)
+        return fn(a, stacked), grads
+
+    (carry, ys), grads = jax.jit(jsa.autoscale(value_and_grads))(x, ws)
     assert scale_shape(carry) == LAYOUTS[layout]
-    ref_carry, ref_ys = fn(jnp.asarray(represented(x)), jnp.asarray(represented(ws)))
-    assert_close(carry, ref_carry, dtype)
-    assert_close(ys, ref_ys, dtype)
-    grads = jax.jit(jsa.autoscale(jax.grad(lambda a, s: jnp.sum(fn(a, s)[0] ** 2), (0, 1))))(x, ws)
-    refs = jax.grad(lambda a, s: jnp.sum(fn(a, s)[0] ** 2), (0, 1))(
+    (ref_carry, ref_ys), refs = jax.jit(value_and_grads)(
         jnp.asarray(represented(x)), jnp.asarray(represented(ws))
     )
+    assert_close(carry, ref_carry, dtype)
+    assert_close(ys, ref_ys, dtype)
     for g, r in zip(grads, refs, strict=True):
         assert_close(g, r, dtype)

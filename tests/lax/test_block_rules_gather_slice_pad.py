@@ -16,9 +16,11 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics as jsa
+from tests.helpers import as_scaled_array_jit
 from tests.lax.test_block_rules_conv_concat_control import (
     DTYPE_JIT,
     check,
+    dtype_jit_params,
     far_apart,
     per_tensor,
     represented,
@@ -32,7 +34,7 @@ IDS = np.array([[0, 3, 7, 1], [2, 2, 5, 6]], np.int32)  # (B, T) token ids, one 
 def _scaled(x, shape, dtype):
     if shape == ():
         return per_tensor(x, dtype)
-    return jsa.as_scaled_array(x, scale_shape=shape, dtype=dtype)
+    return as_scaled_array_jit(x, scale_shape=shape, dtype=dtype)
 
 
 def _row_error(out, ref):
@@ -68,14 +70,24 @@ def _index(t, ids):  # NumPy indexing: promise_in_bounds
     return t[ids]
 
 
-# NumPy indexing (promise_in_bounds) once per layout, float16 jitted; take over all.
-GATHER_CASES = [pytest.param(_take, *p.values, id="take-" + p.id) for p in DTYPE_JIT] + [
-    pytest.param(_index, np.float16, True, id="index-float16-jit")
+# take over every layout; NumPy indexing (promise_in_bounds) float16 jitted, in the
+# default run with row and tile blocks (the slow step: the other layouts).
+GATHER_PARAMS = dtype_jit_params(
+    {f"{layout}-take": (_take, layout) for layout in GATHER_LAYOUTS}, eager=("tile-take",)
+) + [
+    pytest.param(
+        _index,
+        layout,
+        np.float16,
+        True,
+        marks=() if layout in ("row", "tile") else pytest.mark.slow,
+        id=f"{layout}-index-float16-jit",
+    )
+    for layout in GATHER_LAYOUTS
 ]
 
 
-@pytest.mark.parametrize("fn, dtype, jit", GATHER_CASES)
-@pytest.mark.parametrize("layout", list(GATHER_LAYOUTS))
+@pytest.mark.parametrize("fn, layout, dtype, jit", GATHER_PARAMS)
 def test_gather_rows(fn, layout, dtype, jit):
     table_shape, out_shape = GATHER_LAYOUTS[layout]
     table = _scaled(far_apart((V, D), axis=0), table_shape, dtype)
@@ -135,7 +147,7 @@ def test_gather_rows_keep_small_rows_in_float16():
     ids = np.arange(V, dtype=np.int32).reshape(2, 4)
     ref = _take(jnp.asarray(plain), ids).reshape(V, D)
     lookup = jax.jit(jsa.autoscale(_take))
-    rows = lookup(jsa.as_scaled_array(plain, scale_shape=(V, 1), dtype=np.float16), ids)
+    rows = lookup(as_scaled_array_jit(plain, scale_shape=(V, 1), dtype=np.float16), ids)
     tensor = lookup(per_tensor(plain, np.float16), ids)
     assert scale_shape(rows) == (2, 4, 1)
     assert _row_error(rows.to_array(jnp.float32).reshape(V, D), ref).max() < 1e-3
@@ -160,8 +172,8 @@ def test_embedding_model_with_per_row_float16_table():
     ids = np.array([[0, 1, 2, 3], [4, 5, 6, 7], [0, 0, 7, 7]], np.int32)
     grad = jax.grad(_embedding_loss, argnums=(0, 1))
     ref_table, ref_w = grad(jnp.asarray(plain_table), jnp.asarray(plain_w), ids)
-    w = jsa.as_scaled_array(plain_w, dtype=np.float16)
-    table = jsa.as_scaled_array(plain_table, scale_shape=(V, 1), dtype=np.float16)
+    w = as_scaled_array_jit(plain_w, dtype=np.float16)
+    table = as_scaled_array_jit(plain_table, scale_shape=(V, 1), dtype=np.float16)
     scaled_grad = jax.jit(jsa.autoscale(grad))
 
     embedded = jax.jit(jsa.autoscale(lambda t, i: jnp.take(t, i, axis=0)))(table, ids)
@@ -175,28 +187,47 @@ def test_embedding_model_with_per_row_float16_table():
     assert _row_error(g_tensor, ref_table)[0] > 0.1
 
 
-@pytest.mark.parametrize("dtype, jit", DTYPE_JIT)
-@pytest.mark.parametrize("layout", ["row", "tile", "tensor"])
+@pytest.mark.parametrize(
+    "layout, dtype, jit",
+    dtype_jit_params(
+        # Not eagerly: the eager gather rules with blocks run in test_gather_rows, the eager
+        # dot_general ones in tests/core/test_block_scales.py (the slow step runs these).
+        {layout: (layout,) for layout in ("row", "tile", "tensor")},
+    ),
+)
 def test_embedding_model_layouts(layout, dtype, jit):
     table_shape, _ = GATHER_LAYOUTS[layout]
     table = _scaled(far_apart((V, D), axis=0), table_shape, dtype)
-    w = jsa.as_scaled_array(np.random.default_rng(2).normal(size=(D, K)), dtype=dtype)
+    w = as_scaled_array_jit(np.random.default_rng(2).normal(size=(D, K)), dtype=dtype)
     check(lambda t, u, i: jnp.take(t, i, axis=0) @ u, (table, w, IDS), dtype, jit, (0, 1))
 
 
 # --- scatter ----------------------------------------------------------------------------------
 
 
+def _scatter_add(t, u, i):
+    return t.at[i[0]].add(u)
+
+
+def _scatter_set(t, u, i):
+    return t.at[i[0]].set(u)
+
+
+def _scatter_add_drop(t, u, i):
+    return t.at[i[0]].add(-u, mode="drop")
+
+
 @pytest.mark.parametrize(
-    "fn, out_shape",
-    [
-        (lambda t, u, i: t.at[i[0]].add(u), (V, 1)),
-        (lambda t, u, i: t.at[i[0]].set(u), (V, 1)),
-        (lambda t, u, i: t.at[i[0]].add(-u, mode="drop"), (V, 1)),
-    ],
-    ids=["add", "set", "add-drop"],
+    "fn, out_shape, dtype, jit",
+    dtype_jit_params(
+        {
+            "add": (_scatter_add, (V, 1)),
+            "set": (_scatter_set, (V, 1)),
+            "add-drop": (_scatter_add_drop, (V, 1)),
+        },
+        eager=("add-drop",),
+    ),
 )
-@pytest.mark.parametrize("dtype, jit", DTYPE_JIT)
 def test_scatter_per_row(fn, out_shape, dtype, jit):
     table = _scaled(far_apart((V, D), axis=0), (V, 1), dtype)
     updates = _scaled(far_apart((4, D), axis=0, seed=1), (4, 1), dtype)
@@ -221,8 +252,10 @@ def _dynamic_slice(x, start):
     return lax.dynamic_slice(x, (start, 0), (3, H))
 
 
-@pytest.mark.parametrize("dtype, jit", DTYPE_JIT)
-@pytest.mark.parametrize("layout", list(DYNAMIC_SLICE_LAYOUTS))
+@pytest.mark.parametrize(
+    "layout, dtype, jit",
+    dtype_jit_params({layout: (layout,) for layout in DYNAMIC_SLICE_LAYOUTS}, eager=("tile",)),
+)
 def test_dynamic_slice_layouts(layout, dtype, jit):
     x_shape, out_shape = DYNAMIC_SLICE_LAYOUTS[layout]
     x = _scaled(far_apart((T_, H), axis=0), x_shape, dtype)
@@ -234,18 +267,20 @@ def test_dynamic_slice_layouts(layout, dtype, jit):
 
 
 @pytest.mark.parametrize(
-    "x_shape, u_shape, out_shape",
-    [
-        ((T_, 1), (), (T_, 1)),  # a per-row cache, a per-tensor row written
-        ((T_, 1), (2, 1), (T_, 1)),
-        ((1, H), (), (T_, H)),  # partial along rows: one scale per element of them
-        ((4, 2), (1, 1), (T_, 2)),
-        ((), (2, 1), (T_, 1)),
-        ((1, H), (1, 2), (T_, H)),
-    ],
-    ids=["row-tensor", "row-row", "column-tensor", "tile-tensor", "tensor-row", "column-cols"],
+    "x_shape, u_shape, out_shape, dtype, jit",
+    dtype_jit_params(
+        {
+            "row-tensor": ((T_, 1), (), (T_, 1)),  # a per-row cache, a per-tensor row written
+            "row-row": ((T_, 1), (2, 1), (T_, 1)),
+            # partial along rows: one scale per element of them
+            "column-tensor": ((1, H), (), (T_, H)),
+            "tile-tensor": ((4, 2), (1, 1), (T_, 2)),
+            "tensor-row": ((), (2, 1), (T_, 1)),
+            "column-cols": ((1, H), (1, 2), (T_, H)),
+        },
+        eager=("tile-tensor",),
+    ),
 )
-@pytest.mark.parametrize("dtype, jit", DTYPE_JIT)
 def test_dynamic_update_slice_layouts(x_shape, u_shape, out_shape, dtype, jit):
     x = _scaled(far_apart((T_, H), axis=0), x_shape, dtype)
     update = _scaled(far_apart((2, H), axis=0, seed=1) * 64, u_shape, dtype)
@@ -271,8 +306,8 @@ def test_kv_cache_per_token_float16():
 
     ref = step(jnp.asarray(plain), jnp.asarray(new), 5)
     scaled_step = jax.jit(jsa.autoscale(step))
-    token = jsa.as_scaled_array(new, dtype=np.float16)
-    cache = jsa.as_scaled_array(plain, scale_shape=(b, t, 1, 1), dtype=np.float16)
+    token = as_scaled_array_jit(new, dtype=np.float16)
+    cache = as_scaled_array_jit(plain, scale_shape=(b, t, 1, 1), dtype=np.float16)
     out = scaled_step(cache, token, np.int32(5))
     assert scale_shape(out) == (b, 6, 1, 1)
     errors = _row_error(jnp.moveaxis(out.to_array(jnp.float32), 1, 0), np.moveaxis(ref, 1, 0))
@@ -305,10 +340,29 @@ PAD_CASES = [
 ]
 
 
-# Zero padding values over every dtype; other values in float32 (keeps the file fast).
+# Zero padding values over every dtype, other values in float32 (keeps the file fast). The
+# default run: each case jitted once (the zero-padded ones in the dtypes in turn), eagerly
+# the tiles cropped and interior-padded; the slow step runs the others.
+PAD_DEFAULT = {
+    (0, "float32-jit"),
+    (1, "float16-jit"),
+    (2, "float32-jit"),
+    (3, "bfloat16-jit"),
+    (4, "float32-jit"),
+    (5, "float32-jit"),
+    (6, "float16-jit"),
+    (7, "bfloat16-jit"),
+    (7, "float32-eager"),
+    (8, "float32-jit"),
+}
 PAD_PARAMS = [
-    pytest.param(*case, *p.values, id=f"{case[0]}-{case[1]}-{case[2]}-{p.id}")
-    for case in PAD_CASES
+    pytest.param(
+        *case,
+        *p.values,
+        marks=() if (i, p.id) in PAD_DEFAULT else pytest.mark.slow,
+        id=f"{case[0]}-{case[1]}-{case[2]}-{p.id}",
+    )
+    for i, case in enumerate(PAD_CASES)
     for p in DTYPE_JIT
     if case[2] == 0.0 or p.values[0] == np.float32
 ]
@@ -335,7 +389,7 @@ def test_jnp_pad_per_row_keeps_small_rows_in_float16():
 
     ref = pad(jnp.asarray(plain))[1:-1]
     scaled_pad = jax.jit(jsa.autoscale(pad))
-    rows = scaled_pad(jsa.as_scaled_array(plain, scale_shape=(T_, 1), dtype=np.float16))
+    rows = scaled_pad(as_scaled_array_jit(plain, scale_shape=(T_, 1), dtype=np.float16))
     assert scale_shape(rows) == (T_ + 2, 1)
     assert _row_error(rows.to_array(jnp.float32)[1:-1], ref).max() < 1e-3
     tensor = scaled_pad(per_tensor(plain, np.float16))

@@ -141,6 +141,9 @@ class Case:
     check_vma: bool = True
     _mapped: Callable[..., Any] = field(init=False, repr=False, compare=False)
     plain_jit: Callable[..., Any] = field(init=False, repr=False, compare=False)
+    # jit(autoscale(fn)), built once: the tests of a case with the same dtype share its
+    # compiled programs.
+    scaled_jit: Callable[..., Any] = field(init=False, repr=False, compare=False)
 
     def inputs(self) -> list[np.ndarray]:
         out = []
@@ -169,6 +172,7 @@ class Case:
         )
         object.__setattr__(self, "_mapped", mapped)
         object.__setattr__(self, "plain_jit", jax.jit(self.fn))  # the reference
+        object.__setattr__(self, "scaled_jit", jax.jit(jsa.autoscale(self.fn)))
 
     def fn(self, *args: Any) -> Any:
         return self._mapped(*args, *self.extra)
@@ -226,11 +230,28 @@ def _reference(case: Case, args: Sequence[jsa.ScaledArray]) -> Any:
     return case.plain_jit(*[jnp.asarray(represented(a), jnp.float32) for a in args])
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def _dtype_of(case: Case) -> Any:
+    """The case's data dtype in the default run: the dtypes in turn over the table (psum: all
+    three, below), so that the zero-scale and inf/NaN tests reuse its compiled program."""
+    return FLOAT_DTYPES[CASES.index(case) % len(FLOAT_DTYPES)]
+
+
+@pytest.mark.parametrize(
+    "case, dtype",
+    [  # The default run: each case with one dtype, psum with all; the slow step: the rest.
+        pytest.param(
+            case,
+            dtype,
+            marks=() if dtype == _dtype_of(case) or case.name == "psum" else pytest.mark.slow,
+            id=f"{case.name}-{dtype}",
+        )
+        for case in CASES
+        for dtype in FLOAT_DTYPES
+    ],
+)
 def test_collective_matches_plain_over_wide_scales(case, dtype):
     """One compiled program per dtype, run for every scale from 2^-60 to 2^60."""
-    scaled_fn = jax.jit(jsa.autoscale(case.fn))
+    scaled_fn = case.scaled_jit
     for scale in WIDE_SCALES:
         args = _scaled(case, dtype, scale)
         out = scaled_fn(*args)
@@ -240,8 +261,9 @@ def test_collective_matches_plain_over_wide_scales(case, dtype):
 
 
 # The collectives run eagerly in the default run (an eager `shard_map` dispatches each
-# collective on its own, seconds a call: the others are marked slow).
-EAGER_CASES = ("psum", "all_gather", "ragged_all_to_all")
+# collective on its own, seconds a call: the others are marked slow; every case runs jitted
+# in test_collective_matches_plain_over_wide_scales).
+EAGER_CASES = ("psum",)
 
 
 @pytest.mark.parametrize(
@@ -260,23 +282,50 @@ def test_collective_without_jit(case):
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_collective_of_zero_scales(case):
-    args = _scaled(case, FLOAT_DTYPES[1], 2.0**-30)
+    args = _scaled(case, _dtype_of(case), 2.0**-30)
     zeros = [jsa.ScaledArray(a.data, np.float32(0)) for a in args]
-    np.testing.assert_array_equal(represented(jax.jit(jsa.autoscale(case.fn))(*zeros)), 0)
+    np.testing.assert_array_equal(represented(case.scaled_jit(*zeros)), 0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_collective_propagates_inf_and_nan_like_plain(case):
-    dtype = FLOAT_DTYPES[0]
+    dtype = _dtype_of(case)
     args = _scaled(case, dtype, 2.0**20)
     data = np.array(args[0].data)
     data[0, 0], data[-1, -1] = np.inf, np.nan  # first and last shard
     args[0] = jsa.ScaledArray(jnp.asarray(data), args[0].scale)
-    assert_close(jax.jit(jsa.autoscale(case.fn))(*args), _reference(case, args), RTOL[dtype])
+    assert_close(case.scaled_jit(*args), _reference(case, args), RTOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("case", [c for c in CASES if c.grad], ids=_case_id)
+# The default run: the gradients of the collectives whose transposes differ, with the
+# dtypes in turn (the variants psum_unchecked, psum_axis_tuple, psum_of_invariant,
+# all_gather (untiled) and ragged_all_to_all_into_zeros run forward in
+# test_collective_matches_plain_over_wide_scales); the slow step runs every case and dtype.
+GRAD_DEFAULT = {
+    "psum": FLOAT_DTYPES[0],
+    "all_gather_tiled": FLOAT_DTYPES[1],
+    "psum_scatter": FLOAT_DTYPES[2],
+    "all_to_all": FLOAT_DTYPES[0],
+    "ppermute_ring": FLOAT_DTYPES[1],
+    "pvary_then_add": FLOAT_DTYPES[2],
+    "ragged_all_to_all": FLOAT_DTYPES[1],
+}
+
+
+@pytest.mark.parametrize(
+    "case, dtype",
+    [
+        pytest.param(
+            case,
+            dtype,
+            marks=() if GRAD_DEFAULT.get(case.name) == dtype else pytest.mark.slow,
+            id=f"{case.name}-{dtype}",
+        )
+        for case in CASES
+        if case.grad
+        for dtype in FLOAT_DTYPES
+    ],
+)
 def test_collective_gradients(case, dtype):
     argnums = tuple(range(len(case.shapes)))
     loss = lambda *args: weighted_sum(case.fn(*args))  # noqa: E731
@@ -359,21 +408,25 @@ VMAP_COLLECTIVES = {
 }
 
 
-@pytest.mark.parametrize("offset", (2.0**-40, 2.0**40), ids=str)
 @pytest.mark.parametrize("name", sorted(VMAP_COLLECTIVES))
-def test_collectives_over_a_named_vmap_axis_with_a_scale_per_element(name, offset):
-    """`vmap(..., axis_name=)` batches the scale too: each element has its own."""
+def test_collectives_over_a_named_vmap_axis_with_a_scale_per_element(name):
+    """`vmap(..., axis_name=)` batches the scale too: each element has its own (scales
+    around 2^-40 and 2^40: one compiled program for both)."""
     fn = VMAP_COLLECTIVES[name]
-    data = RNG.uniform(-1, 1, (4, 8)).astype(np.float16)
-    scales = (offset * 2.0 ** np.array([-3, 0, 5, 9])).astype(np.float32)
-    x = jsa.ScaledArray(jnp.asarray(data), jnp.asarray(scales))
     in_axes = (jsa.ScaledArray(0, 0),)  # type: ignore[arg-type]
-    out = jax.jit(jax.vmap(jsa.autoscale(fn), in_axes=in_axes, axis_name="i"))(x)
-    expected = jax.vmap(fn, axis_name="i")(data.astype(np.float32) * scales[:, None])
-    # One scale per element of the mapped axis: a (4, 1, ...) block scale.
-    assert isinstance(out, jsa.ScaledArray) and out.scale.shape == (4,) + (1,) * (out.ndim - 1)
-    value = np.asarray(out.to_array(np.float32), np.float64)
-    assert_close(value, expected, RTOL[np.dtype(np.float16)])
+    scaled = jax.jit(jax.vmap(jsa.autoscale(fn), in_axes=in_axes, axis_name="i"))
+    plain = jax.jit(jax.vmap(fn, axis_name="i"))
+    for offset in (2.0**-40, 2.0**40):
+        data = RNG.uniform(-1, 1, (4, 8)).astype(np.float16)
+        scales = (offset * 2.0 ** np.array([-3, 0, 5, 9])).astype(np.float32)
+        x = jsa.ScaledArray(jnp.asarray(data), jnp.asarray(scales))
+        out = scaled(x)
+        expected = plain(data.astype(np.float32) * scales[:, None])
+        # One scale per element of the mapped axis: a (4, 1, ...) block scale.
+        assert isinstance(out, jsa.ScaledArray)
+        assert out.scale.shape == (4,) + (1,) * (out.ndim - 1)
+        value = np.asarray(out.to_array(np.float32), np.float64)
+        assert_close(value, expected, RTOL[np.dtype(np.float16)])
 
 
 @pytest.mark.parametrize("groups", [None, [[0, 1], [2, 3]]], ids=["all", "pairs"])
@@ -404,7 +457,12 @@ def test_sums_of_data_at_the_top_of_float16_do_not_overflow(kind, groups):
     assert float(out.scale) == 2.0**-10 * 2 ** int(np.ceil(np.log2(n)))
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize(
+    "check_vma",
+    # Without varying-axes checks in the slow step (the scaled collectives without them:
+    # test_collective_matches_plain_over_wide_scales[psum_unchecked-...]).
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+)
 def test_layer_norm_of_per_device_values_in_shard_map_has_finite_gradients(check_vma):
     """Inside `shard_map` the constants used with per-device values (layer norm's epsilon)
     are made to vary first: they stay known constants (a scale of their own), and promoted

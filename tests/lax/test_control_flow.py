@@ -18,6 +18,7 @@ from tests.helpers import (
     FLOAT_DTYPES,
     RTOL,
     WIDE_SCALES,
+    as_scaled_array_jit,
     assert_close,
     check_autoscale_matches,
     make_scaled,
@@ -160,8 +161,33 @@ FUNCTIONS = {
 }
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=_ids)
-@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+# The default run: each function with one dtype, the dtypes in turn, and scan with a
+# second one (every function eagerly in float16: test_control_flow_without_jit); the slow
+# step runs the other pairs.
+MATCHES_DEFAULT = {
+    ("barrier_checkpoint", FLOAT_DTYPES[0]),
+    ("calls", FLOAT_DTYPES[1]),
+    ("cond", FLOAT_DTYPES[2]),
+    ("fori", FLOAT_DTYPES[0]),
+    ("scan", FLOAT_DTYPES[1]),
+    ("scan", FLOAT_DTYPES[2]),
+    ("while", FLOAT_DTYPES[2]),
+}
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        pytest.param(
+            name,
+            dtype,
+            marks=() if (name, dtype) in MATCHES_DEFAULT else pytest.mark.slow,
+            id=f"{name}-{dtype.name}",
+        )
+        for name in sorted(FUNCTIONS)
+        for dtype in FLOAT_DTYPES
+    ],
+)
 def test_control_flow_matches_plain(name, dtype):
     fn = FUNCTIONS[name]
     # Jitted once: every scale from 2^-60 to 2^60 runs the same compiled program.
@@ -268,8 +294,22 @@ def test_scan_stacked_outputs_with_varying_and_constant_scales():
     np.testing.assert_array_equal(np.asarray(ys.scale).ravel(), per_iteration)
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+# float16 reversed and bfloat16 forward in the default run (float32 stacked layers: in
+# tests/core/test_block_scales.py); the slow step runs the others.
+@pytest.mark.parametrize(
+    "dtype, reverse",
+    [
+        pytest.param(
+            dtype,
+            reverse,
+            marks=()
+            if (dtype, reverse) in {(np.float16, True), (ml_dtypes.bfloat16, False)}
+            else pytest.mark.slow,
+        )
+        for dtype in (np.float32, np.float16, ml_dtypes.bfloat16)
+        for reverse in (False, True)
+    ],
+)
 def test_scan_over_stacked_per_layer_scales(dtype, reverse):
     """Layers 2^30 apart, stacked with one scale per layer `(L, 1, 1)`: each iteration sees
     its own layer's scale (float16 could not hold them at one scale), forward and backward,
@@ -289,14 +329,15 @@ def test_scan_over_stacked_per_layer_scales(dtype, reverse):
     def loss(w, x):
         return jnp.sum(fn(w, x)[1][:, 0] ** 2)
 
-    ws = jsa.as_scaled_array(w, scale_shape=(4, 1, 1), dtype=dtype)
+    def outputs_and_grad(w, x):  # one program for both
+        return fn(w, x)[1], jax.grad(loss)(w, x)
+
+    ws = as_scaled_array_jit(w, scale_shape=(4, 1, 1), dtype=dtype)
     plain_w = jnp.asarray(represented(ws), jnp.float32)
     tol = {np.float32: 1e-5, np.float16: 4e-3, ml_dtypes.bfloat16: 3e-2}[dtype]
-    _, ys = jax.jit(jsa.autoscale(fn))(ws, x)
-    _, ref = fn(plain_w, x)
+    ys, grad = jax.jit(jsa.autoscale(outputs_and_grad))(ws, x)
+    ref, ref_grad = jax.jit(outputs_and_grad)(plain_w, x)
     assert ys.scale.shape == (4, 1, 1)
-    grad = jax.jit(jsa.autoscale(jax.grad(loss)))(ws, x)
-    ref_grad = jax.grad(loss)(plain_w, x)
     for got, want in [(ys, ref), (grad, ref_grad)]:
         got = np.asarray(got.to_array(jnp.float32), np.float64)
         want = np.asarray(want, np.float64)
@@ -372,8 +413,32 @@ GRAD_FUNCTIONS = {
 }
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=_ids)
-@pytest.mark.parametrize("name", sorted(GRAD_FUNCTIONS))
+# The default run: each function with one dtype, in turn (scan with two), every dtype for
+# some; every function and dtype forward: test_control_flow_matches_plain. The slow step
+# runs the other pairs.
+GRAD_DEFAULT = {
+    ("calls", FLOAT_DTYPES[0]),
+    ("checkpoint", FLOAT_DTYPES[1]),
+    ("cond", FLOAT_DTYPES[2]),
+    ("fori", FLOAT_DTYPES[0]),
+    ("scan", FLOAT_DTYPES[1]),
+    ("scan", FLOAT_DTYPES[2]),
+}
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        pytest.param(
+            name,
+            dtype,
+            marks=() if (name, dtype) in GRAD_DEFAULT else pytest.mark.slow,
+            id=f"{name}-{dtype.name}",
+        )
+        for name in sorted(GRAD_FUNCTIONS)
+        for dtype in FLOAT_DTYPES
+    ],
+)
 def test_grad_through_control_flow(name, dtype):
     # d loss / d data = d loss / d value * scale ~ value * scale: keep it in float16's range.
     scales = (2.0**-4, 2.0**4) if dtype == np.float16 else (2.0**-40, 2.0**40)
@@ -389,7 +454,7 @@ def test_autoscale_of_grad_through_control_flow(name):
     x = make_scaled(xs, np.float32, 2.0**-20)
     g = jax.jit(jsa.autoscale(jax.grad(loss)))(x)
     assert isinstance(g, jsa.ScaledArray)
-    assert_close(g, jax.grad(loss)(jnp.asarray(represented(x), jnp.float32)), 1e-5)
+    assert_close(g, jax.jit(jax.grad(loss))(jnp.asarray(represented(x), jnp.float32)), 1e-5)
 
 
 # --- custom derivatives ---------------------------------------------------------------------
@@ -467,14 +532,38 @@ ACTIVATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
-def test_activations_with_custom_jvp(name):
+ACTIVATION_X = np.linspace(-3, 3, 12).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [  # Each activation with one dtype in the default run, in turn; the slow step: the rest.
+        pytest.param(
+            name,
+            dtype,
+            marks=() if (i + j) % len(FLOAT_DTYPES) == 0 else pytest.mark.slow,
+            id=f"{name}-{dtype.name}",
+        )
+        for i, name in enumerate(sorted(ACTIVATIONS))
+        for j, dtype in enumerate(FLOAT_DTYPES)
+    ],
+)
+def test_activations_with_custom_jvp(name, dtype):
     fn = ACTIVATIONS[name]
-    x = np.linspace(-3, 3, 12).astype(np.float32)
-    for dtype in FLOAT_DTYPES:
-        check_matches_over_scales(fn, [x], dtype, [1.0, 2.0**-2], rtol=4 * RTOL[dtype])
+    check_matches_over_scales(fn, [ACTIVATION_X], dtype, [1.0, 2.0**-2], rtol=4 * RTOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [  # relu and softplus (custom_jvp rules: relu, logaddexp) in the default run
+        pytest.param(name, marks=() if name in ("relu", "softplus") else pytest.mark.slow)
+        for name in sorted(ACTIVATIONS)
+    ],
+)
+def test_activation_gradients_with_custom_jvp(name):
     dtype = np.dtype(jnp.bfloat16)
-    check_grad_over_scales(fn, [x], dtype, [2.0**-4, 2.0**4], rtol=4 * RTOL[dtype])
+    fn = ACTIVATIONS[name]
+    check_grad_over_scales(fn, [ACTIVATION_X], dtype, [2.0**-4, 2.0**4], rtol=4 * RTOL[dtype])
 
 
 # --- calls, nesting, batching -----------------------------------------------------------------
@@ -611,13 +700,15 @@ def test_custom_linear_solve_forward_and_implicit_gradients(solver):
     b = X[0]
     sa = jsa.as_scaled_array(mat, scale=np.float32(2.0**20))
     sb = jsa.as_scaled_array(b, scale=np.float32(2.0**-10))
-    out = jax.jit(jsa.autoscale(solver))(sa, sb)
-    assert isinstance(out, jsa.ScaledArray)
-    assert_close(out, solver(mat, b), 1e-4)
-
     loss = lambda m, v: jnp.sum(solver(m, v) * jnp.arange(3.0))  # noqa: E731
-    expected = jax.grad(loss, argnums=(0, 1))(mat, b)
-    grads = jax.jit(jsa.autoscale(jax.grad(loss, argnums=(0, 1))))(sa, sb)
+
+    def solve_and_grad(m, v):  # one program for both
+        return solver(m, v), jax.grad(loss, argnums=(0, 1))(m, v)
+
+    out, grads = jax.jit(jsa.autoscale(solve_and_grad))(sa, sb)
+    ref, expected = jax.jit(solve_and_grad)(mat, b)
+    assert isinstance(out, jsa.ScaledArray)
+    assert_close(out, ref, 1e-4)
     for g, e in zip(grads, expected, strict=True):
         assert_close(g, e, 1e-4)
 
@@ -648,7 +739,7 @@ def test_gradient_with_respect_to_scales(fn):
 
     leaves = [(a.data, a.scale) for a in args]
     got = jax.jit(jax.grad(leaf_loss))(leaves)
-    expected = jax.grad(plain_loss)(leaves)
+    expected = jax.jit(jax.grad(plain_loss))(leaves)
     for g, e in zip(
         jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected), strict=True
     ):

@@ -10,15 +10,13 @@ from jax import lax
 
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.lax import linalg as linalg_module
-from tests.helpers import FLOAT_DTYPES, make_scaled, represented
+from tests.helpers import FLOAT_DTYPES, in_turn, make_scaled, one_dtype_each, represented
 from tests.lax.test_shape import (
     JIT_CASES,
     Case,
     assert_table_covers,
-    case_params,
     check_case,
     check_mixed_scales,
-    grad_params,
     normal,
     run_grads,
     run_grid,
@@ -123,19 +121,37 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("case", case_params(CASES))
+# Each case with one dtype in the default run, the dtypes in turn (the slow step runs the
+# others: the same rules, eagerly over every scale).
+@pytest.mark.parametrize("case, dtype", one_dtype_each(CASES, [c.name for c in CASES]))
 def test_linalg_table(case, dtype):
     run_grid(case, dtype)
 
 
-@pytest.mark.parametrize("dtype,scale", JIT_CASES, ids=str)
-@pytest.mark.parametrize("case", case_params(CASES[::3]))
+# Each case with one of JIT_CASES in the default run, in turn; the slow step runs the other.
+@pytest.mark.parametrize(
+    "case, dtype, scale",
+    in_turn(
+        CASES[::3], [c.name for c in CASES[::3]], JIT_CASES, [f"{d}-{s}" for d, s in JIT_CASES]
+    ),
+)
 def test_linalg_table_jit(case, dtype, scale):
     check_case(case, dtype, scale, use_jit=True)
 
 
-@pytest.mark.parametrize("case", grad_params(CASES))
+# Gradients of matmul and ragged_dot in the default run; the slow step runs the convolutions'
+# (their backward rules run forward under autoscale in conv_nhwc_groups_vjp, conv_nchw_vjp).
+GRAD_DEFAULT = ("matmul", "ragged_dot")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c.name, marks=() if c.name in GRAD_DEFAULT else pytest.mark.slow)
+        for c in CASES
+        if c.grad
+    ],
+)
 def test_linalg_table_grad(case):
     run_grads(case)
 

@@ -10,14 +10,12 @@ from jax import lax
 
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.lax import reductions as reductions_module
-from tests.helpers import FLOAT_DTYPES, make_scaled, represented
+from tests.helpers import in_turn, make_scaled, one_dtype_each, represented
 from tests.lax.test_shape import (
     JIT_CASES,
     Case,
     assert_table_covers,
-    case_params,
     check_case,
-    grad_params,
     normal,
     run_grads,
     run_grid,
@@ -118,19 +116,37 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("case", case_params(CASES))
+# Each case with one dtype in the default run, the dtypes in turn (the slow step runs the
+# others: the same rules, eagerly over every scale).
+@pytest.mark.parametrize("case, dtype", one_dtype_each(CASES, [c.name for c in CASES]))
 def test_reductions_table(case, dtype):
     run_grid(case, dtype)
 
 
-@pytest.mark.parametrize("dtype,scale", JIT_CASES, ids=str)
-@pytest.mark.parametrize("case", case_params(CASES[::3]))
+# Each case with one of JIT_CASES in the default run, in turn; the slow step runs the other.
+@pytest.mark.parametrize(
+    "case, dtype, scale",
+    in_turn(
+        CASES[::3], [c.name for c in CASES[::3]], JIT_CASES, [f"{d}-{s}" for d, s in JIT_CASES]
+    ),
+)
 def test_reductions_table_jit(case, dtype, scale):
     check_case(case, dtype, scale, use_jit=True)
 
 
-@pytest.mark.parametrize("case", grad_params(CASES))
+# Gradients of reduce_sum and max_pool in the default run; the slow step runs the others
+# (their backward rules run forward under autoscale in avg_pool_vjp and cumsum_reverse).
+GRAD_DEFAULT = ("reduce_sum", "max_pool")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c.name, marks=() if c.name in GRAD_DEFAULT else pytest.mark.slow)
+        for c in CASES
+        if c.grad
+    ],
+)
 def test_reductions_table_grad(case):
     run_grads(case)
 
