@@ -9,6 +9,7 @@ float32 accumulation error.
 from __future__ import annotations
 
 import doctest
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.ops import fp8_matmul
 from jax_scaled_arithmetics.quantization import FORMATS, MX_FORMATS, block_fake_quantize
+from tests.helpers import eager_and_jit
 
 E4M3, E5M2 = FORMATS["float8_e4m3fn"], FORMATS["float8_e5m2"]
 MX_NAMES = sorted(MX_FORMATS)
@@ -107,14 +109,29 @@ def assert_close(actual, expected, rtol=1e-5):
 # --- quantised operands ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", [E4M3, E5M2, FORMATS["float6_e2m3fn"]], ids=lambda f: f.name)
-@pytest.mark.parametrize("axis", [0, 1, None])
-def test_pow2_operands_match_reference_exactly(fmt, axis):
+POW2_FORMATS = (E4M3, E5M2, FORMATS["float6_e2m3fn"])
+POW2_AXES = (0, 1, None)
+
+
+@functools.cache
+def pow2_operands() -> tuple[np.ndarray, list]:
+    """x, and its `_pow2_quantize` operands for every format and axis (in the order of
+    POW2_FORMATS x POW2_AXES), from one jitted program: the cases below share it."""
     x, _, _ = data(0, (16, 40), spread=40)
     x[3] = 0.0  # an all-zero row gets scale 1
     x[5, :] = 0.0
     x[:, 7] = 0.0
-    q, s = jax.jit(fp8_matmul._pow2_quantize, static_argnums=(1, 2))(jnp.asarray(x), fmt, axis)
+    quantize_all = jax.jit(
+        lambda v: [fp8_matmul._pow2_quantize(v, f, a) for f in POW2_FORMATS for a in POW2_AXES]
+    )
+    return x, quantize_all(jnp.asarray(x))
+
+
+@pytest.mark.parametrize("fmt", POW2_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("axis", POW2_AXES)
+def test_pow2_operands_match_reference_exactly(fmt, axis):
+    x, operands = pow2_operands()
+    q, s = operands[POW2_FORMATS.index(fmt) * len(POW2_AXES) + POW2_AXES.index(axis)]
     q_ref, s_ref = ref_pow2(x, fmt, axis)
     np.testing.assert_array_equal(np.asarray(s, np.float64), s_ref)
     np.testing.assert_array_equal(np.asarray(q, np.float64), q_ref)
@@ -123,12 +140,23 @@ def test_pow2_operands_match_reference_exactly(fmt, axis):
     assert np.all((top == 0) | ((top >= fmt.max / 2) & (top <= fmt.max)))
 
 
+@functools.cache
+def mx_operands() -> tuple[np.ndarray, list]:
+    """x, and its MX operands for every format of MX_NAMES, from one jitted program."""
+    x, _, _ = data(1, (6, 64), spread=30)
+    fmts = [FORMATS[MX_FORMATS[name]] for name in MX_NAMES]
+    quantize_all = jax.jit(
+        lambda v: [block_fake_quantize(v, fmt, 32, axis=1, pad=True) for fmt in fmts]
+    )
+    return x, quantize_all(jnp.asarray(x))
+
+
 @pytest.mark.parametrize("name", MX_NAMES)
 def test_mx_operands_match_reference_exactly(name):
     """The MX operands of `mx_matmul` (`block_fake_quantize` along the contracting axis)."""
+    x, operands = mx_operands()
+    out = operands[MX_NAMES.index(name)]
     fmt = FORMATS[MX_FORMATS[name]]
-    x, _, _ = data(1, (6, 64), spread=30)
-    out = block_fake_quantize(jnp.asarray(x), fmt, 32, axis=1, pad=True)
     np.testing.assert_array_equal(np.asarray(out, np.float64), ref_mx(x, fmt, 32, 1))
 
 
@@ -136,7 +164,7 @@ def test_finite_inputs_give_finite_outputs_at_the_extremes():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 32)) * np.array([[1e38], [1e-30], [1.0], [0.0]])
     x = x.astype(np.float32)
-    w = rng.standard_normal((32, 3)).astype(np.float32)
+    w = rng.standard_normal((32, 6)).astype(np.float32)  # the shapes of the autoscale tests
     for kind in RECIPES:
         y = np.asarray(call(kind, x, w * 1e-30))
         assert np.all(np.isfinite(y)), kind
@@ -146,8 +174,13 @@ def test_finite_inputs_give_finite_outputs_at_the_extremes():
 # --- forward, error bounds ---------------------------------------------------------------------
 
 
+# The recipes' executables are jitted in the library: a call outside jit runs the programs
+# that test_dtypes, test_mx_formats_match_reference and test_second_call_does_not_recompile
+# run too, compiled once. The recipes under jit (and grad) are in the default run through
+# test_inside_autoscale_with_scaled_arrays, equal to the calls outside jit checked here;
+# the slow step runs every recipe under jit too.
 @pytest.mark.parametrize(
-    "kind,use_jit", [("tensor", False), ("row", False), ("row", True), ("mx", False), ("mx", True)]
+    "kind,use_jit", eager_and_jit(["tensor", "row", "mx"], lambda k: True, lambda k: False)
 )
 def test_forward_and_gradients_match_reference(kind, use_jit):
     x, w, g = data(3)
@@ -170,7 +203,16 @@ def test_second_call_does_not_recompile():
         assert fp8_matmul._forward._cache_size() == size, kind
 
 
-@pytest.mark.parametrize("name", MX_NAMES)
+# The default run holds MXFP8 E4M3 and MXFP4; every format's operands are checked exactly by
+# test_mx_operands_match_reference_exactly (and an 8-, a 6- and the 4-bit format's forward by
+# test_relative_error_against_exact_matmul); the slow step runs the others end to end.
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=() if n in ("mxfp8_e4m3", "mxfp4_e2m1") else pytest.mark.slow)
+        for n in MX_NAMES
+    ],
+)
 def test_mx_formats_match_reference(name):
     """Every MX element format, forward and backward (E5M2 gradients; N=24 and M=10 are
     padded to one block of 32 in the backward pass)."""
@@ -196,7 +238,15 @@ ERROR_BOUNDS = {
 }
 
 
-@pytest.mark.parametrize("kind,name", sorted(ERROR_BOUNDS))
+# The slow step holds the MX formats with two mantissa bits (E5M2 row-wise is in the
+# default run); their operands: test_mx_operands_match_reference_exactly.
+@pytest.mark.parametrize(
+    "kind,name",
+    [
+        pytest.param(*k, marks=pytest.mark.slow if k[1] in ("mxfp8_e5m2", "mxfp6_e3m2") else ())
+        for k in sorted(ERROR_BOUNDS)
+    ],
+)
 def test_relative_error_against_exact_matmul(kind, name):
     x, w, _ = data(5, (32, 256), n=32, spread=0)
     kw = {"forward_format": name} if kind == "row" else {"format": name}
@@ -252,10 +302,13 @@ def test_rowwise_beats_tensorwise_when_rows_differ_by_2_pow_10():
 # --- transformations, dtypes, autoscale ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["row", "mx"])
+# vmap of the custom_vjp is the same for every recipe; the batching of MX's block
+# quantisation: tests/quantization/test_quantization_block.py::test_pytree_jit_and_vmap.
+@pytest.mark.parametrize("kind", ["row", pytest.param("mx", marks=pytest.mark.slow)])
 def test_vmap_over_a_leading_axis(kind):
     x, _, _ = data(7, (3, 4, 32))
-    w = np.stack([data(8 + i, (4, 32), n=5)[1] for i in range(3)])
+    # slices of the shapes of test_inside_autoscale_with_scaled_arrays (compiled once)
+    w = np.stack([data(8 + i, (4, 32), n=6)[1] for i in range(3)])
 
     def value_and_dw(a, b):
         y, vjp = jax.vjp(lambda v: call(kind, a, v), b)
@@ -270,49 +323,72 @@ def test_vmap_over_a_leading_axis(kind):
 
 @pytest.mark.parametrize(
     "kind,dtype",
-    [("tensor", jnp.float16), ("row", jnp.bfloat16), ("mx", jnp.float16)],
+    [
+        ("tensor", jnp.float16),
+        ("row", jnp.bfloat16),
+        # the conversions are in _forward / _backward, the same for every recipe
+        pytest.param("mx", jnp.float16, marks=pytest.mark.slow),
+    ],
 )
 def test_dtypes(kind, dtype):
     """Outputs in x's dtype, gradients in their primals'; values those of the float32
     recipe (tested above, same shapes) on the same (exactly converted) inputs, rounded
     once to the dtype."""
-    x, w, g = data(9, spread=2)
-    x, w, g = (jnp.asarray(v, dtype) for v in (x, w, g))
-    y, vjp = jax.vjp(lambda a, b: call(kind, a, b), x, w)
-    dx, dw = vjp(g)
+    # (conversions in NumPy, rounding to nearest even as XLA's: no program for each)
+    x, w, g = (v.astype(dtype) for v in data(9, spread=2))
+    y, vjp = jax.vjp(lambda a, b: call(kind, a, b), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(g))
     assert y.dtype == dx.dtype == dw.dtype == dtype
-    y32, vjp32 = jax.vjp(
-        lambda a, b: call(kind, a, b), x.astype(jnp.float32), w.astype(jnp.float32)
-    )
-    for low, high in zip((y, dx, dw), (y32, *vjp32(g.astype(jnp.float32))), strict=True):
-        np.testing.assert_array_equal(low, high.astype(dtype))
+    x32, w32, g32 = (jnp.asarray(v.astype(np.float32)) for v in (x, w, g))
+    y32, vjp32 = jax.vjp(lambda a, b: call(kind, a, b), x32, w32)
+    for low, high in zip((y, dx, dw), (y32, *vjp32(g32)), strict=True):
+        np.testing.assert_array_equal(low, np.asarray(high).astype(dtype))
 
 
-@pytest.mark.parametrize("kind,scale", [("row", 2.0**20), ("mx", 2.0**-20)])
-def test_inside_autoscale_with_scaled_arrays(kind, scale):
-    """Called inside `jsa.autoscale` on ScaledArrays (x with a scale far from 1), or on
-    ScaledArrays directly: the plain call's values, and its gradients (of the data:
-    those of the value times the scale). tensorwise_fp8_matmul shares row-wise's code."""
+AUTOSCALE_SCALES = {"row": 2.0**20, "mx": 2.0**-20}
+
+
+def scaled_data(kind):
+    """x, w, g, and x, w as ScaledArrays (x with a scale far from 1)."""
     x, w, g = data(10, (4, 32), n=6)
-    xs = jsa.scaled_array(jnp.asarray(x / np.float32(scale)), np.float32(scale))
-    ws = jsa.as_scaled_array(jnp.asarray(w))
+    scale = np.float32(AUTOSCALE_SCALES[kind])
+    xs = jsa.scaled_array(jnp.asarray(x / scale), scale)
+    return x, w, g, xs, jsa.as_scaled_array(jnp.asarray(w))
 
-    def loss(a, b):
-        return jnp.sum(call(kind, a, b) * g)
 
-    @jax.jit
+@pytest.mark.parametrize("kind", sorted(AUTOSCALE_SCALES))
+def test_inside_autoscale_with_scaled_arrays(kind):
+    """Called inside `jsa.autoscale` on ScaledArrays under jit: the plain call's values,
+    and its gradients (of the data: those of the value times the scale), from one program
+    (the value as `grad`'s auxiliary output). tensorwise_fp8_matmul shares row-wise's
+    code."""
+    x, w, g, xs, ws = scaled_data(kind)
+
     @jsa.autoscale
-    def scaled(a, b):
-        return call(kind, a, b)
+    def value_and_loss(a, b):
+        y = call(kind, a, b)
+        return y, jnp.sum(y * g)
 
+    def loss_with_value(a, b):
+        y, loss = value_and_loss(a, b)
+        return jsa.asarray(loss), y
+
+    (dxs, dws), ys = jax.jit(jax.grad(loss_with_value, (0, 1), has_aux=True))(xs, ws)
     expected = call(kind, x, w)
-    np.testing.assert_array_equal(jsa.asarray(scaled(xs, ws), jnp.float32), expected)
-    np.testing.assert_array_equal(jsa.asarray(call(kind, xs, ws), jnp.float32), expected)
-    grad_fn = jax.jit(jax.grad(lambda a, b: jsa.asarray(jsa.autoscale(loss)(a, b)), (0, 1)))
-    dxs, dws = grad_fn(xs, ws)
-    dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
-    np.testing.assert_array_equal(dxs.data, dx * np.float32(scale))
+    np.testing.assert_array_equal(jsa.asarray(ys, jnp.float32), expected)
+    dx, dw = jax.grad(lambda a, b: jnp.sum(call(kind, a, b) * g), argnums=(0, 1))(x, w)
+    np.testing.assert_array_equal(dxs.data, dx * np.float32(AUTOSCALE_SCALES[kind]))
     np.testing.assert_array_equal(dws.data, dw)
+
+
+# The call dispatches every recipe alike (`autoscale` of the recipe); MX's scaled
+# interpretation is in the default run through test_inside_autoscale_with_scaled_arrays.
+@pytest.mark.parametrize("kind", ["row", pytest.param("mx", marks=pytest.mark.slow)])
+def test_called_on_scaled_arrays_outside_jit(kind):
+    """Called on ScaledArrays directly (outside autoscale and jit): the plain call's
+    values."""
+    x, w, _, xs, ws = scaled_data(kind)
+    np.testing.assert_array_equal(jsa.asarray(call(kind, xs, ws), jnp.float32), call(kind, x, w))
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -363,20 +439,32 @@ def test_doctests():
     assert doctest.testmod(fp8_matmul, optionflags=doctest.ELLIPSIS).failed == 0
 
 
+SCALE_ROUNDING_X = np.array([[1.0, 2.0, 3.0, 7.0], [0.001, 0.002, 0.003, 0.004]], np.float32)
+SCALE_ROUNDING_KW = {"format": "mxfp4_e2m1", "block_size": 2}
+
+
 def test_mx_scale_rounding_up():
     """`scale_rounding="up"`: every MX operand quantised with the rounded-up block scales
-    (no saturation), forward and backward; the OCP rule saturates 7 -> 6 here, "up" keeps
-    it (3.5 ties to 4 at the doubled scale: 8)."""
-    x = jnp.array([[1.0, 2.0, 3.0, 7.0], [0.001, 0.002, 0.003, 0.004]])
-    w = jnp.ones((4, 2))
-    kw = {"format": "mxfp4_e2m1", "block_size": 2}
+    (no saturation); the OCP rule saturates 7 -> 6 here, "up" keeps it (3.5 ties to 4 at
+    the doubled scale: 8)."""
+    x, w, kw = SCALE_ROUNDING_X, np.ones((4, 2), np.float32), SCALE_ROUNDING_KW
     up = jsa.ops.mx_matmul(x, w, **kw, scale_rounding="up")
     expected = jsa.quantization.block_fake_quantize(
         x, "mxfp4_e2m1", 2, axis=1, scale_rounding="up"
     ) @ jsa.quantization.block_fake_quantize(w, "mxfp4_e2m1", 2, axis=0, scale_rounding="up")
     np.testing.assert_array_equal(up, expected)
-    assert float(up[0, 0]) == 14.0 and float(jsa.ops.mx_matmul(x, w, **kw)[0, 0]) == 12.0
-    g = jax.grad(lambda x: jnp.sum(jsa.ops.mx_matmul(x, w, **kw, scale_rounding="up")))(x)
-    assert g.shape == x.shape and np.isfinite(g).all()
+    ocp = jsa.ops.mx_matmul(x, w, **kw)
+    assert np.asarray(up)[0, 0] == 14.0 and np.asarray(ocp)[0, 0] == 12.0
     with pytest.raises(ValueError, match="mx_matmul: scale_rounding must be one of"):
         jsa.ops.mx_matmul(x, w, **kw, scale_rounding="nearest")
+
+
+# The backward program of this recipe alone takes seconds to compile; the scale rounding
+# reaches the backward's quantisers through the same recipe field as the forward's (above),
+# and MX gradients are checked against the reference by test_forward_and_gradients_*.
+@pytest.mark.slow
+def test_mx_scale_rounding_up_backward():
+    """`scale_rounding="up"` in the backward pass: finite gradients of x's shape."""
+    x, w, kw = SCALE_ROUNDING_X, np.ones((4, 2), np.float32), SCALE_ROUNDING_KW
+    g = jax.grad(lambda x: jnp.sum(jsa.ops.mx_matmul(x, w, **kw, scale_rounding="up")))(x)
+    assert g.shape == x.shape and np.isfinite(g).all()

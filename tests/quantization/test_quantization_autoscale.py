@@ -5,6 +5,8 @@ For quantising the stored data of a ScaledArray (the range its scale was chosen 
 `jsa.ops.reduce_precision_on_forward` / `cast_on_forward`, tested in tests/ops.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,14 +25,20 @@ QUANTISERS = {
 }
 
 
+@functools.cache
+def _scaled(name, use_jit):
+    """`autoscale` of a quantiser (jitted), built once: the scales share its program."""
+    fn = jsa.autoscale(QUANTISERS[name])
+    return jax.jit(fn) if use_jit else fn
+
+
 @pytest.mark.parametrize("name", sorted(QUANTISERS))
 @pytest.mark.parametrize("use_jit", [False, True])
 @pytest.mark.parametrize("scale", [2.0**-3, 1.0, 2.0**3])
 def test_quantisers_under_autoscale_match_plain(name, use_jit, scale):
     fn = QUANTISERS[name]
     x = make_scaled(np.array([1.1, -3.3, 0.3, 7.7, -0.05, 2.5, 0.0, 1.0]), np.float32, scale)
-    scaled_fn = jax.jit(jsa.autoscale(fn)) if use_jit else jsa.autoscale(fn)
-    out = scaled_fn(x)
+    out = _scaled(name, use_jit)(x)
     expected = fn(jnp.asarray(represented(x), jnp.float32))
     np.testing.assert_array_equal(represented(out), np.asarray(expected, np.float64))
 

@@ -47,8 +47,16 @@ def test_block_quantize_accepts_mx_names(name):
     np.testing.assert_array_equal(block_dequantize(by_name), block_dequantize(by_element))
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-@pytest.mark.parametrize("axis", [0, 1])
+# Each format with one axis in the default run (both axes among them); the other five in
+# the slow step. Both axes of three formats: test_block_fake_quantize_bit_exact_over_*.
+@pytest.mark.parametrize(
+    "name, axis",
+    [
+        pytest.param(name, axis, marks=() if i % 2 == axis else pytest.mark.slow)
+        for i, name in enumerate(sorted(EXPECTED))
+        for axis in (0, 1)
+    ],
+)
 def test_block_fake_quantize_is_dequantize_of_quantize(name, axis):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((40, 48)) * np.exp2(rng.uniform(-20, 20, (40, 1)))
@@ -116,14 +124,16 @@ EXTREMES = ("none", "subnormal", "huge")
 
 @pytest.mark.parametrize(
     "name, extreme",
-    # Each extreme in the default run (3 cases, three formats; the float32 path of every
-    # format is in the default run's test_block_fake_quantize_is_dequantize_of_quantize);
+    # Each extreme that takes the integer path in the default run (2 cases, two formats);
+    # the float32 path of every format is in the default run's
+    # test_block_fake_quantize_is_dequantize_of_quantize, over 2^+-60 for MXFP4 in
+    # tests/quantization/test_quantization_block.py::test_mxfp4_bit_exact_on_a_hundred_*;
     # all 15 in the slow step.
     [
         pytest.param(
             name,
             extreme,
-            marks=() if i == EXTREMES.index(extreme) else pytest.mark.slow,
+            marks=() if i == EXTREMES.index(extreme) > 0 else pytest.mark.slow,
         )
         for i, name in enumerate(sorted(EXPECTED))
         for extreme in EXTREMES
@@ -149,7 +159,9 @@ def _tiled(x: np.ndarray, r: int, c: int) -> np.ndarray:
     return x.reshape(m // r, r, n // c, c).swapaxes(1, 2).reshape(m // r, n // c, r * c)
 
 
-@pytest.mark.parametrize("scale_rounding", ["floor", "up"])
+# The tiles are blocks of 1,024 whatever the scale rounding (both roundings of 1-D blocks:
+# test_block_fake_quantize_bit_exact_over_float32_range): "up" in the slow step.
+@pytest.mark.parametrize("scale_rounding", ["floor", pytest.param("up", marks=pytest.mark.slow)])
 def test_2d_blocks_are_one_scale_per_tile_and_commute_with_transposition(scale_rounding):
     """`block_size=(32, 32)`: each 32 x 32 tile is one block (the 1-D quantisation of the
     tile's 1,024 values), so a weight and its transpose quantise identically."""

@@ -15,6 +15,7 @@ from jax_scaled_arithmetics.quantization import (
     block_quantize,
     mx_from_scaled_array,
 )
+from tests.helpers import eager_and_jit, pairwise_params
 
 FORMATS = list(MX_FORMATS)  # the five OCP MX element formats
 
@@ -46,8 +47,16 @@ def wide_blocks(seed, shape, low=-150, high=125):
     return x
 
 
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("axis", [-1, 0])
+# Each format with one axis in the default run (both axes among them: the axis is moved
+# to the end before the elements are encoded, whatever the format); all ten in the slow step.
+@pytest.mark.parametrize(
+    "name, axis",
+    [
+        pytest.param(name, axis, marks=() if i % 2 == (axis == 0) else pytest.mark.slow)
+        for i, name in enumerate(FORMATS)
+        for axis in (-1, 0)
+    ],
+)
 def test_mx_to_scaled_array_and_back_is_exact(name, axis):
     x = wide_blocks(len(name), (64, 96))
     mx = block_quantize(x if axis == -1 else x.T, name, block_size=32, axis=axis)
@@ -67,8 +76,16 @@ def test_view_represents_the_dequantized_values(name):
     np.testing.assert_array_equal(mx.to_scaled_array().to_array(jnp.float32), mx.dequantize())
 
 
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
+# Each format with one rounding in the default run (both roundings among them); all ten in
+# the slow step.
+@pytest.mark.parametrize(
+    "name, rounding",
+    [
+        pytest.param(name, r, marks=() if i % 2 == (r == "toward_zero") else pytest.mark.slow)
+        for i, name in enumerate(FORMATS)
+        for r in ("nearest", "toward_zero")
+    ],
+)
 def test_per_tensor_scale_one_is_block_quantize(name, rounding):
     x = wide_blocks(2, (8, 64))
     sa = jsa.scaled_array(x, 1.0)
@@ -79,9 +96,19 @@ def test_per_tensor_scale_one_is_block_quantize(name, rounding):
 LAYOUTS = {"tensor": (), "row": (8, 1), "column": (1, 64), "mx16": (8, 4), "tile": (2, 2)}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
-@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4_e2m1"])
+# Every pair of (layout, dtype, format) values in the default run, the full product in the
+# slow step.
+@pytest.mark.parametrize(
+    "layout, dtype, name",
+    pairwise_params(
+        [
+            (layout, dtype, name)
+            for layout in LAYOUTS
+            for dtype in (np.float32, np.float16, ml_dtypes.bfloat16)
+            for name in ("mxfp8_e4m3", "mxfp4_e2m1")
+        ]
+    ),
+)
 def test_any_layout_is_quantized_as_its_values(layout, dtype, name):
     x = wide_blocks(3, (8, 64), low=-40, high=40)
     x[2, 3] = x[3, 40] = 1.0
@@ -137,8 +164,18 @@ def test_pad_and_jit():
         ref.to_scaled_array()
 
 
-@pytest.mark.parametrize("name", FORMATS)
-def test_view_inside_autoscale_matmul(name):
+# Outside jit every operation of the scaled matmul compiles its own program: the default run
+# holds it for an 8-bit and the 4-bit format, and under jit an 8-, a 6- and the 4-bit format
+# (the element dtypes of each width); the slow step every format both ways.
+@pytest.mark.parametrize(
+    "name, use_jit",
+    eager_and_jit(
+        FORMATS,
+        lambda name: name in ("mxfp8_e4m3", "mxfp4_e2m1"),
+        lambda name: name in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"),
+    ),
+)
+def test_view_inside_autoscale_matmul(name, use_jit):
     rng = np.random.default_rng(6)
     a = rng.standard_normal((8, 64)) * np.exp2(rng.integers(-20, 20, (8, 2)).repeat(32, 1))
     b = rng.standard_normal((64, 16)) * np.exp2(rng.integers(-20, 20, (2, 16)).repeat(32, 0))
@@ -147,15 +184,15 @@ def test_view_inside_autoscale_matmul(name):
     ref = np.asarray(block_dequantize(mx_a), np.float64) @ np.asarray(
         block_dequantize(mx_b), np.float64
     )
-    # Elements cast to float32 (exactly), then `a @ b` under autoscale, with jit on and off.
+    # Elements cast to float32 (exactly), then `a @ b` under autoscale.
     sa, sb = (m.to_scaled_array().astype(jnp.float32) for m in (mx_a, mx_b))
     matmul = jsa.autoscale(lambda a, b: a @ b)
-    for fn in (matmul, jax.jit(matmul)):
-        out = fn(sa, sb)
-        assert isinstance(out, jsa.ScaledArray)
-        np.testing.assert_allclose(out.to_array(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    out = (jax.jit(matmul) if use_jit else matmul)(sa, sb)
+    assert isinstance(out, jsa.ScaledArray)
+    np.testing.assert_allclose(out.to_array(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
     # Elements in their own dtype, accumulated in float32.
     native = jsa.autoscale(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+    native = jax.jit(native) if use_jit else native
     out = native(mx_a.to_scaled_array(), mx_b.to_scaled_array()).to_array()
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
 

@@ -119,7 +119,15 @@ def test_golden_inputs_cover_binades_ties_and_specials(golden_cases):
     assert np.isin(ties, x).all() and np.isin(np.nextafter(ties, np.float32(0)), x).all()
 
 
-@pytest.mark.parametrize("name", NAMES)
+# The default run holds posit8_es0, posit16_es1 and five widths of the es = 2 sweep (8-bit
+# and 16-bit codes among them); the slow step every SoftPosit format. Every format's
+# decoding: test_every_code_decodes_to_softposit_value.
+GOLDEN_DEFAULT = {"posit8_es0", "posit16_es1", *(f"posit{n}_es2" for n in (4, 5, 8, 12, 16))}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in GOLDEN_DEFAULT else pytest.mark.slow) for n in NAMES]
+)
 def test_encoding_matches_softposit_golden(name, golden_cases):
     """`posit_to_bits` and `posit_quantize` of every golden input equal SoftPosit's."""
     fmt = get_format(name)
