@@ -9,6 +9,8 @@ tensor's largest magnitude, `2**-9` and `2**-6`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -31,7 +33,15 @@ TOL = {
 def _problem(dtype, big=None, seed=0):
     """A two-layer MLP regression; with `big`, that microbatch's targets (and so its
     gradient) are 2**10 larger than the others'."""
-    k1, k2, k3, k4, k5 = jax.random.split(jax.random.PRNGKey(seed), 5)
+    params, x, y = _draw(jax.random.PRNGKey(seed))
+    if big is not None:
+        y = y.at[big * B : (big + 1) * B].multiply(2.0**10)
+    return jsa.as_scaled_array(params, dtype=dtype), x.astype(dtype), y.astype(dtype)
+
+
+@jax.jit  # one compile for the draws (eager, each shape's draw is a compile of its own)
+def _draw(key):
+    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
     params = {
         "w1": jax.random.normal(k1, (8, 16)) / np.sqrt(8),
         "b1": 0.1 * jax.random.normal(k2, (16,)),
@@ -40,9 +50,7 @@ def _problem(dtype, big=None, seed=0):
     }
     x = jax.random.normal(k4, (K * B, 8))
     y = jnp.tanh(x[:, :4]) + 0.1 * jax.random.normal(k5, (K * B, 4))
-    if big is not None:
-        y = y.at[big * B : (big + 1) * B].multiply(2.0**10)
-    return jsa.as_scaled_array(params, dtype=dtype), x.astype(dtype), y.astype(dtype)
+    return params, x, y
 
 
 def _loss(params, x, y):
@@ -69,11 +77,10 @@ def _accumulated(params, x, y):
     return jsa.optax.accumulate_gradients(lambda p, b: _grad(p, *b), params, _micro((x, y)))
 
 
-@jax.jit
-@jsa.autoscale
 def _each_microbatch(params, x, y):
-    xs, ys = _micro((x, y))
-    return [_grad(params, xs[i], ys[i]) for i in range(K)]
+    """`_one_batch` of each microbatch (one compile, at the microbatch's shape)."""
+    xs, ys = (np.asarray(a).reshape(K, B, -1) for a in (x, y))
+    return [_one_batch(params, xs[i], ys[i]) for i in range(K)]
 
 
 def _leaves(tree):
@@ -99,7 +106,13 @@ def _assert_matches(actual, expected):
         np.testing.assert_allclose(_value(a), _value(e), rtol=0, atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize(
+    "dtype",
+    # float16 and bfloat16, the formats accumulation is for (their programs serve
+    # test_one_large_microbatch too); float32 data in the slow step.
+    [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.float16, jnp.bfloat16],
+    ids=lambda d: jnp.dtype(d).name,
+)
 def test_accumulate_matches_one_batch(dtype):
     params, x, y = _problem(dtype)
     one = _one_batch(params, x, y)
@@ -153,7 +166,13 @@ def test_sum():
 
 def _block_problem(dtype):
     """A tiny transformer block: layer norm, one attention head, a residual, an MLP."""
-    ks = jax.random.split(jax.random.PRNGKey(1), 6)
+    params, x, y = _block_draw(jax.random.PRNGKey(1))
+    return jsa.as_scaled_array(params, dtype=dtype), x.astype(dtype), y.astype(dtype)
+
+
+@jax.jit  # one compile for the draws
+def _block_draw(key):
+    ks = jax.random.split(key, 6)
     d = 8
     params = {
         "gain": 1.0 + 0.1 * jax.random.normal(ks[0], (d,)),
@@ -163,7 +182,7 @@ def _block_problem(dtype):
     }
     x = jax.random.normal(ks[4], (K * 2, 4, d))
     y = jax.random.normal(ks[5], (K * 2, 4, d))
-    return jsa.as_scaled_array(params, dtype=dtype), x.astype(dtype), y.astype(dtype)
+    return params, x, y
 
 
 def _block_loss(p, x, y):
@@ -197,17 +216,25 @@ def test_transformer_block():
 def _run_steps(opt, params, x, y, apply=jsa.optax.apply_updates):
     """`K` mini-steps of `opt`, one per microbatch: the last parameters, updates and state."""
     state = opt.init(params)
+    step = _step(opt, apply)
+    xs, ys = _micro((x, y))
+    for i in range(K):
+        params, updates, state = step(params, state, xs[i], ys[i])
+    return params, updates, state
 
+
+@functools.cache  # one jitted step per optimizer: the cases of a dtype share its compile
+def _step(opt, apply):
     @jax.jit
     @jsa.autoscale
     def step(params, state, x, y):
         updates, state = opt.update(_grad(params, x, y), state, params)
         return apply(params, updates), updates, state
 
-    xs, ys = _micro((x, y))
-    for i in range(K):
-        params, updates, state = step(params, state, xs[i], ys[i])
-    return params, updates, state
+    return step
+
+
+_MULTI_IDENTITY = jsa.optax.multi_steps(optax.identity(), K)
 
 
 @pytest.mark.parametrize("big", [None, 1], ids=["even", "large_second"])
@@ -215,9 +242,7 @@ def _run_steps(opt, params, x, y, apply=jsa.optax.apply_updates):
 def test_multi_steps_emits_the_one_batch_gradient(dtype, big):
     """With `optax.identity()` inside, the k-th update is the accumulated mean gradient."""
     params, x, y = _problem(dtype, big=big)
-    _, updates, state = _run_steps(
-        jsa.optax.multi_steps(optax.identity(), K), params, x, y, optax.apply_updates
-    )
+    _, updates, state = _run_steps(_MULTI_IDENTITY, params, x, y, optax.apply_updates)
     _assert_matches(updates, _one_batch(params, x, y))
     assert int(state.mini_step) == 0 and int(state.gradient_step) == 1
     for acc in _leaves(state.acc_grads):  # reset: zeros, stored float32 data
@@ -247,7 +272,9 @@ def _assert_close_to_ulp(actual, expected, ulp):
     "inner",
     [
         pytest.param(lambda: jsa.optax.scale_optimizer(optax.adam(1e-3)), id="scaled_adam"),
-        pytest.param(lambda: optax.sgd(0.1), id="sgd"),
+        # A stateless inner optimizer: the stateful one (scaled Adam) checks the parameters
+        # and the inner state in the default run.
+        pytest.param(lambda: optax.sgd(0.1), id="sgd", marks=pytest.mark.slow),
     ],
 )
 def test_multi_steps_parameters(inner):

@@ -61,23 +61,31 @@ def test_random_updates_follow_float32(apply, dtype, compensation_dtype, atol):
     apply_fn = optax.apply_updates if apply == "optax" else jsa.optax.apply_updates
 
     opt = jsa.optax.kahan_summation(optax.identity(), compensation_dtype)
-    params = p0.astype(dtype)
-    state = opt.init(params)
-    step = jax.jit(opt.update)
-    for i in range(steps):
-        new_updates, state = step(updates[i], state, params)
-        assert new_updates.dtype == jnp.float32
-        params = apply_fn(params, new_updates)
+
+    # The steps in one scan (step by step, each was two dispatches from Python); the
+    # parameters and the buffer are the carry, so each step's roundings are kept.
+    @jax.jit
+    def run(params, updates):
+        def step(carry, update):
+            params, state = carry
+            new_updates, state = opt.update(update, state, params)
+            assert new_updates.dtype == jnp.float32
+            return (apply_fn(params, new_updates), state), None
+
+        (params, state), _ = jax.lax.scan(step, (params, opt.init(params)), updates)
+        # Without compensation the same updates lose their low bits every step.
+        plain = jax.lax.scan(
+            lambda p, u: (optax.apply_updates(p, u), None), p0.astype(dtype), updates
+        )
+        return params, state, plain[0]
+
+    params, state, plain = run(p0.astype(dtype), updates)
     assert params.dtype == dtype
     assert state.compensation.dtype == (compensation_dtype or dtype)
     total = np.asarray(params, np.float64) + np.asarray(state.compensation, np.float64)
     np.testing.assert_allclose(total, ref, atol=atol)
     half_ulp = float(jnp.finfo(dtype).eps) * 2.0 / 2  # values in [1, 4)
     assert np.all(np.abs(np.asarray(params, np.float64) - ref) <= half_ulp + atol)
-    # Without compensation the same updates lose their low bits every step.
-    plain = p0.astype(dtype)
-    for i in range(steps):
-        plain = optax.apply_updates(plain, updates[i])
     assert np.max(np.abs(np.asarray(plain, np.float64) - ref)) > 4 * half_ulp
 
 

@@ -70,6 +70,7 @@ from jax import lax
 
 import jax_scaled_arithmetics.unit_scaling as U
 from jax_scaled_arithmetics.unit_scaling import _fwd_bwd, _ops
+from tests.helpers import eager_and_jit
 
 DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
@@ -730,8 +731,11 @@ def test_apply_constraint():
         _fwd_bwd.apply_constraint(None, 0.0, 1.0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize(
+    "dtype, use_jit",
+    # Eager (each operation a compile) for float32 in the default run; every dtype jitted.
+    eager_and_jit(DTYPES, lambda dtype: dtype == jnp.float32),
+)
 def test_scale_fwd_and_bwd(dtype, use_jit):
     x = jnp.array([1.0, -2.0, 4.0], dtype)
     wrap = jax.jit if use_jit else (lambda f: f)

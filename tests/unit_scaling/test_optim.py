@@ -4,6 +4,7 @@ decay, equivalence with optax, Flax / Equinox parameter trees, scaled states, er
 from __future__ import annotations
 
 import doctest
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import pytest
 import jax_scaled_arithmetics as jsa
 import jax_scaled_arithmetics.unit_scaling as U
 from jax_scaled_arithmetics.unit_scaling import _optim
+from tests.helpers import eager_and_jit
 
 ParamSpec = U.optim.ParamSpec
 LR = 1e-2
@@ -37,7 +39,18 @@ def _updates(opt, params, grads_list, jit, apply=True):
 
 
 def _normal(seed, shape):
-    return jax.random.normal(jax.random.key(seed), shape)
+    """A normal draw from numpy (a `jax.random` draw compiles once per shape)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+def _first_of_each_kind(cases):
+    """A predicate for `eager_and_jit`: the eager variant of the first case of each kind
+    stays in the default run (the eager update runs the jitted one's code, op by op: a
+    compile per operation and shape)."""
+    firsts = {}
+    for case in cases:
+        firsts.setdefault(case[0] if isinstance(case[0], str) else case[0].kind, case)
+    return lambda *case: any(case == first for first in firsts.values())
 
 
 def _adam_first_step(g, eps=1e-8):
@@ -84,20 +97,37 @@ ADAM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("spec, shape, multiplier", ADAM_CASES)
-def test_adam_rule(spec, shape, multiplier, jit):
+def _check_adam_rules(cases, jit):
     """One step: -lr * multiplier * Adam's normalised step; more steps: optax.adam's times
-    the multiplier."""
-    params = {"p": _normal(0, shape)}
-    grads = [{"p": _normal(i + 1, shape)} for i in range(3)]
-    assert U.optim.lr_scales({"p": spec}, params)["p"] == pytest.approx(multiplier, rel=1e-12)
-    got = _updates(U.optim.adam(LR, {"p": spec}), params, grads, jit)
-    want = -LR * multiplier * _adam_first_step(grads[0]["p"])
-    np.testing.assert_allclose(got[0]["p"], want, rtol=1e-5, atol=1e-12)
+    the multiplier. Each case `(spec, shape, multiplier)` is a leaf of one parameter tree."""
+    names = [f"p{i}" for i in range(len(cases))]
+    specs = {n: spec for n, (spec, _, _) in zip(names, cases)}
+    params = {n: _normal(0, shape) for n, (_, shape, _) in zip(names, cases)}
+    grads = [{n: _normal(i + 1, shape) for n, (_, shape, _) in zip(names, cases)} for i in range(3)]
+    scales = U.optim.lr_scales(specs, params)
+    got = _updates(U.optim.adam(LR, specs), params, grads, jit)
     reference = _updates(optax.adam(LR), params, grads, jit)
-    for step, (u, r) in enumerate(zip(got[1:], reference[1:])):
-        np.testing.assert_allclose(u["p"], multiplier * r["p"], rtol=2e-6, err_msg=f"step {step}")
+    for n, (_, _, multiplier) in zip(names, cases):
+        assert scales[n] == pytest.approx(multiplier, rel=1e-12), n
+        want = -LR * multiplier * _adam_first_step(grads[0][n])
+        np.testing.assert_allclose(got[0][n], want, rtol=1e-5, atol=1e-12, err_msg=n)
+        for step, (u, r) in enumerate(zip(got[1:], reference[1:])):
+            np.testing.assert_allclose(u[n], multiplier * r[n], rtol=2e-6, err_msg=f"{n} {step}")
+
+
+# Jitted, case by case: a compile each, in the slow step; the default run jits the whole table
+# in one update (test_adam_rules_in_one_jitted_update).
+@pytest.mark.parametrize(
+    "spec, shape, multiplier, jit",
+    eager_and_jit(ADAM_CASES, _first_of_each_kind(ADAM_CASES), lambda *case: False),
+)
+def test_adam_rule(spec, shape, multiplier, jit):
+    _check_adam_rules([(spec, shape, multiplier)], jit)
+
+
+def test_adam_rules_in_one_jitted_update():
+    """Every case of ADAM_CASES, each a leaf of one tree: one jitted update checks them all."""
+    _check_adam_rules(ADAM_CASES, jit=True)
 
 
 SGD_CASES = [  # readout_constraint="to_output_scale"
@@ -111,14 +141,29 @@ SGD_CASES = [  # readout_constraint="to_output_scale"
 ]
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("spec, shape, multiplier", SGD_CASES)
-def test_sgd_rule(spec, shape, multiplier, jit):
-    params = {"p": _normal(0, shape)}
-    grads = [{"p": _normal(1, shape)}]
-    opt = U.optim.sgd(LR, {"p": spec}, readout_constraint="to_output_scale")
+def _check_sgd_rules(cases, jit):
+    """Each case `(spec, shape, multiplier)` a leaf of one parameter tree."""
+    names = [f"p{i}" for i in range(len(cases))]
+    specs = {n: spec for n, (spec, _, _) in zip(names, cases)}
+    params = {n: _normal(0, shape) for n, (_, shape, _) in zip(names, cases)}
+    grads = [{n: _normal(1, shape) for n, (_, shape, _) in zip(names, cases)}]
+    opt = U.optim.sgd(LR, specs, readout_constraint="to_output_scale")
     (got,) = _updates(opt, params, grads, jit)
-    np.testing.assert_allclose(got["p"], -LR * multiplier * grads[0]["p"], rtol=1e-6)
+    for n, (_, _, multiplier) in zip(names, cases):
+        np.testing.assert_allclose(got[n], -LR * multiplier * grads[0][n], rtol=1e-6, err_msg=n)
+
+
+# As test_adam_rule: case by case jitted in the slow step, the whole table in one update here.
+@pytest.mark.parametrize(
+    "spec, shape, multiplier, jit",
+    eager_and_jit(SGD_CASES, _first_of_each_kind(SGD_CASES), lambda *case: False),
+)
+def test_sgd_rule(spec, shape, multiplier, jit):
+    _check_sgd_rules([(spec, shape, multiplier)], jit)
+
+
+def test_sgd_rules_in_one_jitted_update():
+    _check_sgd_rules(SGD_CASES, jit=True)
 
 
 @pytest.mark.parametrize("spec, shape, multiplier", ADAM_CASES)
@@ -143,7 +188,8 @@ def test_sgd_momentum_is_optax_times_multiplier(nesterov):
         np.testing.assert_allclose(u["b"], 8.0 * r["b"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+# Eager: U.optim.adam runs eagerly in test_adam_rule's default cases.
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_unit_multipliers_give_optax_adam(jit):
     """With every multiplier 1 (biases, gains, the readout), `U.optim.adam` is optax.adam,
     bit for bit, with a schedule too."""
@@ -158,7 +204,8 @@ def test_unit_multipliers_give_optax_adam(jit):
             jax.tree.map(np.testing.assert_array_equal, u, r)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+# Eager: independent weight decay runs eagerly in test_weight_decay_mask.
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_independent_weight_decay_constant_lr(jit):
     """Each step decays p by weight_decay * p, whatever the learning rate and multiplier."""
     wd = 0.1
@@ -169,10 +216,11 @@ def test_independent_weight_decay_constant_lr(jit):
     opt = U.optim.adamw(LR, specs, weight_decay=wd)
     update = _maybe_jit(opt.update, jit)
     adam = optax.adam(LR)
+    adam_update = jax.jit(adam.update)  # the reference: one compile (eager, one per operation)
     state, adam_state, p = opt.init(params), adam.init(params), params
     for g in grads:
         updates, state = update(g, state, p)
-        adam_updates, adam_state = adam.update(g, adam_state, p)
+        adam_updates, adam_state = adam_update(g, adam_state, p)
         for name in params:
             want = multipliers[name] * adam_updates[name] - wd * p[name]
             np.testing.assert_allclose(updates[name], want, rtol=1e-5, atol=1e-9)
@@ -193,11 +241,11 @@ def test_independent_weight_decay_follows_the_schedule():
         ("sgd", U.optim.sgd(schedule, {"w": "weight"}, weight_decay=wd, peak_learning_rate=peak)),
     ):
         direction = optax.adam(schedule) if name == "adamw" else optax.sgd(schedule)
-        update = jax.jit(opt.update)
+        update, d_update = jax.jit(opt.update), jax.jit(direction.update)
         state, d_state, p = opt.init(params), direction.init(params), params
         for step, g in enumerate(grads):
             updates, state = update(g, state, p)
-            d_updates, d_state = direction.update(g, d_state, p)
+            d_updates, d_state = d_update(g, d_state, p)
             decay = wd * p["w"] * float(schedule(step)) / peak
             want = 32**-0.5 * d_updates["w"] - decay
             np.testing.assert_allclose(
@@ -231,6 +279,7 @@ def test_weight_decay_mask():
     np.testing.assert_array_equal(updates["b"], 0.0)
 
 
+@functools.cache  # one model for the tests (and its init's compiles once)
 def _flax_mlp():
     import flax.linen as nn
 
@@ -268,8 +317,18 @@ def _flax_specs_from_paths(params):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("specs", [FLAX_SPECS, _flax_specs_from_paths], ids=["tree", "callable"])
+@pytest.mark.parametrize(
+    "specs, jit",
+    [
+        (FLAX_SPECS, False),
+        (FLAX_SPECS, True),
+        (_flax_specs_from_paths, False),
+        # Callable specs jitted: the same programs as the tree's (jitted above), with the
+        # multipliers the eager variant checks; in the slow step.
+        pytest.param(_flax_specs_from_paths, True, marks=pytest.mark.slow),
+    ],
+    ids=["tree-False", "tree-True", "callable-False", "callable-True"],
+)
 def test_flax_dense_model(specs, jit):
     model, params, x = _flax_mlp()
     multipliers = U.optim.lr_scales(specs, params)
@@ -324,11 +383,19 @@ def test_equinox_module():
     """Equinox's Linear stores (out, in): its specs give the fan-in explicitly."""
     import equinox as eqx
 
-    model = eqx.nn.Sequential(
-        [
-            eqx.nn.Linear(12, 8, use_bias=False, key=jax.random.key(0)),
-            eqx.nn.Linear(8, 3, key=jax.random.key(1)),
-        ]
+    def build():
+        return eqx.nn.Sequential(
+            [
+                eqx.nn.Linear(12, 8, use_bias=False, key=jax.random.key(0)),
+                eqx.nn.Linear(8, 3, key=jax.random.key(1)),
+            ]
+        )
+
+    # The module's structure traced, its arrays numpy draws (its init's random draws each
+    # compile; the test needs the shapes).
+    model = jax.tree.map(
+        lambda a: _normal(0, a.shape) if isinstance(a, jax.ShapeDtypeStruct) else a,
+        eqx.filter_eval_shape(build),
     )
     params = eqx.filter(model, eqx.is_array)
     specs = jax.tree.map(
@@ -433,7 +500,13 @@ def _scaled_problem():
     return params, specs, loss
 
 
-@pytest.mark.parametrize("wrapped", [False, True], ids=["autoscale", "scale_optimizer"])
+@pytest.mark.parametrize(
+    "wrapped",
+    # scale_optimizer around U.optim under autoscale: test_float16_scaled_state in the
+    # default run (float16 state data), the float32 state here in the slow step.
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["autoscale", "scale_optimizer"],
+)
 def test_scaled_arrays_under_autoscale(wrapped):
     """ScaledArray parameters in `jsa.autoscale` (the optimizer plain, or its state scaled by
     `jsa.optax.scale_optimizer` in float32): the values of plain float32 parameters."""
@@ -486,6 +559,7 @@ def test_float16_scaled_state():
     s = jsa.as_scaled_array(params)
     updates, state = step(s, scaled_opt.init(s))
     assert state[0].mu["w"].dtype == jnp.float16
-    want, _ = opt.update(jax.grad(loss)(params), opt.init(params), params)
+    # The float32 reference in one compile (op by op, a compile per operation).
+    want, _ = jax.jit(lambda p: opt.update(jax.grad(loss)(p), opt.init(p), p))(params)
     for name in params:
         np.testing.assert_allclose(updates[name].to_array(), want[name], rtol=2e-3, atol=1e-8)

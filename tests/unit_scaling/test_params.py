@@ -18,11 +18,12 @@ ParamSpec = U.optim.ParamSpec
 VOCAB, SEQ, D, LAYERS = 11, 8, 16, 2
 
 
-def _init(key):
-    keys = iter(jax.random.split(key, 3 + 4 * LAYERS))
+def _init(seed):
+    """Parameters from numpy draws (a `jax.random` draw compiles once per shape)."""
+    rng = np.random.default_rng(seed)
 
     def normal(*shape):
-        return jax.random.normal(next(keys), shape)
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
 
     blocks = [
         {
@@ -76,7 +77,7 @@ def _flat(specs):
 
 
 def test_a_transformer_s_parameters_get_their_kind_fan_in_and_depth():
-    params = _init(jax.random.PRNGKey(0))
+    params = _init(0)
     specs = _flat(U.parameter_specs(_loss, params, TOKENS))
     block = "['blocks'][1]"
     assert specs["['wte']"] == ParamSpec("embedding", D)
@@ -91,7 +92,7 @@ def test_a_transformer_s_parameters_get_their_kind_fan_in_and_depth():
 
 
 def test_readout_none_makes_the_last_matmul_a_weight():
-    params = _init(jax.random.PRNGKey(0))
+    params = _init(0)
     specs = U.parameter_specs(_loss, params, TOKENS, readout="none")
     assert specs["head"] == ParamSpec("weight", D)
     with pytest.raises(ValueError, match="readout must be 'last' or 'none'"):
@@ -99,7 +100,7 @@ def test_readout_none_makes_the_last_matmul_a_weight():
 
 
 def test_a_scanned_stack_and_a_jitted_block_are_read_through():
-    params = _init(jax.random.PRNGKey(0))
+    params = _init(0)
     stacked = dict(
         params, blocks=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params["blocks"])
     )
@@ -130,7 +131,10 @@ class _Mlp(nn.Module):
 
 def test_flax_linen_modules():
     model = _Mlp()
-    variables = model.init(jax.random.PRNGKey(1), TOKENS)
+    # The variables' tree, its arrays zeros: the specs are read from the program, not the
+    # values (running the init compiles each of its operations).
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(1), TOKENS)
+    variables = jax.tree.map(lambda s: jnp.asarray(np.zeros(s.shape, s.dtype)), shapes)
     specs = U.parameter_specs(model.apply, variables, TOKENS)["params"]
     assert specs["Embed_0"]["embedding"] == ParamSpec("embedding", D)
     assert specs["LayerNorm_0"]["scale"] == ParamSpec("norm")
@@ -141,7 +145,7 @@ def test_flax_linen_modules():
 
 
 def test_specs_drive_u_optim_adam_through_a_unit_scaled_training_step():
-    params = U.unit_init(_init(jax.random.PRNGKey(0)))
+    params = U.unit_init(_init(0))
     params.pop("step"), params.pop("unused")
     specs = U.parameter_specs(_loss, params, TOKENS)
     opt = U.optim.adam(0.1, specs)
@@ -165,5 +169,6 @@ def test_specs_drive_u_optim_adam_through_a_unit_scaled_training_step():
     np.testing.assert_allclose(np.abs(updates["wte"]).max(), 0.1 * first["wte"], rtol=1e-3)
     for name, scale in first["blocks"].items():
         np.testing.assert_allclose(np.abs(updates["blocks"][0][name]).max(), 0.1 * scale, rtol=1e-3)
-    before, after = loss(params, TOKENS), loss(new, TOKENS)
+    jitted = jax.jit(loss)  # one compile (eager, one per operation)
+    before, after = jitted(params, TOKENS), jitted(new, TOKENS)
     assert float(after) < float(before)
