@@ -395,13 +395,16 @@ for v in range(1, 10**6):
 """
 
 
-def test_killed_save_leaves_a_whole_checkpoint(tmp_path):
+# Each kill a process of its own (~4 s to start): one in the default run, three in the slow
+# step.
+@pytest.mark.parametrize("kills", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_killed_save_leaves_a_whole_checkpoint(tmp_path, kills):
     """A process saving versions 1, 2, 3, ... is killed at random times: the checkpoint is
     always one whole version (the last one saved, or the one being saved)."""
     code = _SAVE_LOOP.format(versioned=inspect.getsource(versioned))
     rng = np.random.default_rng(0)
     template = jax.eval_shape(lambda: versioned(0))
-    for i, delay in enumerate(rng.uniform(0.0, 0.4, size=3)):
+    for i, delay in enumerate(rng.uniform(0.0, 0.4, size=3)[:kills]):
         path = tmp_path / f"ckpt{i}"
         command = [sys.executable, "-c", code, str(path)]
         with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:

@@ -4,6 +4,7 @@ and the FSDP recipe, on the test session's 4 CPU devices."""
 from __future__ import annotations
 
 import doctest
+import functools
 import re
 
 import jax
@@ -133,17 +134,15 @@ def test_all_gather_sends_the_values_rounded_at_one_shared_scale(wire):
         np.testing.assert_array_equal(out[device], expected.astype(np.float32))
 
 
-@pytest.mark.parametrize("data_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
-@pytest.mark.parametrize("log2_scale", [-40, 0, 40])
-@pytest.mark.parametrize("kind", ["all_gather", "psum_scatter", "psum"])
-def test_collectives_under_autoscale_move_the_data_and_match_plain(kind, log2_scale, data_dtype):
-    """A ScaledArray's data travels; the represented result equals the plain function on
-    the values (the same payloads), whatever the scale."""
-    wire = jnp.float8_e4m3fn if kind == "all_gather" else jnp.bfloat16
-    data = RNG.standard_normal((8, 4)).astype(data_dtype)
-    scale = np.float32(2.0**log2_scale)
-    x = jsa.scaled_array(jnp.asarray(data), scale)
-    values = np.asarray(data, np.float32).astype(np.float64) * float(scale)
+def _collective_wire(kind):
+    return jnp.float8_e4m3fn if kind == "all_gather" else jnp.bfloat16
+
+
+@functools.cache
+def _scaled_collective(kind):
+    """`jax.jit(jsa.autoscale(shard_map(collective)))`, built once per collective: the cases
+    of each data dtype share its compiled program (the scale is a value)."""
+    wire = _collective_wire(kind)
     in_spec, out_spec = {
         "all_gather": (P("i"), P("i")),
         "psum_scatter": (P(), P("i")),
@@ -158,7 +157,21 @@ def test_collectives_under_autoscale_move_the_data_and_match_plain(kind, log2_sc
         return sharding.psum(v, "i", dtype=wire)
 
     fn = jax.shard_map(body, mesh=MESH, in_specs=in_spec, out_specs=out_spec, check_vma=False)
-    out = jax.jit(jsa.autoscale(fn))(x)
+    return jax.jit(jsa.autoscale(fn))
+
+
+@pytest.mark.parametrize("data_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("log2_scale", [-40, 0, 40])
+@pytest.mark.parametrize("kind", ["all_gather", "psum_scatter", "psum"])
+def test_collectives_under_autoscale_move_the_data_and_match_plain(kind, log2_scale, data_dtype):
+    """A ScaledArray's data travels; the represented result equals the plain function on
+    the values (the same payloads), whatever the scale."""
+    wire = _collective_wire(kind)
+    data = RNG.standard_normal((8, 4)).astype(data_dtype)
+    scale = np.float32(2.0**log2_scale)
+    x = jsa.scaled_array(jnp.asarray(data), scale)
+    values = np.asarray(data, np.float32).astype(np.float64) * float(scale)
+    out = _scaled_collective(kind)(x)
     assert isinstance(out, jsa.ScaledArray) and out.dtype == data_dtype
     got = np.asarray(out.data, np.float32).astype(np.float64) * float(out.scale)
     # The same program on the values (float64 reference of the payloads).
@@ -283,6 +296,21 @@ def _mlp_loss(p, x):
     return jnp.mean((h @ p["w2"] + p["b2"][None]) ** 2)
 
 
+@functools.cache
+def _reference_value_and_grad():
+    """The one-device loss and gradient, jitted once for the tests below (operation by
+    operation, each would be a compile of its own)."""
+    return jax.jit(jax.value_and_grad(_mlp_loss))
+
+
+@functools.cache
+def _fp8_fsdp_steps():
+    """(step under autoscale, the same step on float32 values): the FSDP recipe with FP8
+    gathers and bfloat16 reductions, jitted once for the tests below."""
+    wire = {"dtype": jnp.float8_e4m3fn, "grad_dtype": jnp.bfloat16}
+    return jax.jit(jsa.autoscale(_fsdp_grad(**wire))), jax.jit(_fsdp_grad(**wire))
+
+
 def _fsdp_grad(loss=None, **wire):
     """The mean loss over the mesh and its gradient, parameters gathered by the recipe."""
     loss = _mlp_loss if loss is None else loss
@@ -301,24 +329,25 @@ def test_fsdp_gradients_match_one_device():
     params = _mlp_params()
     x = _inputs()
     loss, grads = jax.jit(_fsdp_grad())(params, x)
-    want_loss, want = jax.value_and_grad(_mlp_loss)(params, x)
+    want_loss, want = _reference_value_and_grad()(params, x)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     for name in params:
         np.testing.assert_allclose(grads[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+# bfloat16 data through each collective under autoscale, whatever the scale:
+# test_collectives_under_autoscale_move_the_data_and_match_plain; the recipe with bfloat16
+# parameters in the slow step.
+@pytest.mark.parametrize("dtype", [jnp.float16, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_fsdp_under_autoscale_with_fp8_gathers_and_bf16_reductions(dtype):
     params = _mlp_params()
     x = _inputs()
     scaled = jsa.as_scaled_array(params, dtype=dtype)
-    step = jax.jit(jsa.autoscale(_fsdp_grad(dtype=jnp.float8_e4m3fn, grad_dtype=jnp.bfloat16)))
+    step, plain_step = _fp8_fsdp_steps()
     loss, grads = step(scaled, x)
     # The same recipe on the values, without autoscale: FP8 rounding of the same payloads.
-    plain_loss, plain = jax.jit(_fsdp_grad(dtype=jnp.float8_e4m3fn, grad_dtype=jnp.bfloat16))(
-        jsa.asarray(scaled, jnp.float32), x
-    )
-    _, exact = jax.value_and_grad(_mlp_loss)(params, x)
+    plain_loss, plain = plain_step(jsa.asarray(scaled, jnp.float32), x)
+    _, exact = _reference_value_and_grad()(params, x)
     np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(plain_loss), rtol=2e-2)
     for name in params:
         got = np.asarray(grads[name].to_array(jnp.float32))
@@ -340,8 +369,7 @@ def test_fsdp_moves_one_byte_per_parameter_and_bf16_gradients():
     params = _mlp_params()
     x = _inputs()
     scaled = jsa.as_scaled_array(params, dtype=jnp.float16)
-    step = jax.jit(jsa.autoscale(_fsdp_grad(dtype=jnp.float8_e4m3fn, grad_dtype=jnp.bfloat16)))
-    text = step.lower(scaled, x).as_text()
+    text = _fp8_fsdp_steps()[0].lower(scaled, x).as_text()
     gathers = _result_types(text, "all_gather")
     assert len(gathers) == 3 and all("ui8" in g for g in gathers), gathers  # w1, w2, b2
     scatters = _result_types(text, "reduce_scatter")
@@ -358,9 +386,12 @@ def test_gather_params_errors():
             return _mlp_loss(sharding.gather_params(params, specs, "i"), x)
 
         good = dict(SPECS)
-        return jax.shard_map(
+        fn = jax.shard_map(
             local, mesh=MESH, in_specs=(good, P("i")), out_specs=P("i"), check_vma=False
-        )(_mlp_params(), np.ones((8, 16), np.float32))
+        )
+        # Traced only (the errors are raised while tracing): outside jit, every operation
+        # before the error would compile a program.
+        return jax.jit(fn).trace(_mlp_params(), np.ones((8, 16), np.float32))
 
     with pytest.raises(TypeError, match="expected a PartitionSpec"):
         run(bad)
@@ -370,9 +401,9 @@ def test_gather_params_errors():
         return sharding.gather_params({"w": w}, {"w": P(("i", "j"))}, "i")["w"]
 
     with pytest.raises(NotImplementedError, match="only"):
-        jax.shard_map(partial, mesh=mesh2, in_specs=P(("i", "j")), out_specs=P(("i", "j")))(
-            np.ones(8, np.float32)
-        )
+        jax.jit(
+            jax.shard_map(partial, mesh=mesh2, in_specs=P(("i", "j")), out_specs=P(("i", "j")))
+        ).trace(np.ones(8, np.float32))
 
 
 def test_reshard_and_device_put_under_autoscale_move_data_and_place_scales():
@@ -403,7 +434,16 @@ def _simulate_fp8_loss(p, x):
 
 
 @pytest.mark.parametrize(
-    "fp8_loss", [_simulate_fp8_loss, _rowwise_fp8_loss], ids=["simulate_fp8", "rowwise"]
+    "fp8_loss",
+    [
+        _simulate_fp8_loss,
+        # The slowest program of the file (~20 s): rowwise_fp8_matmul under autoscale is in
+        # the default run through tests/ops/test_fp8_matmul.py, FSDP composed with an FP8
+        # recipe through [simulate_fp8], a custom_vjp (the gathers') inside the shard_map
+        # under autoscale through test_fsdp_under_autoscale_with_fp8_gathers_*.
+        pytest.param(_rowwise_fp8_loss, marks=pytest.mark.slow),
+    ],
+    ids=["simulate_fp8", "rowwise"],
 )
 def test_fsdp_composes_with_fp8_matmul_recipes(fp8_loss):
     """`U.simulate_fp8` / `rowwise_fp8_matmul` on the gathered parameters, inside the
@@ -412,7 +452,7 @@ def test_fsdp_composes_with_fp8_matmul_recipes(fp8_loss):
     x = _inputs()
     fn = _fsdp_grad(fp8_loss, dtype=jnp.float8_e4m3fn)
     loss, grads = jax.jit(jsa.autoscale(fn))(jsa.as_scaled_array(params, dtype=jnp.float16), x)
-    want_loss, want = jax.value_and_grad(_mlp_loss)(params, x)
+    want_loss, want = _reference_value_and_grad()(params, x)
     np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(want_loss), rtol=0.1)
     for name in params:
         got = np.asarray(grads[name].to_array(jnp.float32))

@@ -49,7 +49,7 @@ class TinyTransformer(nn.Module):
 
 
 def _linen_case(module, inputs):
-    variables = module.init(jax.random.PRNGKey(0), inputs)
+    variables = jax.jit(module.init)(jax.random.PRNGKey(0), inputs)  # eager: a compile per op
     return (lambda p: module.apply(p, inputs)), variables
 
 
@@ -100,7 +100,12 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "name",
+    # AdamW (Adam and decayed weights: tests/optax/test_plain_optax.py's
+    # clip-decay-adam-schedule) in the slow step.
+    [pytest.param(n, marks=pytest.mark.slow) if n == "adamw" else n for n in sorted(OPTIMIZERS)],
+)
 def test_optax_training_step(name):
     """One step (loss, grads, update) in one autoscaled function; params and grads scaled."""
     model = nn.Dense(3)

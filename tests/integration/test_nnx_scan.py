@@ -39,6 +39,8 @@ block scale (one per layer), so no layer loses its update.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -141,14 +143,24 @@ def unwrap(tree):
     )
 
 
+@functools.cache
+def jitted_steps(graphdef, name, state_dtype=None):
+    """`(optimizer, plain step, autoscaled step)`, jitted once per model and optimizer (with
+    `state_dtype`, `jsa.optax.scale_optimizer` of it): the tests that run the same program
+    (the float32 reference, a dtype and layout already run) share its compile."""
+    opt = {"sgd": lambda: optax.sgd(LR), "adam": lambda: optax.adam(1e-3)}[name]()
+    if state_dtype is not None:
+        opt = jsa.optax.scale_optimizer(opt, state_dtype)
+    step = make_step(graphdef, opt)
+    return opt, jax.jit(step), jax.jit(jsa.autoscale(step))
+
+
 def run_step(problem, dtype, layout):
     graphdef, state, x, y = problem
-    opt = optax.sgd(LR)
-    step = make_step(graphdef, opt)
+    opt, plain_step, scaled_step = jitted_steps(graphdef, "sgd")
     scaled = scaled_state(state, dtype, layout)
     values = jsa.asarray(scaled, jnp.float32)  # the represented parameters
-    expected = jax.jit(step)(values, opt.init(values), x, y)
-    scaled_step = jax.jit(jsa.autoscale(step))
+    expected = plain_step(values, opt.init(values), x, y)
     got = scaled_step(scaled, opt.init(scaled), x, y)
     return scaled, (*unwrap(got[:2]), got[2]), unwrap(expected), scaled_step
 
@@ -188,8 +200,9 @@ def test_one_scale_per_layer_sgd_step(problem, dtype):
     for name in ("kernel", "bias"):  # the head: one scale, one "layer"
         update = layer_errors(updates["head"][name][None], ref_updates["head"][name][None])
         assert np.all(update <= update_tol), ("head", name, update)
+    compiled = step._cache_size()  # (shared by the dtypes and layouts: see jitted_steps)
     step(scaled, got[2], *problem[2:])  # the new optimizer state: no recompilation
-    assert step._cache_size() == 1
+    assert step._cache_size() == compiled
 
 
 def test_one_scale_for_all_layers_loses_the_small_layers_in_float16(problem):
@@ -199,9 +212,9 @@ def test_one_scale_for_all_layers_loses_the_small_layers_in_float16(problem):
     of the parameters to float16 counts). bfloat16, with float32's exponent range, would
     not lose it at this spread."""
     graphdef, state, x, y = problem
-    opt = optax.sgd(LR)
+    opt, plain_step, _ = jitted_steps(graphdef, "sgd")
     values = jsa.asarray(scaled_state(state, np.float32, one_scale), jnp.float32)
-    _, reference, _ = jax.jit(make_step(graphdef, opt))(values, opt.init(values), x, y)
+    _, reference, _ = plain_step(values, opt.init(values), x, y)
     reference = reference["blocks"]["linear"]["kernel"]
     errors = {}
     for name, layout in (("per layer", per_layer), ("one scale", one_scale)):
@@ -224,13 +237,12 @@ def test_scaled_adam_keeps_one_scale_per_layer_in_its_moments(problem, state_dty
     update). The step runs twice with one compilation (the state's layout is a fixed
     point)."""
     graphdef, state, x, y = problem
-    adam = optax.adam(1e-3)
-    opt = jsa.optax.scale_optimizer(adam, state_dtype)
+    adam, plain_step, _ = jitted_steps(graphdef, "adam")
+    opt, _, step = jitted_steps(graphdef, "adam", state_dtype)
     scaled = scaled_state(state, np.float16, per_layer)
     values = jsa.asarray(scaled, jnp.float32)
-    expected, _, _ = jax.jit(make_step(graphdef, adam))(values, adam.init(values), x, y)
+    expected, _, _ = plain_step(values, adam.init(values), x, y)
     opt_state = opt.init(scaled)
-    step = jax.jit(jsa.autoscale(make_step(graphdef, opt)))
     updates, _, new_state = step(scaled, opt_state, x, y)
     updates, expected = unwrap(updates), unwrap(expected)
     for moments in (opt_state[0].mu, opt_state[0].nu, new_state[0].mu, new_state[0].nu):
@@ -243,8 +255,9 @@ def test_scaled_adam_keeps_one_scale_per_layer_in_its_moments(problem, state_dty
         got = layer_errors(updates["blocks"]["linear"][name], expected["blocks"]["linear"][name])
         print(f"{np.dtype(state_dtype).name} moments, Adam {name} update errors: {got}")
         assert np.all(got <= 2e-3), (name, got)
+    compiled = step._cache_size()  # (shared: see jitted_steps)
     step(scaled, new_state, x, y)
-    assert step._cache_size() == 1
+    assert step._cache_size() == compiled
 
 
 def test_scaled_adam_over_steps_with_bfloat16_moments(problem):
@@ -257,12 +270,11 @@ def test_scaled_adam_over_steps_with_bfloat16_moments(problem):
     one scale per layer, so some `nu` flush to zero while `mu` does not, and
     `mu / (sqrt(nu) + eps)` explodes (bfloat16 moments, or finer scales, are the remedy)."""
     graphdef, state, x, y = problem
-    adam = optax.adam(1e-3)
-    opt = jsa.optax.scale_optimizer(adam, ml_dtypes.bfloat16)
+    adam, plain_step, _ = jitted_steps(graphdef, "adam")
+    # The step of test_scaled_adam_keeps_one_scale_per_layer_in_its_moments[bfloat16].
+    opt, _, scaled_step = jitted_steps(graphdef, "adam", ml_dtypes.bfloat16)
     scaled = scaled_state(state, np.float16, per_layer)
     values = jsa.asarray(scaled, jnp.float32)
-    scaled_step = jax.jit(jsa.autoscale(make_step(graphdef, opt)))
-    plain_step = jax.jit(make_step(graphdef, adam))
     opt_state, ref_state = opt.init(scaled), adam.init(values)
     for _ in range(4):
         updates, scaled, opt_state = scaled_step(scaled, opt_state, x, y)
@@ -272,4 +284,4 @@ def test_scaled_adam_over_steps_with_bfloat16_moments(problem):
             unwrap(ref_updates)["blocks"]["linear"]["kernel"],
         )
         assert np.all(got <= 5e-2), got
-    assert scaled_step._cache_size() == 1
+    assert scaled_step._cache_size() == 1  # one program for the steps (and that test)
