@@ -49,6 +49,8 @@ __all__ = [
     "unscaled_value",
     "register_linear",
     "register_common_scale",
+    "common_scale_rule",
+    "select_whole_cases",
     "register_unscaled_unary",
     "register_unscaled_output",
     "dynamic_scale_of",
