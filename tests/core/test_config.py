@@ -15,6 +15,7 @@ from jax.extend.core import Primitive
 
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.core.config import get_autoscale_config
+from jax_scaled_arithmetics.core.registry import unregister_scaled_op
 
 X = jsa.as_scaled_array(jnp.array([[3.0, 1.0], [2.0, 5.0]], jnp.float16))
 PLAIN = jnp.array([[2.0, 4.0], [1.0, 0.5]], jnp.float16)
@@ -90,11 +91,17 @@ def test_jit_traces_again_when_the_rule_check_is_turned_on():
         wrong_p, lambda x, **_: jsa.ScaledArray(x.data.astype(np.float32), x.scale)
     )
 
-    step = jax.jit(jsa.autoscale(lambda a: wrong_p.bind(a)))
-    with jsa.AutoScaleConfig(check=False):
-        assert step(X).dtype == np.float32  # the rule's (wrong) output, unchecked
-    with jsa.AutoScaleConfig(check=True), pytest.raises(TypeError, match="config_test_wrong"):
-        step(X)
+    try:
+        step = jax.jit(jsa.autoscale(lambda a: wrong_p.bind(a)))
+        with jsa.AutoScaleConfig(check=False):
+            assert step(X).dtype == np.float32  # the rule's (wrong) output, unchecked
+        with (
+            jsa.AutoScaleConfig(check=True),
+            pytest.raises(TypeError, match="config_test_wrong"),
+        ):
+            step(X)
+    finally:  # the registry is global: later tests (the operator docs) list its rules
+        unregister_scaled_op(wrong_p)
 
 
 def test_scale_dtype_spellings_are_one_config():
