@@ -20,27 +20,28 @@ def model(params, x):
     "use_jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "jit"]
 )
 def test_no_tracer_leak_forward_and_grads(use_jit):
+    """Under jit, the programs are traced (`jax.eval_shape`), where a leak would happen, and
+    not compiled: leak checking turns JAX's caches off, so each compile inside it is a
+    compile of every jitted helper anew. Eagerly (the slow step), every operation runs."""
     rng = np.random.default_rng(0)
     params = (
         make_scaled(rng.normal(size=(4, 3)), np.float16, 0.5),
         make_scaled(rng.normal(size=(3,)), np.float16, 0.25),
     )
     x = make_scaled(rng.normal(size=(2, 4)), np.float16, 2.0**-10)
+
+    def data_loss(w_data):
+        p = (jsa.ScaledArray(w_data, params[0].scale), params[1])
+        return jsa.autoscale(model)(p, x).to_array(jnp.float32)
+
+    def run(fn, *args):
+        return jax.eval_shape(fn, *args) if use_jit else fn(*args)
+
     with jax.check_tracer_leaks():
-        fwd = jsa.autoscale(model)
-        grad_fn = jsa.autoscale(jax.grad(model))
-        if use_jit:
-            fwd, grad_fn = jax.jit(fwd), jax.jit(grad_fn)
-        assert isinstance(fwd(params, x), jsa.ScaledArray)
-        grads = grad_fn(params, x)
-        assert all(isinstance(g, jsa.ScaledArray) for g in grads)
-
-        def data_loss(w_data):
-            p = (jsa.ScaledArray(w_data, params[0].scale), params[1])
-            return jsa.autoscale(model)(p, x).to_array(jnp.float32)
-
-        data_grad = jax.grad(data_loss)
-        # Jitted with the rest (leak checking turns JAX's caches off: eagerly, every
-        # operation is traced and compiled anew); eagerly in the slow step's eager variant.
-        data_grad = jax.jit(data_grad) if use_jit else data_grad
-        assert data_grad(params[0].data).shape == (4, 3)
+        out = run(jsa.autoscale(model), params, x)
+        grads = run(jsa.autoscale(jax.grad(model)), params, x)
+        data_grad = run(jax.grad(data_loss), params[0].data)
+    assert isinstance(out, jsa.ScaledArray) and out.shape == ()
+    assert all(isinstance(g, jsa.ScaledArray) for g in grads)
+    assert [g.shape for g in grads] == [(4, 3), (3,)]
+    assert data_grad.shape == (4, 3)
