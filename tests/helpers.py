@@ -100,11 +100,14 @@ def check_autoscale_matches(
     rtol: float | None = None,
     scaled_mask: Sequence[bool] | None = None,
     expect_scaled_output: bool = True,
+    scaled_fn: Callable[..., Any] | None = None,
 ) -> Any:
     """Run `fn` under autoscale on scaled inputs and compare with `fn` on their values.
 
     The reference is `fn` applied in float32 to the values the ScaledArrays
     represent (so it is exact wherever the value is representable in float32).
+    `scaled_fn` replaces `jsa.autoscale(fn)` (jitted when `use_jit`): one built once
+    (`autoscaled(fn, use_jit)`) shares its compiled program across calls, e.g. scales.
     """
     dtype = np.dtype(dtype)
     scaled_mask = [True] * len(inputs) if scaled_mask is None else scaled_mask
@@ -115,9 +118,8 @@ def check_autoscale_matches(
         jnp.asarray(represented(a), jnp.float32) if m else a for a, m in zip(args, scaled_mask)
     ]
     expected = jax.tree_util.tree_map(np.asarray, fn(*ref_args))
-    scaled_fn = jsa.autoscale(fn)
-    if use_jit:
-        scaled_fn = jax.jit(scaled_fn)
+    if scaled_fn is None:
+        scaled_fn = autoscaled(fn, use_jit)
     out = scaled_fn(*args)
     rtol = RTOL[dtype] if rtol is None else rtol
     out_leaves = jax.tree_util.tree_leaves(out, is_leaf=jsa.is_scaled_leaf)
@@ -131,6 +133,14 @@ def check_autoscale_matches(
         else:
             np.testing.assert_array_equal(np.asarray(o), e)
     return out
+
+
+def autoscaled(fn: Callable[..., Any], use_jit: bool) -> Callable[..., Any]:
+    """`jsa.autoscale(fn)`, under `jax.jit` when `use_jit`: built once and passed to
+    `check_autoscale_matches(..., scaled_fn=...)` for several scales (the scale is an
+    argument), it compiles once where a fresh one per call compiles per call."""
+    scaled_fn = jsa.autoscale(fn)
+    return jax.jit(scaled_fn) if use_jit else scaled_fn
 
 
 def check_grad_matches(

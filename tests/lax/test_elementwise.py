@@ -33,6 +33,7 @@ from tests.helpers import (
     FLOAT_DTYPES,
     RTOL,
     WIDE_SCALES,
+    as_scaled_array_jit,
     assert_close,
     check_autoscale_matches,
     make_scaled,
@@ -446,23 +447,38 @@ def check_table_covers(cases: Sequence[Case], registered: Sequence[Any]) -> None
 # --- the checks each table runs ---------------------------------------------------------
 
 
+def _in_turn(i: int, dtype: Any, dtypes: Sequence[Any]) -> tuple[Any, ...]:
+    """The marks of case `i` with `dtype`: the default run holds each case with one of
+    `dtypes`, the dtypes in turn over the cases; CI's slow step runs the others."""
+    return () if list(dtypes).index(dtype) == i % len(dtypes) else (pytest.mark.slow,)
+
+
 def grid_params(cases: Sequence[Case]) -> list[Any]:
     """(case, dtype) pairs for the eager grid: cases slow without jit run in float16 only
-    (their other dtypes run every scale under jit)."""
-    return [
-        pytest.param(case, dtype, id=f"{case_id(case)}-{dtype}")
-        for case in cases
-        for dtype in FLOAT_DTYPES
-        if not case.slow_eager or dtype == F16
-    ]
+    (their other dtypes run every scale under jit). Eager, each operation compiles per
+    dtype: the default run holds each other case with one dtype, in turn (every scale of
+    the case; every dtype at every scale under jit too, and float32 in the gradients), the
+    slow step the other dtypes."""
+    params = []
+    fast = 0
+    for case in cases:
+        for dtype in FLOAT_DTYPES:
+            if case.slow_eager and dtype != F16:
+                continue
+            marks = () if case.slow_eager else _in_turn(fast, dtype, FLOAT_DTYPES)
+            params.append(pytest.param(case, dtype, id=f"{case_id(case)}-{dtype}", marks=marks))
+        fast += not case.slow_eager
+    return params
 
 
 def mixed_params(cases: Sequence[Case], dtypes: Sequence[Any]) -> list[Any]:
-    """(case, dtype) pairs for mixed per-operand scales without jit (slow cases: jit only)."""
+    """(case, dtype) pairs for mixed per-operand scales without jit (slow cases: jit only):
+    the default run holds each case with one of `dtypes`, in turn; the slow step the
+    others (the jit fixtures check mixed scales in float16)."""
+    fast = [case for case in cases if not case.slow_eager]
     return [
-        pytest.param(case, dtype, id=f"{case_id(case)}-{dtype}")
-        for case in cases
-        if not case.slow_eager
+        pytest.param(case, dtype, id=f"{case_id(case)}-{dtype}", marks=_in_turn(i, dtype, dtypes))
+        for i, case in enumerate(fast)
         for dtype in dtypes
     ]
 
@@ -535,7 +551,7 @@ MULTI_CASES = [c for c in ELEMENTWISE_CASES if len(c.inputs()) > 1]
 NONFINITE_CASES = [c for c in ELEMENTWISE_CASES if c.nonfinite]
 
 
-@pytest.fixture(scope="module", params=(F16,), ids=str)
+@pytest.fixture(scope="module", params=(F32, F16, BF16), ids=str)
 def elementwise_jit(request: Any) -> Any:
     return request.param, batched_jit_outputs(ELEMENTWISE_CASES, request.param)
 
@@ -779,15 +795,25 @@ def test_products_beyond_float32_overflow_elementwise_like_plain(use_jit):
     )
 
 
-@pytest.mark.parametrize("use_jit", (False, True), ids=("eager", "jit"))
-@pytest.mark.parametrize("scale_shape", [(), (2, 1)], ids=("per_tensor", "per_row"))
-def test_select_by_a_scalar_predicate_returns_the_case_as_it_is(use_jit, scale_shape):
+@pytest.mark.parametrize(
+    "scale_shape, use_jit",
+    # Eagerly per row in the default run (the same rule as per tensor); the slow step runs
+    # per tensor eagerly.
+    [
+        pytest.param((), False, id="per_tensor-eager", marks=pytest.mark.slow),
+        pytest.param((), True, id="per_tensor-jit"),
+        pytest.param((2, 1), False, id="per_row-eager"),
+        pytest.param((2, 1), True, id="per_row-jit"),
+    ],
+)
+def test_select_by_a_scalar_predicate_returns_the_case_as_it_is(scale_shape, use_jit):
     """`lax.select(pred, a, b)` with a scalar `pred` (jmp's `select_tree`, a skipped step):
     the chosen case's data and scale, bit for bit, however far apart the cases' scales;
     a predicate per element still selects at a common scale."""
     rng = np.random.default_rng(3)
-    a = jsa.as_scaled_array(rng.normal(size=(2, 4)) * 2.0**-20, scale_shape=scale_shape)
-    b = jsa.as_scaled_array(rng.normal(size=(2, 4)) * 2.0**9, scale_shape=scale_shape)
+    # Built under one jit (the eager function: tests/core/test_block_scales.py).
+    a = as_scaled_array_jit(rng.normal(size=(2, 4)) * 2.0**-20, scale_shape=scale_shape)
+    b = as_scaled_array_jit(rng.normal(size=(2, 4)) * 2.0**9, scale_shape=scale_shape)
     a, b = (jsa.ScaledArray(x.data.astype(np.float16), x.scale) for x in (a, b))
     select = jsa.autoscale(lambda p, x, y: lax.select(p, x, y))
     select = jax.jit(select) if use_jit else select

@@ -7,6 +7,8 @@ compared through sign-invariant quantities (reconstructions, |R|, projectors).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
@@ -19,6 +21,7 @@ from jax_scaled_arithmetics.lax import linalg_decompositions as ld
 from tests.helpers import (
     FLOAT_DTYPES,
     assert_close,
+    autoscaled,
     check_autoscale_matches,
     check_grad_matches,
     make_scaled,
@@ -34,6 +37,18 @@ EXTRA_SCALES = (2.0**-60, 2.0**-20, 2.0**20, 2.0**60)
 # Decompositions accumulate several roundings of the narrow data: a looser tolerance.
 DECOMP_RTOL = {F32: 2e-4, F16: 2e-2, BF16: 1e-1}
 N = 5
+
+
+# `autoscale(fn)` (jitted or not) built once per function: a jitted one compiles once per
+# dtype for every scale and test (the scale is an argument, not a constant).
+_autoscaled = functools.cache(autoscaled)
+
+
+def _check(fn, inputs, dtype, scale, use_jit, rtol=None, **kwargs):
+    """`check_autoscale_matches` with `fn`'s shared autoscaled function."""
+    return check_autoscale_matches(
+        fn, inputs, dtype, scale, use_jit, rtol, scaled_fn=_autoscaled(fn, use_jit), **kwargs
+    )
 
 
 def _ids(values):
@@ -54,8 +69,54 @@ def _rhs(n: int = N, k: int = 3, seed: int = 2) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(n, k)).astype(np.float32)
 
 
-def _scales(use_jit: bool) -> tuple[float, ...]:
-    return SCALES if use_jit else EXTRA_SCALES
+SLOW = pytest.mark.slow
+
+
+def _jit_and_eager(eager_dtype):
+    """pytest params `(dtype, use_jit, scales)`: every dtype jitted at SCALES (one compile
+    per dtype), and eagerly (every operation a compile of its own, at every call) at the
+    extreme EXTRA_SCALES for `eager_dtype` in the default run; the slow step runs the
+    other dtypes and the moderate scales eagerly."""
+    params = []
+    for dtype in FLOAT_DTYPES:
+        params.append(pytest.param(dtype, True, SCALES, id=f"{dtype}-jit"))
+        for scales, name in ((EXTRA_SCALES[::3], "extreme"), (EXTRA_SCALES[1:3], "moderate")):
+            default = dtype == eager_dtype and name == "extreme"
+            params.append(
+                pytest.param(dtype, False, scales, id=f"{dtype}-eager-{name}",
+                             marks=() if default else SLOW)
+            )  # fmt: skip
+    return params
+
+
+def _one_each(dtypes, scales):
+    """pytest params `(dtype, scale)` over the product: the default run holds each dtype and
+    each scale once (scale j with dtype j mod the number of dtypes), the slow step the
+    others."""
+    return [
+        pytest.param(d, s, id=f"{d}-{_ids([s])[0]}", marks=() if j % len(dtypes) == i else SLOW)
+        for i, d in enumerate(dtypes)
+        for j, s in enumerate(scales)
+    ]
+
+
+def _eager_wide(default_dtype):
+    """pytest params `(dtype, scales)` of float32 and bfloat16 at the extreme and the moderate
+    EXTRA_SCALES: `default_dtype` at the extreme ones in the default run."""
+    return [
+        pytest.param(
+            d,
+            scales,
+            id=f"{d}-{name}",
+            marks=_slow_unless(d == default_dtype and name == "extreme"),
+        )
+        for d in (F32, BF16)
+        for scales, name in ((EXTRA_SCALES[::3], "extreme"), (EXTRA_SCALES[1:3], "moderate"))
+    ]
+
+
+def _slow_unless(condition):
+    return () if condition else SLOW
 
 
 def _packed_ok(dtype: np.dtype, scale: float) -> bool:
@@ -67,7 +128,14 @@ def _packed_ok(dtype: np.dtype, scale: float) -> bool:
 # those cases are not generated; float16 runs at scale 1 here and at 2^+-8 in
 # test_lu_float16_moderate_scales.
 PACKED_LU_CASES = [
-    pytest.param(dtype, scale, id=f"{dtype}-{_ids([scale])[0]}")
+    pytest.param(
+        dtype,
+        scale,
+        id=f"{dtype}-{_ids([scale])[0]}",
+        # Eager at scale 1 (see the tests): float16 in the default run (its only case), the
+        # others jitted at the extreme scales.
+        marks=_slow_unless(scale != 1.0 or dtype == F16),
+    )
     for dtype in FLOAT_DTYPES
     for scale in SCALES
     if _packed_ok(dtype, scale)
@@ -77,13 +145,10 @@ PACKED_LU_CASES = [
 # --- Decompositions ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_cholesky_wide_scales(dtype, use_jit):
-    for scale in _scales(use_jit):
-        check_autoscale_matches(
-            jnp.linalg.cholesky, [_spd()], dtype, scale, use_jit, rtol=DECOMP_RTOL[dtype]
-        )
+@pytest.mark.parametrize("dtype, use_jit, scales", _jit_and_eager(F32))
+def test_cholesky_wide_scales(dtype, use_jit, scales):
+    for scale in scales:
+        _check(jnp.linalg.cholesky, [_spd()], dtype, scale, use_jit, rtol=DECOMP_RTOL[dtype])
 
 
 def test_cholesky_odd_power_scale_uses_pow2_root():
@@ -100,13 +165,10 @@ def _qr_invariants(a):
     return q @ r, jnp.abs(r), jnp.abs(q)
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_qr(dtype, use_jit):
-    for scale in _scales(use_jit):
-        check_autoscale_matches(
-            _qr_invariants, [_general()], dtype, scale, use_jit, rtol=DECOMP_RTOL[dtype]
-        )
+@pytest.mark.parametrize("dtype, use_jit, scales", _jit_and_eager(F16))
+def test_qr(dtype, use_jit, scales):
+    for scale in scales:
+        _check(_qr_invariants, [_general()], dtype, scale, use_jit, rtol=DECOMP_RTOL[dtype])
 
 
 def test_qr_outputs_scales():
@@ -121,13 +183,10 @@ def _svd_invariants(a):
     return s, (u * s[None, :]) @ vt, jnp.abs(u)
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_svd(dtype, use_jit):
-    for scale in _scales(use_jit):
-        check_autoscale_matches(
-            _svd_invariants, [_general()], dtype, scale, use_jit, rtol=DECOMP_RTOL[dtype]
-        )
+@pytest.mark.parametrize("dtype, use_jit, scales", _jit_and_eager(BF16))
+def test_svd(dtype, use_jit, scales):
+    for scale in scales:
+        _check(_svd_invariants, [_general()], dtype, scale, use_jit, rtol=DECOMP_RTOL[dtype])
 
 
 def _eigh_invariants(a):
@@ -135,39 +194,39 @@ def _eigh_invariants(a):
     return w, (v * w[None, :]) @ v.T, jnp.abs(v)
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_eigh_and_eigvalsh(dtype, use_jit):
-    for scale in _scales(use_jit):
-        check_autoscale_matches(
-            _eigh_invariants, [_spd()], dtype, scale, use_jit, rtol=DECOMP_RTOL[dtype]
-        )
-    check_autoscale_matches(
-        jnp.linalg.eigvalsh, [_spd()], dtype, 2.0**40, use_jit, rtol=DECOMP_RTOL[dtype]
-    )
+@pytest.mark.parametrize("dtype, use_jit, scales", _jit_and_eager(F32))
+def test_eigh_and_eigvalsh(dtype, use_jit, scales):
+    for scale in scales:
+        _check(_eigh_invariants, [_spd()], dtype, scale, use_jit, rtol=DECOMP_RTOL[dtype])
+    _check(jnp.linalg.eigvalsh, [_spd()], dtype, 2.0**40, use_jit, rtol=DECOMP_RTOL[dtype])
 
 
 @pytest.mark.parametrize("dtype,scale", PACKED_LU_CASES)
 def test_lu(dtype, scale):
     use_jit = scale != 1.0  # eager at scale 1, jit at the extreme scales
     rtol = DECOMP_RTOL[dtype]
-    check_autoscale_matches(jsl.lu, [_general()], dtype, scale, use_jit, rtol=rtol,
+    _check(jsl.lu, [_general()], dtype, scale, use_jit, rtol=rtol,
                             expect_scaled_output=False)  # fmt: skip
-    check_autoscale_matches(jsl.lu_factor, [_general()], dtype, scale, use_jit, rtol=rtol)
+    _check(jsl.lu_factor, [_general()], dtype, scale, use_jit, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_lu_factor_wide_scales(dtype):
-    for scale in EXTRA_SCALES:
-        check_autoscale_matches(
-            jsl.lu_factor, [_general()], dtype, scale, False, rtol=DECOMP_RTOL[dtype]
-        )
+# Eager, so each call compiles: bfloat16 at the extreme scales in the default run, the rest
+# in the slow step (jitted at 2^+-40: test_lu).
+@pytest.mark.parametrize("dtype, scales", _eager_wide(BF16))
+def test_lu_factor_wide_scales(dtype, scales):
+    for scale in scales:
+        _check(jsl.lu_factor, [_general()], dtype, scale, False, rtol=DECOMP_RTOL[dtype])
 
 
-@pytest.mark.parametrize("scale", [2.0**-8, 1.0, 2.0**8], ids=_ids([2.0**-8, 1.0, 2.0**8]))
+# Scale 1 in the slow step (float16 at scale 1: test_lu, test_lu_based_functions).
+@pytest.mark.parametrize(
+    "scale",
+    [2.0**-8, pytest.param(1.0, marks=SLOW), 2.0**8],
+    ids=_ids([2.0**-8, 1.0, 2.0**8]),
+)
 def test_lu_float16_moderate_scales(scale):
-    check_autoscale_matches(jsl.lu_factor, [_general()], F16, scale, False, rtol=2e-2)
-    check_autoscale_matches(jnp.linalg.solve, [_general(), _rhs()], F16, scale, False, rtol=3e-2)
+    _check(jsl.lu_factor, [_general()], F16, scale, False, rtol=2e-2)
+    _check(jnp.linalg.solve, [_general(), _rhs()], F16, scale, False, rtol=3e-2)
 
 
 def test_packed_scale_balances_and_caps():
@@ -188,24 +247,31 @@ def _schur_invariants(a):
     return z @ t @ z.T, jnp.sort(jnp.diagonal(t))
 
 
-@pytest.mark.parametrize("scale", SCALES, ids=_ids(SCALES))
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "dtype, scale",
+    [
+        # Eager at scale 1: float16 in the default run (its only hessenberg case), the
+        # others in the slow step (jitted at 2^+-40 by default).
+        pytest.param(d, s, id=f"{d}-{_ids([s])[0]}", marks=_slow_unless(s != 1.0 or d == F16))
+        for d in FLOAT_DTYPES
+        for s in SCALES
+    ],
+)
 def test_hessenberg_and_schur(dtype, scale):
     use_jit = scale != 1.0  # eager at scale 1, jit at the extreme scales
     rtol = DECOMP_RTOL[dtype]
-    check_autoscale_matches(_schur_invariants, [_spd()], dtype, scale, use_jit, rtol=rtol)
+    _check(_schur_invariants, [_spd()], dtype, scale, use_jit, rtol=rtol)
     if _packed_ok(dtype, scale):
-        check_autoscale_matches(_hessenberg_invariants, [_general()], dtype, scale, use_jit, rtol)
+        _check(_hessenberg_invariants, [_general()], dtype, scale, use_jit, rtol)
 
 
-@pytest.mark.parametrize("scale", SCALES, ids=_ids(SCALES))
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("dtype, scale", _one_each([F32, BF16], SCALES))
 def test_tridiagonal_reduction(dtype, scale):
     def fn(a):
         arr, d, e, taus = jax.lax.linalg.tridiagonal(a, lower=True)
         return arr, d, e, taus
 
-    out = check_autoscale_matches(fn, [_spd()], dtype, scale, False, rtol=DECOMP_RTOL[dtype])
+    out = _check(fn, [_spd()], dtype, scale, False, rtol=DECOMP_RTOL[dtype])
     assert float(out[3].scale) == 1.0
 
 
@@ -225,55 +291,59 @@ def test_eigvals_against_float64(scale):
 # --- Solves and derived functions ---------------------------------------------------------
 
 
+def _logabsdet(m):
+    return jnp.linalg.slogdet(m)[1]
+
+
 @pytest.mark.parametrize("dtype,scale", PACKED_LU_CASES)
 def test_lu_based_functions(dtype, scale):
     use_jit = scale != 1.0  # eager at scale 1, jit at the extreme scales
     rtol = DECOMP_RTOL[dtype]
     a, b = _general(), _rhs()
-    check_autoscale_matches(jnp.linalg.solve, [a, b], dtype, scale, use_jit, rtol=rtol)
-    check_autoscale_matches(jnp.linalg.inv, [a], dtype, scale, use_jit, rtol=rtol)
-    check_autoscale_matches(
-        lambda m: jnp.linalg.slogdet(m)[1], [a], dtype, scale, use_jit, rtol=rtol,
-        expect_scaled_output=False,
-    )  # fmt: skip
+    _check(jnp.linalg.solve, [a, b], dtype, scale, use_jit, rtol=rtol)
+    _check(jnp.linalg.inv, [a], dtype, scale, use_jit, rtol=rtol)
+    _check(_logabsdet, [a], dtype, scale, use_jit, rtol=rtol, expect_scaled_output=False)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_solve_wide_scales(dtype):
-    for scale in EXTRA_SCALES:
-        check_autoscale_matches(
-            jnp.linalg.solve, [_general(), _rhs()], dtype, scale, False, rtol=DECOMP_RTOL[dtype]
-        )
+# float32 at the extreme scales in the default run, the rest in the slow step (jitted at
+# 2^+-40: test_lu_based_functions).
+@pytest.mark.parametrize("dtype, scales", _eager_wide(F32))
+def test_solve_wide_scales(dtype, scales):
+    for scale in scales:
+        _check(jnp.linalg.solve, [_general(), _rhs()], dtype, scale, False, rtol=DECOMP_RTOL[dtype])
 
 
-@pytest.mark.parametrize("scale", [2.0**-4, 1.0, 2.0**4], ids=_ids([2.0**-4, 1.0, 2.0**4]))
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+# Eager: each dtype and each scale once by default (_one_each), the product in the slow step.
+@pytest.mark.parametrize("dtype, scale", _one_each(FLOAT_DTYPES, [2.0**-4, 1.0, 2.0**4]))
 def test_det(dtype, scale):
     # det scales as s^n: moderate scales keep it in float32 range.
-    check_autoscale_matches(jnp.linalg.det, [_general()], dtype, scale, False,
+    _check(jnp.linalg.det, [_general()], dtype, scale, False,
                             rtol=DECOMP_RTOL[dtype])  # fmt: skip
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_solve_triangular(dtype, use_jit):
+def _solve_upper(m, v):
+    return jsl.solve_triangular(m, v, lower=False)
+
+
+def _solve_upper_transposed(m, v):
+    return jsl.solve_triangular(m, v, lower=False, trans=1)
+
+
+@pytest.mark.parametrize("dtype, use_jit, scales", _jit_and_eager(BF16))
+def test_solve_triangular(dtype, use_jit, scales):
     a, b = np.triu(_general()), _rhs()
     rtol = DECOMP_RTOL[dtype]
-    for scale in _scales(use_jit):
-        kw = dict(lower=False, trans=1) if use_jit else dict(lower=False)
-        fn = lambda m, v, kw=kw: jsl.solve_triangular(m, v, **kw)  # noqa: E731
-        check_autoscale_matches(fn, [a, b], dtype, scale, use_jit, rtol=rtol)
+    fn = _solve_upper_transposed if use_jit else _solve_upper
+    for scale in scales:
+        _check(fn, [a, b], dtype, scale, use_jit, rtol=rtol)
 
 
-@pytest.mark.parametrize("scale", [2.0**-60, 1.0, 2.0**20], ids=_ids([2.0**-60, 1.0, 2.0**20]))
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype, scale", _one_each(FLOAT_DTYPES, [2.0**-60, 1.0, 2.0**20]))
 def test_solve_triangular_unit_diagonal(dtype, scale):
     # Not homogeneous (the implicit unit diagonal): x grows like s^(n-1), so the largest
     # scales leave the float32 range, for the plain function too.
     fn = lambda m, v: jsl.solve_triangular(m.T, v, lower=True, unit_diagonal=True)  # noqa: E731
-    check_autoscale_matches(
-        fn, [np.triu(_general()) / N, _rhs()], dtype, scale, False, rtol=DECOMP_RTOL[dtype]
-    )
+    _check(fn, [np.triu(_general()) / N, _rhs()], dtype, scale, False, rtol=DECOMP_RTOL[dtype])
 
 
 @pytest.mark.parametrize("scale", SCALES, ids=_ids(SCALES))
@@ -284,14 +354,22 @@ def test_tridiagonal_solve(dtype, scale):
     d = (4 + rng.uniform(size=N)).astype(np.float32)
     dl[0] = du[-1] = 0
     b = _rhs()
-    check_autoscale_matches(
+    _check(
         jax.lax.linalg.tridiagonal_solve, [dl, d, du, b], dtype, scale, False,
         rtol=DECOMP_RTOL[dtype],
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("scale", SCALES, ids=_ids(SCALES))
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def _pinv(m):
+    return jnp.linalg.pinv(m, rtol=1e-6)
+
+
+def _norm2(m):
+    return jnp.linalg.norm(m, 2)
+
+
+# norm2 is eager: each dtype and each scale once by default, the product in the slow step.
+@pytest.mark.parametrize("dtype, scale", _one_each(FLOAT_DTYPES, SCALES))
 def test_pinv_and_norm2(dtype, scale):
     rtol = DECOMP_RTOL[dtype]
     a = _general()
@@ -299,9 +377,8 @@ def test_pinv_and_norm2(dtype, scale):
     # `where(s > cutoff, s, inf)` brings s to the inf constant's scale 1 (select_n rule),
     # which flushes float16 singular values at 2^-40 to zero: not checked there.
     if not (dtype == F16 and scale < 2.0**-20):
-        pinv = lambda m: jnp.linalg.pinv(m, rtol=1e-6)  # noqa: E731
-        check_autoscale_matches(pinv, [a], dtype, scale, True, rtol)
-    check_autoscale_matches(lambda m: jnp.linalg.norm(m, 2), [a], dtype, scale, False, rtol)
+        _check(_pinv, [a], dtype, scale, True, rtol)
+    _check(_norm2, [a], dtype, scale, False, rtol)
 
 
 def test_householder_product_dynamic_scale():
@@ -310,7 +387,7 @@ def test_householder_product_dynamic_scale():
     # tau = 2 / |v|^2 with the implicit unit element: orthogonal reflectors.
     taus = (2 / (1 + np.sum(v[:, : N - 1] ** 2, axis=0))).astype(np.float32)
     for scale in (2.0**-20, 1.0):
-        out = check_autoscale_matches(
+        out = _check(
             jax.lax.linalg.householder_product, [v, taus], F32, scale, False, rtol=1e-4,
             scaled_mask=[True, False],
         )  # fmt: skip
@@ -330,17 +407,23 @@ def test_zero_scale_matches_plain_zero_matrix():
 GRAD_SCALES = (2.0**-20, 1.0, 2.0**20)
 
 
-@pytest.mark.parametrize("scale", GRAD_SCALES, ids=_ids(GRAD_SCALES))
+def _grad_scales(default):
+    """GRAD_SCALES, `default` in the default run (eager gradients: a compile per operation
+    and call), the others in the slow step: the three tests hold 2^-20 and 2^20."""
+    return [pytest.param(s, id=_ids([s])[0], marks=_slow_unless(s == default)) for s in GRAD_SCALES]
+
+
+@pytest.mark.parametrize("scale", _grad_scales(2.0**-20))
 def test_grad_solve(scale):
     check_grad_matches(jnp.linalg.solve, [_general(), _rhs()], F32, scale, rtol=1e-3)
 
 
-@pytest.mark.parametrize("scale", GRAD_SCALES, ids=_ids(GRAD_SCALES))
+@pytest.mark.parametrize("scale", _grad_scales(2.0**20))
 def test_grad_cholesky(scale):
     check_grad_matches(jnp.linalg.cholesky, [_spd()], F32, scale, rtol=1e-3)
 
 
-@pytest.mark.parametrize("scale", GRAD_SCALES, ids=_ids(GRAD_SCALES))
+@pytest.mark.parametrize("scale", _grad_scales(2.0**-20))
 def test_grad_eigh_and_svd(scale):
     check_grad_matches(jnp.linalg.eigvalsh, [_spd()], F32, scale, rtol=1e-3)
     check_grad_matches(lambda a: jnp.linalg.svd(a, compute_uv=False), [_general()], F32, scale,
@@ -402,7 +485,8 @@ def test_narrow_linalg_traced_in_float32():
     np.testing.assert_allclose(np.asarray(eig, np.float64), np.linalg.eigvalsh(a @ a.T), rtol=3e-2)
 
 
-@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+# bfloat16 in the slow step: it takes the same float32 path (test_narrow_linalg_traced_in_float32).
+@pytest.mark.parametrize("dtype", [F16, pytest.param(BF16, marks=SLOW)], ids=str)
 def test_grad_inside_autoscale_narrow(dtype):
     """`jax.grad` taken inside the function: the JVP and transpose rules of lu (and eigh)
     trace more linear algebra, on float16/bfloat16 values too."""
