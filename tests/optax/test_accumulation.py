@@ -30,10 +30,15 @@ TOL = {
 }
 
 
-def _problem(dtype, big=None, seed=0):
+def _problem(dtype, big=None):
     """A two-layer MLP regression; with `big`, that microbatch's targets (and so its
     gradient) are 2**10 larger than the others'."""
-    params, x, y = _draw(jax.random.PRNGKey(seed))
+    return _convert(*_draw(jax.random.PRNGKey(0)), dtype, big)
+
+
+# One compile per dtype and `big` (eager, each operation is a compile of its own).
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _convert(params, x, y, dtype, big):
     if big is not None:
         y = y.at[big * B : (big + 1) * B].multiply(2.0**10)
     return jsa.as_scaled_array(params, dtype=dtype), x.astype(dtype), y.astype(dtype)
@@ -108,9 +113,14 @@ def _assert_matches(actual, expected):
 
 @pytest.mark.parametrize(
     "dtype",
-    # float16 and bfloat16, the formats accumulation is for (their programs serve
-    # test_one_large_microbatch too); float32 data in the slow step.
-    [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.float16, jnp.bfloat16],
+    # bfloat16 in the default run (its programs serve the other jitted tests); float16
+    # accumulation is checked there by test_eager_and_values, and this test's float16 and
+    # float32 cases (each a few large programs more to compile) run in the slow step.
+    [
+        pytest.param(jnp.float32, marks=pytest.mark.slow),
+        pytest.param(jnp.float16, marks=pytest.mark.slow),
+        jnp.bfloat16,
+    ],
     ids=lambda d: jnp.dtype(d).name,
 )
 def test_accumulate_matches_one_batch(dtype):
@@ -123,8 +133,14 @@ def test_accumulate_matches_one_batch(dtype):
     assert largest != [float(one[k].scale) * K for k in sorted(one)]
 
 
+# The default run compiles the jitted programs in bfloat16 only; float16 data (its own
+# programs) in the slow step. float16 runs by default in test_eager_and_values,
+# test_scale_optimizer_of_multi_steps and test_multi_steps_forgets_the_last_rounds_scale.
+_BF16_DEFAULT = [pytest.param(jnp.float16, marks=pytest.mark.slow), jnp.bfloat16]
+
+
 @pytest.mark.parametrize("big", [0, 2], ids=["first", "third"])
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", _BF16_DEFAULT, ids=lambda d: jnp.dtype(d).name)
 def test_one_large_microbatch(dtype, big):
     """One microbatch's gradient 2**10 larger: the scale is its (over all four), not the
     last microbatch's."""
@@ -136,28 +152,46 @@ def test_one_large_microbatch(dtype, big):
         assert float(acc[k].scale) >= 2.0**6 * float(last[k].scale), k
 
 
+def _linear_loss(params, x, y):
+    """A smaller model (two matrices, no bias or activation) for the tests whose claim does
+    not depend on the model: fewer operations to compile (eagerly, each one a compile)."""
+    return jnp.mean((x @ params["w1"] @ params["w2"] - y) ** 2)
+
+
+def _linear_problem(dtype, big=None):
+    params, x, y = _problem(dtype, big)
+    return {k: params[k] for k in ("w1", "w2")}, x, y
+
+
+_linear_one_batch = jax.jit(jsa.autoscale(jax.grad(_linear_loss)))
+
+
 def test_eager_and_values():
     """Outside `jit` and `autoscale` (it wraps itself); `has_value` stacks the losses."""
-    params, x, y = _problem(jnp.float16)
-    vg = jax.value_and_grad(_loss)
+    params, x, y = _linear_problem(jnp.float16)
+    vg = jax.value_and_grad(_linear_loss)
     values, grads = jsa.optax.accumulate_gradients(
         lambda p, b: vg(p, *b), params, _micro((x, y)), has_value=True
     )
-    _assert_matches(grads, _one_batch(params, x, y))
-    loss = jax.jit(jsa.autoscale(_loss))(params, x, y)
+    _assert_matches(grads, _linear_one_batch(params, x, y))
+    loss = jax.jit(jsa.autoscale(_linear_loss))(params, x, y)
     assert values.shape == (K,)
     np.testing.assert_allclose(np.mean(_value(values)), _value(loss), rtol=2.0**-9)
 
 
 def test_sum():
     """`mean=False`: the sum of the microbatch gradients, the gradient of the summed loss."""
-    params, x, y = _problem(jnp.bfloat16)
-    total = lambda p, x, y: _loss(p, x, y) * (x.shape[0] // B)  # noqa: E731
-    one = jax.jit(jsa.autoscale(jax.grad(total)))(params, x, y)
+    params, x, y = _linear_problem(jnp.bfloat16)
+    # The gradient of the summed loss is K (a power of two: exact) times the one-batch
+    # gradient of the mean loss.
+    one = {
+        k: jsa.ScaledArray(g.data, g.scale * K) for k, g in _linear_one_batch(params, x, y).items()
+    }
+    grad = jax.grad(_linear_loss)
     acc = jax.jit(
         jsa.autoscale(
             lambda p, x, y: jsa.optax.accumulate_gradients(
-                lambda p, b: _grad(p, *b), p, _micro((x, y)), mean=False
+                lambda p, b: grad(p, *b), p, _micro((x, y)), mean=False
             )
         )
     )(params, x, y)
@@ -166,8 +200,7 @@ def test_sum():
 
 def _block_problem(dtype):
     """A tiny transformer block: layer norm, one attention head, a residual, an MLP."""
-    params, x, y = _block_draw(jax.random.PRNGKey(1))
-    return jsa.as_scaled_array(params, dtype=dtype), x.astype(dtype), y.astype(dtype)
+    return _convert(*_block_draw(jax.random.PRNGKey(1)), dtype, None)
 
 
 @jax.jit  # one compile for the draws
@@ -196,6 +229,10 @@ def _block_loss(p, x, y):
     return jnp.mean((out - y) ** 2)
 
 
+# The accumulation of a richer model (layer norm, attention, GELU: each op's scaled rule has
+# its own tests) in the slow step; test_accumulate_matches_one_batch checks the same claim
+# on the MLP by default.
+@pytest.mark.slow
 def test_transformer_block():
     params, x, y = _block_problem(jnp.bfloat16)
     grad = jax.grad(_block_loss)
@@ -213,10 +250,10 @@ def test_transformer_block():
 # --- optax.MultiSteps ---------------------------------------------------------------------
 
 
-def _run_steps(opt, params, x, y, apply=jsa.optax.apply_updates):
+def _run_steps(opt, params, x, y, apply=jsa.optax.apply_updates, grad=_grad):
     """`K` mini-steps of `opt`, one per microbatch: the last parameters, updates and state."""
     state = opt.init(params)
-    step = _step(opt, apply)
+    step = _step(opt, apply, grad)
     xs, ys = _micro((x, y))
     for i in range(K):
         params, updates, state = step(params, state, xs[i], ys[i])
@@ -224,11 +261,11 @@ def _run_steps(opt, params, x, y, apply=jsa.optax.apply_updates):
 
 
 @functools.cache  # one jitted step per optimizer: the cases of a dtype share its compile
-def _step(opt, apply):
+def _step(opt, apply, grad):
     @jax.jit
     @jsa.autoscale
     def step(params, state, x, y):
-        updates, state = opt.update(_grad(params, x, y), state, params)
+        updates, state = opt.update(grad(params, x, y), state, params)
         return apply(params, updates), updates, state
 
     return step
@@ -238,7 +275,7 @@ _MULTI_IDENTITY = jsa.optax.multi_steps(optax.identity(), K)
 
 
 @pytest.mark.parametrize("big", [None, 1], ids=["even", "large_second"])
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", _BF16_DEFAULT, ids=lambda d: jnp.dtype(d).name)
 def test_multi_steps_emits_the_one_batch_gradient(dtype, big):
     """With `optax.identity()` inside, the k-th update is the accumulated mean gradient."""
     params, x, y = _problem(dtype, big=big)
@@ -251,11 +288,12 @@ def test_multi_steps_emits_the_one_batch_gradient(dtype, big):
 
 def test_scale_optimizer_of_multi_steps():
     """`scale_optimizer(optax.MultiSteps(...))` also emits the one-batch scales (its
-    accumulator in the scaled state's dtype, float16: a looser tolerance)."""
-    params, x, y = _problem(jnp.float16, big=0)
+    accumulator in the scaled state's dtype, float16: a looser tolerance). On the linear
+    model (the claim does not depend on the model)."""
+    params, x, y = _linear_problem(jnp.float16, big=0)
     opt = jsa.optax.scale_optimizer(optax.MultiSteps(optax.identity(), K))
-    _, updates, _ = _run_steps(opt, params, x, y, optax.apply_updates)
-    one = _one_batch(params, x, y)
+    _, updates, _ = _run_steps(opt, params, x, y, optax.apply_updates, grad=jax.grad(_linear_loss))
+    one = _linear_one_batch(params, x, y)
     for k in one:
         np.testing.assert_array_equal(np.asarray(updates[k].scale), np.asarray(one[k].scale))
         atol = 2.0**-8 * np.max(np.abs(_value(one[k])))
