@@ -76,7 +76,24 @@ def update_equation_counts():
     """The Adam update and `apply_updates` of the block's parameters, given gradients:
     plain float32 optax, and `jsa.optax.scale_optimizer` on float16 ScaledArrays."""
     _, params, _ = block_training_step()
-    grads = jax.tree_util.tree_map(lambda p: 1e-3 * jnp.ones_like(p), params)
+    plain_tx = optax.adam(1e-3)
+    scaled_tx = jsa.optax.scale_optimizer(optax.adam(1e-3))
+
+    @jax.jit
+    def arguments(params):
+        """The programs' arguments, built in one compile (eagerly, each operation on each
+        leaf's shape is one)."""
+        grads = jax.tree_util.tree_map(lambda p: 1e-3 * jnp.ones_like(p), params)
+        scaled_params, scaled_grads = jsa.as_scaled_array((params, grads), dtype=jnp.float16)
+        return (
+            grads,
+            plain_tx.init(params),
+            scaled_params,
+            scaled_grads,
+            scaled_tx.init(scaled_params),
+        )
+
+    grads, plain_state, scaled_params, scaled_grads, scaled_state = arguments(params)
 
     def update(tx, apply):
         def step(params, grads, state):
@@ -85,17 +102,14 @@ def update_equation_counts():
 
         return step
 
-    plain_tx = optax.adam(1e-3)
     plain = jsa.analysis.equation_counts(
-        update(plain_tx, optax.apply_updates), params, grads, plain_tx.init(params)
+        update(plain_tx, optax.apply_updates), params, grads, plain_state
     )
-    scaled_tx = jsa.optax.scale_optimizer(optax.adam(1e-3))
-    scaled_params, scaled_grads = jsa.as_scaled_array((params, grads), dtype=jnp.float16)
     scaled = jsa.analysis.equation_counts(
         jsa.autoscale(update(scaled_tx, jsa.optax.apply_updates)),
         scaled_params,
         scaled_grads,
-        scaled_tx.init(scaled_params),
+        scaled_state,
     )
     return plain, scaled
 

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jax_scaled_arithmetics as jsa
-from tests.helpers import load_script
+from tests.helpers import as_scaled_array_jit, load_script
 
 gpt = load_script("gpt_model", "experiments/gpt/model.py")
 
@@ -34,7 +34,8 @@ BATCH = 8
 
 @pytest.fixture(scope="module")
 def problem():
-    params = gpt.init_params(jax.random.PRNGKey(0), CONFIG)
+    # Under one `jax.jit` (eagerly, each operation of the initialisation is a compile).
+    params = jax.jit(gpt.init_params, static_argnums=1)(jax.random.PRNGKey(0), CONFIG)
     rng = np.random.default_rng(0)
     shape = (BATCH, CONFIG.block_size)
     tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, shape), jnp.int32)
@@ -65,8 +66,8 @@ def test_gradients_match_float32(problem, dtype):
     gradients, zero since softmax ignores a shift of its row, are ~1e-9 of the largest
     entry in float32): float16 rounds those to 0, which says nothing about the scales."""
     params, tokens, targets = problem
-    scaled = jsa.as_scaled_array(params, dtype=dtype)
-    values = jsa.asarray(scaled, jnp.float32)
+    scaled = as_scaled_array_jit(params, dtype=dtype)
+    values = jax.jit(jsa.asarray, static_argnums=1)(scaled, jnp.float32)
     expected = jax.jit(grad_fn)(values, tokens, targets)
     grads = jax.jit(jsa.autoscale(grad_fn))(scaled, tokens, targets)
     for (path, grad), ref in zip(_leaves(grads), jax.tree_util.tree_leaves(expected), strict=True):

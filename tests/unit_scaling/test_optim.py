@@ -292,7 +292,8 @@ def _flax_mlp():
 
     x = _normal(0, (16, 48))
     model = MLP()
-    return model, U.unit_init(model.init(jax.random.key(1), x)), x
+    # The initialisation under one `jax.jit` (eagerly, each of its operations is a compile).
+    return model, U.unit_init(jax.jit(model.init)(jax.random.key(1), x)), x
 
 
 FLAX_SPECS = {
@@ -320,12 +321,14 @@ def _flax_specs_from_paths(params):
 @pytest.mark.parametrize(
     "specs, jit",
     [
-        (FLAX_SPECS, False),
+        # Eager, the Flax model's every operation is a compile of its own (~100): the same
+        # updates as jitted, in the slow step; eager U.optim updates run by default in
+        # test_adam_rule, test_sgd_rule and test_sgd_momentum_is_optax_times_multiplier.
+        pytest.param(FLAX_SPECS, False, marks=pytest.mark.slow),
         (FLAX_SPECS, True),
-        (_flax_specs_from_paths, False),
-        # Callable specs jitted: the same programs as the tree's (jitted above), with the
-        # multipliers the eager variant checks; in the slow step.
-        pytest.param(_flax_specs_from_paths, True, marks=pytest.mark.slow),
+        pytest.param(_flax_specs_from_paths, False, marks=pytest.mark.slow),
+        # Callable specs jitted: the same programs as the tree's (jitted above).
+        (_flax_specs_from_paths, True),
     ],
     ids=["tree-False", "tree-True", "callable-False", "callable-True"],
 )

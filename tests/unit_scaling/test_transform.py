@@ -478,19 +478,29 @@ def test_nests_with_vmap_both_orders(inputs):
     inner = U.unit_scale(lambda v, p: block(v, p))
     outer = jax.vmap(inner, in_axes=(0, None))
     both = U.unit_scale(jax.vmap(lambda v, p: block(v, p), in_axes=(0, None)))
-    _close(outer(xs, params), both(xs, params))
-    per_example = jnp.stack([inner(v, params) for v in xs])
-    _close(outer(xs, params), per_example)
-    grads = [
-        jax.grad(lambda v, p, f=f: jnp.sum(f(v, p) * cotangent), argnums=(0, 1))(xs, params)
-        for f in (outer, both)
-    ]
-    _close(grads[0], grads[1])
-    # Not the per-example factor: a shared weight's gradient sums over 3x the rows.
-    per_example_grad = sum(
-        jax.grad(lambda p, v=v, c=c: jnp.sum(inner(v, p) * c))(params)["w1"]
-        for v, c in zip(xs, cotangent)
+
+    # Each side's values and gradients in one jitted program (one compile; eagerly, each
+    # vmapped operation is one): the transforms trace the same under `jax.jit`.
+    @jax.jit
+    def values_and_grads(xs, params, cotangent):
+        grads = [
+            jax.grad(lambda v, p, f=f: jnp.sum(f(v, p) * cotangent), argnums=(0, 1))(xs, params)
+            for f in (outer, both)
+        ]
+        per_example = jnp.stack([inner(v, params) for v in xs])
+        # Not the per-example factor: a shared weight's gradient sums over 3x the rows.
+        per_example_grad = sum(
+            jax.grad(lambda p, v=v, c=c: jnp.sum(inner(v, p) * c))(params)["w1"]
+            for v, c in zip(xs, cotangent)
+        )
+        return outer(xs, params), both(xs, params), per_example, grads, per_example_grad
+
+    out_outer, out_both, per_example, grads, per_example_grad = values_and_grads(
+        xs, params, cotangent
     )
+    _close(out_outer, out_both)
+    _close(out_outer, per_example)
+    _close(grads[0], grads[1])
     _close(grads[0][1]["w1"] * math.sqrt(len(xs)), per_example_grad)
 
 
@@ -543,8 +553,10 @@ def test_nests_with_autoscale_both_orders(inputs, dtype):
         sx.to_array(jnp.float32),
         jax.tree_util.tree_map(lambda v: v.to_array(jnp.float32), sp, is_leaf=jsa.is_scaled_leaf),
     )
-    first = jsa.autoscale(U.unit_scale(f))(sx, sp)
-    second = U.unit_scale(jsa.autoscale(f))(sx, sp)
+    # Jitted (one compile each; eagerly, each scaled operation is several): the transforms
+    # trace the same under `jax.jit`.
+    first = jax.jit(jsa.autoscale(U.unit_scale(f)))(sx, sp)
+    second = jax.jit(U.unit_scale(jsa.autoscale(f)))(sx, sp)
     tol = {jnp.float32: 1e-4, jnp.float16: 2e-2, jnp.bfloat16: 1e-1}[dtype]
     for out in (first, second):
         assert isinstance(out, jsa.ScaledArray)
@@ -633,15 +645,21 @@ def test_without_residual_adds_the_readout_is_the_unconstrained_tail(inputs):
 def test_low_precision_inputs_keep_their_dtype(inputs, dtype):
     x, params = inputs
     low = jax.tree_util.tree_map(lambda v: v.astype(dtype), (x, params))
-    out, vjp = jax.vjp(U.unit_scale(model), *low)
+
+    # The values and gradients in one jitted program per dtype (eagerly, each operation on
+    # the low-precision shapes is a compile of its own).
+    @jax.jit
+    def value_and_vjp(x, params, cotangent):
+        out, vjp = jax.vjp(U.unit_scale(model), x, params)
+        return out, vjp(cotangent.astype(out.dtype))
+
+    cotangent = normal(5, (SEQ, VOCAB))
+    out, grads = value_and_vjp(*low, cotangent)
     assert out.dtype == dtype
-    expected, expected_vjp = jax.vjp(U.unit_scale(model), x, params)
+    expected, reference = value_and_vjp(x, params, cotangent)
     tol = 0.1 if dtype == jnp.bfloat16 else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=tol, atol=tol)
-    cotangent = normal(5, out.shape)
-    grads = vjp(cotangent.astype(dtype))
     assert all(g.dtype == dtype for g in jax.tree_util.tree_leaves(grads))
-    reference = expected_vjp(cotangent)
     for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference)):
         assert bool(jnp.all(jnp.isfinite(g)))
         scale = float(jnp.std(r)) + 1e-6
