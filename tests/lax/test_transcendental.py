@@ -178,7 +178,15 @@ TRANSCENDENTAL_CASES: tuple[Case, ...] = (
         scales=UP_TO_1,
         note="x in [0, 1]",
     ),
-    Case("bessel_i0e", lax.bessel_i0e, normal()),
+    Case(
+        "bessel_i0e",
+        lax.bessel_i0e,
+        normal(),
+        grad_rtol=400.0,
+        note="i0e'(x) = i1e(x) - sign(x) i0e(x) cancels for large x: at scale 2^20 the float32"
+        " gradients are a few ulps of i0e, and one compile's rounding moves some by one ulp"
+        " (measured: XLA:CPU at LLVM -O0 against -O2, 0.7% of the largest gradient)",
+    ),
     Case(
         "random_gamma",
         lambda a: _compat.primitives.random_gamma_p.bind(_KEY, a, log_space=False),
