@@ -288,3 +288,13 @@ def one_dtype_each(cases: Sequence[Any], ids: Sequence[str]) -> list[Any]:
     """pytest params `(case, dtype)` for each case with each of FLOAT_DTYPES (`in_turn`): the
     default run holds each case with one dtype, so each dtype with a third of the cases."""
     return in_turn(cases, ids, [(d,) for d in FLOAT_DTYPES], [str(d) for d in FLOAT_DTYPES])
+
+
+def gradient_params(cases: Sequence[Any], in_default_run: Sequence[str]) -> list[Any]:
+    """pytest params, one per case with `case.grad` (id `case.name`): the cases named in
+    `in_default_run` in the default run, the others marked `slow`."""
+    return [
+        pytest.param(c, id=c.name, marks=() if c.name in in_default_run else _SLOW)
+        for c in cases
+        if c.grad
+    ]

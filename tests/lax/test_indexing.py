@@ -13,7 +13,14 @@ from jax import lax
 
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.lax import indexing as indexing_module
-from tests.helpers import FLOAT_DTYPES, in_turn, make_scaled, one_dtype_each, represented
+from tests.helpers import (
+    FLOAT_DTYPES,
+    gradient_params,
+    in_turn,
+    make_scaled,
+    one_dtype_each,
+    represented,
+)
 from tests.lax.test_shape import (
     JIT_CASES,
     Case,
@@ -158,11 +165,7 @@ GRAD_DEFAULT = ("dynamic_slice", "take_embedding")
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, id=c.name, marks=() if c.name in GRAD_DEFAULT else pytest.mark.slow)
-        for c in CASES
-        if c.grad
-    ],
+    gradient_params(CASES, GRAD_DEFAULT),
 )
 def test_indexing_table_grad(case):
     run_grads(case)

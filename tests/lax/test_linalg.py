@@ -10,7 +10,14 @@ from jax import lax
 
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.lax import linalg as linalg_module
-from tests.helpers import FLOAT_DTYPES, in_turn, make_scaled, one_dtype_each, represented
+from tests.helpers import (
+    FLOAT_DTYPES,
+    gradient_params,
+    in_turn,
+    make_scaled,
+    one_dtype_each,
+    represented,
+)
 from tests.lax.test_shape import (
     JIT_CASES,
     Case,
@@ -146,11 +153,7 @@ GRAD_DEFAULT = ("matmul", "ragged_dot")
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, id=c.name, marks=() if c.name in GRAD_DEFAULT else pytest.mark.slow)
-        for c in CASES
-        if c.grad
-    ],
+    gradient_params(CASES, GRAD_DEFAULT),
 )
 def test_linalg_table_grad(case):
     run_grads(case)

@@ -10,7 +10,7 @@ from jax import lax
 
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.lax import reductions as reductions_module
-from tests.helpers import in_turn, make_scaled, one_dtype_each, represented
+from tests.helpers import gradient_params, in_turn, make_scaled, one_dtype_each, represented
 from tests.lax.test_shape import (
     JIT_CASES,
     Case,
@@ -141,11 +141,7 @@ GRAD_DEFAULT = ("reduce_sum", "max_pool")
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, id=c.name, marks=() if c.name in GRAD_DEFAULT else pytest.mark.slow)
-        for c in CASES
-        if c.grad
-    ],
+    gradient_params(CASES, GRAD_DEFAULT),
 )
 def test_reductions_table_grad(case):
     run_grads(case)
