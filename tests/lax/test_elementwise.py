@@ -38,6 +38,7 @@ from tests.helpers import (
     check_autoscale_matches,
     make_scaled,
     represented,
+    tracer_leak_checks,
 )
 
 F16 = np.dtype(np.float16)
@@ -337,7 +338,7 @@ def batched_jit_outputs(cases: Sequence[Case], dtype: Any) -> dict[tuple[str, tu
 
     sets = sorted({s for c in cases for s in jit_scale_sets(c, dtype)}, key=str)
     results: dict[tuple[str, tuple], Any] = {}
-    with default_config(jsa.AutoScaleConfig(check=True)), jax.check_tracer_leaks():
+    with default_config(jsa.AutoScaleConfig(check=True)), tracer_leak_checks():
         for scale_set in sets:
             vec = np.full(width, scale_set[-1], np.float32)
             vec[: len(scale_set)] = scale_set
@@ -372,7 +373,7 @@ def batched_jit_grads(cases: Sequence[Case], dtype: Any) -> dict[tuple[str, floa
         return out
 
     results: dict[tuple[str, float], Any] = {}
-    with default_config(jsa.AutoScaleConfig(check=True)), jax.check_tracer_leaks():
+    with default_config(jsa.AutoScaleConfig(check=True)), tracer_leak_checks():
         for scale in GRAD_SCALES[np.dtype(dtype)]:
             outs = all_grads(np.float32(scale), datas)
             for c in cases:
@@ -535,7 +536,7 @@ def _strict_autoscale(request: Any) -> Any:
     """
     leaks = "eager" not in request.fixturenames
     with default_config(jsa.AutoScaleConfig(check=True)):
-        with jax.check_tracer_leaks() if leaks else contextlib.nullcontext():
+        with tracer_leak_checks() if leaks else contextlib.nullcontext():
             yield
 
 
