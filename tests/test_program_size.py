@@ -197,6 +197,7 @@ def test_a_scalar_every_leaf_reads_is_computed_once():
         )
 
 
+@pytest.mark.slow  # ~9 s to compile; the default run keeps the budgets and the scalar check
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering of the scales")
 def test_compiled_block_step_reads_each_scale_from_memory():
     """XLA compiles what the scale algebra lowers to: on XLA:CPU each scale and ratio is
@@ -237,6 +238,7 @@ def _largest_fusion(compiled) -> int:
     return max(sizes)
 
 
+@pytest.mark.slow  # ~30 s: two 3-block GPT gradients compiled (fewer blocks: no margin)
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering of the scales")
 def test_deep_residual_stream_is_computed_once():
     """XLA:CPU recomputes cheap elementwise producers inside each of their consumers: the

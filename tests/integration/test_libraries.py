@@ -102,9 +102,12 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize(
     "name",
-    # AdamW (Adam and decayed weights: tests/optax/test_plain_optax.py's
-    # clip-decay-adam-schedule) in the slow step.
-    [pytest.param(n, marks=pytest.mark.slow) if n == "adamw" else n for n in sorted(OPTIMIZERS)],
+    # clip_adam (Adam in a chain) by default; SGD, Adam alone and AdamW (Adam and decayed
+    # weights: tests/optax/test_plain_optax.py's clip-decay-adam-schedule) in the slow step.
+    [
+        n if n == "clip_adam" else pytest.param(n, marks=pytest.mark.slow)
+        for n in sorted(OPTIMIZERS)
+    ],
 )
 def test_optax_training_step(name):
     """One step (loss, grads, update) in one autoscaled function; params and grads scaled."""

@@ -173,7 +173,17 @@ TOL = {
 }
 
 
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=str)
+@pytest.mark.parametrize(
+    "dtype",
+    # float16 (the narrowest range, where one scale per layer matters) by default; float32
+    # and bfloat16 (the same per-layer scan rules, compiled again) in the slow step.
+    [
+        pytest.param(np.float32, marks=pytest.mark.slow),
+        pytest.param(ml_dtypes.bfloat16, marks=pytest.mark.slow),
+        np.float16,
+    ],
+    ids=str,
+)
 def test_one_scale_per_layer_sgd_step(problem, dtype):
     scaled, got, expected, step = run_step(problem, dtype, per_layer)
     kernel = unwrap(scaled)["blocks"]["linear"]["kernel"]
@@ -226,7 +236,9 @@ def test_one_scale_for_all_layers_loses_the_small_layers_in_float16(problem):
     assert np.all(errors["per layer"] <= 2e-3)
 
 
-@pytest.mark.parametrize("state_dtype", [np.float16, ml_dtypes.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "state_dtype", [np.float16, pytest.param(ml_dtypes.bfloat16, marks=pytest.mark.slow)], ids=str
+)
 def test_scaled_adam_keeps_one_scale_per_layer_in_its_moments(problem, state_dtype):
     """Adam through `jsa.optax.scale_optimizer` on the per-layer-scaled float16 model: the
     moments of a stacked leaf are stored with its parameter's block scale (one per layer,
