@@ -8,7 +8,7 @@ Examples:
     Array([2., 4.], dtype=float16)
 """
 
-from . import _flax_registration, _renamed
+from . import _flax_registration
 from . import analysis as analysis
 from . import lax as lax
 from . import mp as mp
@@ -31,9 +31,6 @@ from .core.registry import coverage as coverage
 from .core.registry import register_scaled_op as register_scaled_op
 from .core.vmap import scaled_axes as scaled_axes
 from .core.vmap import vmap as vmap
-
-# Old module names still import, with a DeprecationWarning (see `_renamed`).
-_renamed.install()
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,1 @@
-from .. import _renamed
-
-# Old module names (see `jax_scaled_arithmetics._renamed`): `jsa.lax.blocks` still resolves.
-__getattr__ = _renamed.package_getattr(__name__)
+"""The core: ScaledArray, the autoscale interpreter, its rule registry and scale arithmetic."""

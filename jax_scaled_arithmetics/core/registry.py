@@ -206,7 +206,7 @@ def get_scaled_rule(primitive: Primitive) -> RuleInfo:
 
 
 # Rules that keep block scales (scales finer than one per tensor). A primitive without one
-# gets its block-scaled operands in per-tensor form (`core.blocks.to_per_tensor`) and
+# gets its block-scaled operands in per-tensor form (`core.block_scales.to_per_tensor`) and
 # its ordinary rule.
 _BLOCK_RULES: dict[Primitive, ScaledRule] = {}
 

@@ -5,7 +5,6 @@ operations `set_scaling`, `stop_scaling`, `get_data_scale`, `rebalance`, and
 `apply_to_data` (an elementwise function of the stored data).
 """
 
-from .. import _renamed
 from . import block_rules as block_rules
 from . import collectives as collectives
 from . import complex_values as complex_values
@@ -25,6 +24,3 @@ from .scaling_primitives import set_scaling as set_scaling
 from .scaling_primitives import stop_scaling as stop_scaling
 
 __all__ = ["apply_to_data", "get_data_scale", "rebalance", "set_scaling", "stop_scaling"]
-
-# Old module names (see `jax_scaled_arithmetics._renamed`): `jsa.lax.blocks` still resolves.
-__getattr__ = _renamed.package_getattr(__name__)

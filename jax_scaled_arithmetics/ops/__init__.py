@@ -1,7 +1,6 @@
 """User-facing operations on scaled arrays: dynamic rescaling, low-precision casts, quantisers,
 posit activation shortcuts, FP8 / MX matmul recipes."""
 
-from .. import _renamed
 from .casts import cast_on_backward as cast_on_backward
 from .casts import cast_on_forward as cast_on_forward
 from .casts import quantizer as quantizer
@@ -43,6 +42,3 @@ __all__ = [
     "dynamic_rescale_max",
     "dynamic_rescale_max_grad",
 ]
-
-# Old module names (see `jax_scaled_arithmetics._renamed`): `jsa.lax.blocks` still resolves.
-__getattr__ = _renamed.package_getattr(__name__)
