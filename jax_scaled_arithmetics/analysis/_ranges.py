@@ -24,6 +24,7 @@ import numpy as np
 
 from ..core import _compat
 from ..core.datatype import ScaledArray, is_floating
+from ..core.dtypes import compute_dtype
 from ..core.interpreter import autoscale, observe_equations
 
 __all__ = ["RangeTable", "TensorRange", "plot_ranges", "tensor_ranges"]
@@ -338,7 +339,7 @@ def _stats(xp: Any, data: Any, smallest_normal: float, limits: _Limits) -> tuple
     Magnitudes in float32 (float64 for float64 data), element counts as int32. `xp` is
     `numpy` (concrete data, nothing to compile) or `jax.numpy` (in the graph).
     """
-    dtype = np.float64 if np.dtype(data.dtype) == np.float64 else np.float32
+    dtype = compute_dtype(data.dtype)
     x = xp.abs(xp.asarray(data).astype(dtype))
     finite = xp.isfinite(x)
     xf = xp.where(finite, x, 0)

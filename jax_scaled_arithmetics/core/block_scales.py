@@ -28,6 +28,7 @@ from .define import (
     identity_on_operand_0,
     tangent_of_operand_0,
 )
+from .dtypes import compute_dtype
 from .scale_arithmetic import materialize_impl, scale_divide_p
 from .types import Array
 
@@ -47,11 +48,6 @@ _F32 = np.dtype(np.float32)
 # Block scales chosen by rules stay in this range (as per-tensor ones do).
 SCALE_MIN = 2.0**-124
 SCALE_MAX = 2.0**126
-
-
-def wide_dtype(dtype: Any) -> np.dtype:
-    """float64 for float64 data, else float32 (what block arithmetic is computed in)."""
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else _F32
 
 
 def block_layout(data_shape: Sequence[int], scale_shape: Sequence[int]) -> tuple[int, ...]:
@@ -209,7 +205,7 @@ def block_sum(x: Array, layout: Sequence[int]) -> Array:
 
 def block_max(x: Array, layout: Sequence[int]) -> Array:
     """The largest finite `|x|` of each block of `layout` (0 where there is none), float32."""
-    magnitude = lax.abs(x.astype(wide_dtype(x.dtype)))
+    magnitude = lax.abs(x.astype(compute_dtype(x.dtype)))
     magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
     if x.size == 0:
         return jnp.zeros(tuple(layout), magnitude.dtype)
@@ -320,6 +316,6 @@ def to_per_tensor(data: Array, scale: Array) -> tuple[Array, Array]:
     if scale.ndim == 0:
         return data, scale
     largest = lax.stop_gradient(jnp.max(scale)).astype(_F32)
-    cdtype = wide_dtype(data.dtype)
+    cdtype = compute_dtype(data.dtype)
     factors = expand_scale(ratio(scale, largest), data.shape).astype(cdtype)
     return (data.astype(cdtype) * factors).astype(data.dtype), largest

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, block_scales
+from .dtypes import compute_dtype
 from .types import Array
 
 DTypeLike = Any
@@ -141,13 +142,12 @@ class ScaledArray:
         would overflow or underflow in the data's own precision.
         """
         out_dtype = self.data.dtype if dtype is None else jnp.dtype(dtype)
-        wide = jnp.dtype(jnp.float64) in (jnp.dtype(self.data.dtype), jnp.dtype(out_dtype))
-        compute_dtype = jnp.float64 if wide else jnp.float32
+        compute = compute_dtype(self.data.dtype, out_dtype)
         data = jnp.asarray(self.data)
         scale = jnp.asarray(self.scale)
         if scale.ndim:  # a block scale: each entry repeated over its block
             scale = block_scales.expand_scale(scale, data.shape)
-        value = data.astype(compute_dtype) * scale.astype(compute_dtype)
+        value = data.astype(compute) * scale.astype(compute)
         return value.astype(out_dtype)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -377,8 +377,7 @@ def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: An
         raise TypeError(f"as_scaled_array scale must be floating point, got {scale_arr.dtype}.")
     _check_scale(arr, scale_arr)
     scale_arr = _at_data_rank(arr, scale_arr)
-    wide = jnp.dtype(jnp.float64) in (jnp.dtype(arr.dtype), jnp.dtype(scale_arr.dtype))
-    compute = jnp.float64 if wide else jnp.float32
+    compute = compute_dtype(arr.dtype, scale_arr.dtype)
     # data = value / scale, with 0 / 0 defined as 0 (a zero scale represents zeros).
     full_scale = block_scales.expand_scale(scale_arr, arr.shape)
     safe_scale = jnp.where(full_scale == 0, 1, full_scale).astype(compute)

@@ -9,6 +9,7 @@ import numpy as np
 
 from .config import Pow2RoundMode, ScalePolicy, get_autoscale_config
 from .datatype import ScaledArray, is_floating
+from .dtypes import compute_dtype
 from .pow2 import static_pow2
 from .scale_arithmetic import dynamic_scale_p, mark_pow2
 
@@ -43,6 +44,6 @@ def promote_to_scaled(x: Any, known: Any = None) -> Any:
     scale, inverse = dynamic_scale_p.bind(x, np.float32(1.0))
     mark_pow2(scale)
     mark_pow2(inverse)
-    cdtype = np.float64 if x.dtype == np.float64 else np.float32
+    cdtype = compute_dtype(x.dtype)
     data = (x.astype(cdtype) * inverse.astype(cdtype)).astype(x.dtype)
     return ScaledArray(data, scale)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .datatype import ScaledArray, is_scaled_leaf
+from .dtypes import compute_dtype
 
 __all__ = ["vmap", "scaled_axes"]
 
@@ -82,7 +83,7 @@ def _per_tensor(out: ScaledArray, axis: int) -> ScaledArray:
     ratio = jnp.where(common > 0, scale / jnp.where(common > 0, common, 1), 0)
     shape = [1] * out.data.ndim
     shape[axis] = scale.shape[0]
-    compute = jnp.float64 if out.data.dtype == jnp.float64 else jnp.float32
+    compute = compute_dtype(out.data.dtype)
     data = out.data.astype(compute) * ratio.astype(compute).reshape(shape)
     return ScaledArray(data.astype(out.data.dtype), common.astype(scale.dtype))
 

@@ -24,6 +24,7 @@ from jax import lax
 from ..core import registry
 from ..core.config import Pow2RoundMode
 from ..core.datatype import ScaledArray, is_floating
+from ..core.dtypes import compute_dtype as compute_dtype
 from ..core.pow2 import pow2_round, static_pow2
 from ..core.types import Array
 from .scale_algebra import (
@@ -60,13 +61,6 @@ __all__ = [
     "scaled_output",
     "Slope",
 ]
-
-
-def compute_dtype(dtype: Any) -> Any:
-    """The dtype elementwise rules compute in: at least float32."""
-    if jnp.dtype(dtype) == jnp.dtype(jnp.float64):
-        return jnp.dtype(jnp.float64)
-    return jnp.dtype(jnp.float32)
 
 
 def choose_scale(x: Array) -> Array:

@@ -321,7 +321,7 @@ def _select_n_blocks(which: Any, *cases: Any, **params: Any) -> Any:
 def _unary_value_rule(primitive: Any) -> None:
     def rule(x: ScaledArray, **params: Any) -> Any:
         layout = layout_of(x)
-        cdtype = block_scales.wide_dtype(x.dtype)
+        cdtype = compute_dtype(x.dtype)
         scale = block_scales.expand_scale(jnp.asarray(x.scale, _F32), x.shape).astype(cdtype)
         value = primitive.bind(x.data.astype(cdtype) * scale, **params)
         return dynamic_blocks(value, np.float32(1.0), layout, x.dtype)
@@ -394,7 +394,7 @@ def _apply_contracting_blocks(
     if not any(layout[a] > 1 for a in contracting):
         return x.data, scale, layout
     kept = lax.stop_gradient(jnp.max(scale, axis=tuple(contracting), keepdims=True))
-    cdtype = block_scales.wide_dtype(x.dtype)
+    cdtype = compute_dtype(x.dtype)
     factor = block_scales.expand_scale(block_scales.ratio(scale, kept), x.shape).astype(cdtype)
     return x.data.astype(cdtype) * factor, kept, tuple(kept.shape)
 
@@ -408,7 +408,7 @@ def _dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Any:
     rdata, rscale, rlayout = _apply_contracting_blocks(rhs, rc)
     if ldata.dtype != rdata.dtype:
         ldata, rdata = ldata.astype(_F32), rdata.astype(_F32)
-    acc_dtype = block_scales.wide_dtype(out_dtype)
+    acc_dtype = compute_dtype(out_dtype)
     acc = lax.dot_general_p.bind(ldata, rdata, **dict(params, preferred_element_type=acc_dtype))
     lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
     rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
@@ -466,7 +466,7 @@ def _conv_general_dilated(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> 
     rdata, rscale, rlayout = _apply_contracting_blocks(rhs, rcontract)
     if ldata.dtype != rdata.dtype:
         ldata, rdata = ldata.astype(_F32), rdata.astype(_F32)
-    acc_dtype = block_scales.wide_dtype(out_dtype)
+    acc_dtype = compute_dtype(out_dtype)
     acc = lax.conv_general_dilated_p.bind(
         ldata, rdata, **dict(params, preferred_element_type=acc_dtype)
     )
@@ -804,7 +804,7 @@ def _scatter_rule(primitive: Any, combine: Any) -> None:
         layout = _scatter_layout(operand, updates, params)
         so, su = jnp.asarray(operand.scale, _F32), jnp.asarray(updates.scale, _F32)
         top = lax.stop_gradient(lax.max(jnp.max(so), jnp.max(su)))
-        cdtype = block_scales.wide_dtype(operand.dtype)
+        cdtype = compute_dtype(operand.dtype)
 
         def value(x: ScaledArray, scale: Array) -> Array:
             factor = block_scales.expand_scale(block_scales.ratio(scale, top), x.shape).astype(

@@ -49,6 +49,7 @@ from jax.experimental import io_callback
 from ..core import _compat, block_scales, registry, shardings
 from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray, is_floating
+from ..core.dtypes import compute_dtype
 from ..core.promotion import promote_to_scaled
 from ..core.registry import operand_constants
 from ..core.subjaxpr import (
@@ -827,14 +828,6 @@ registry.register_block_rule(_compat.cond_p, scaled_cond)
 # (`find_primitive`); one that a JAX release renames simply gets no rule.
 
 
-_F32 = jnp.dtype(jnp.float32)
-
-
-def _wide_dtype(dtype: Any) -> Any:
-    """Debug output shows the represented value without overflow: at least float32."""
-    return dtype if jnp.dtype(dtype).itemsize >= 4 else _F32
-
-
 debug_callback_p = find_primitive(
     lambda x: jax.debug.callback(lambda v: None, x), 1.0, name="debug_callback"
 )
@@ -855,7 +848,7 @@ optimization_barrier_p = find_primitive(
 
 for _prim in (debug_callback_p, debug_print_p):
     register_materializing(
-        _prim, _wide_dtype, "the callback sees represented values (in at least float32)"
+        _prim, compute_dtype, "the callback sees represented values (in at least float32)"
     )
 for _prim in (pure_callback_p, io_callback_p):
     register_materializing(

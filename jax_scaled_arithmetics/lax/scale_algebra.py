@@ -31,6 +31,7 @@ from jax import lax
 from ..core import _compat
 from ..core.config import Pow2RoundMode, get_autoscale_config
 from ..core.datatype import ScaledArray
+from ..core.dtypes import compute_dtype
 from ..core.pow2 import static_pow2
 from ..core.scale_arithmetic import (
     F32,
@@ -164,10 +165,6 @@ def _multiply_static(data: Array, factor: float, cdtype: Any) -> Array:
     return out * np.asarray(np.copysign(magnitude, factor), cdtype)
 
 
-def _compute_dtype(dtype: Any) -> Any:
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else F32
-
-
 def represent(
     acc: Array,
     factors: Sequence[Factor],
@@ -197,7 +194,7 @@ def represent(
         else:
             with np.errstate(all="ignore"):
                 static *= float(np.float64(value) ** power)
-    cdtype = _compute_dtype(acc.dtype)
+    cdtype = compute_dtype(acc.dtype)
     data_factor = 1.0 / extra  # what the data is multiplied by, beside the clamped excess
     static *= extra
 
@@ -345,7 +342,7 @@ def apply_ratio(data: Array, ratio: Any, dtype: Any = None) -> Array:
     finfo = ml_dtypes.finfo(dtype)
     if static == 0.0 or float(finfo.tiny) <= abs(static) <= float(finfo.max):
         return data.astype(dtype) * np.asarray(static, dtype)
-    return _multiply_static(data, static, _compute_dtype(dtype)).astype(dtype)
+    return _multiply_static(data, static, compute_dtype(dtype)).astype(dtype)
 
 
 def reciprocal(scale: Any) -> Any:
@@ -394,7 +391,7 @@ def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> Scal
     formed). `t` depends on the data only, not on the input scales: the scalar work that
     XLA fuses into each kernel does not grow along the program.
     """
-    cdtype = _compute_dtype(acc.dtype)
+    cdtype = compute_dtype(acc.dtype)
     acc = acc.astype(cdtype)
     static = 1.0
     product: Any = None

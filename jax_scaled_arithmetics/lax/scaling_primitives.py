@@ -25,6 +25,7 @@ from ..core.define import (
     identity_on_operand_0,
     tangent_of_operand_0,
 )
+from ..core.dtypes import compute_dtype
 from ..core.types import Array
 from .scale_algebra import as_f32, at_scale, same_scale, scale_div, scale_mul, static_value
 
@@ -100,7 +101,7 @@ def scaled_set_scaling(x: Any, scale: Any) -> ScaledArray:
     scale = _usable_factor(scale, "set_scaling", "scale", as_f32(fallback))
     if same_scale(x.scale, scale):
         return x
-    cdtype = np.float64 if x.dtype == np.float64 else np.float32
+    cdtype = compute_dtype(x.dtype)
     data = at_scale(x.data, x.scale, scale, cdtype)
     return ScaledArray(data.astype(x.dtype), scale)
 
@@ -266,7 +267,7 @@ def rebalance_by(x: ScaledArray, factor: Any, inverse: Any = None) -> ScaledArra
     """`x`'s data times `factor`, its scale divided by it (times `inverse`, `1 / factor`
     exactly, when the caller has it), for a factor the caller knows to be finite and
     positive (dynamic rescaling's powers of two): no check."""
-    cdtype = np.float64 if x.dtype == np.float64 else np.float32
+    cdtype = compute_dtype(x.dtype)
     data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
     if inverse is not None:
         return ScaledArray(data, scale_mul(x.scale, inverse))
@@ -282,7 +283,7 @@ def _block_rebalance(x: Any, factor: Any) -> Any:
 
 def block_rebalance_by(x: ScaledArray, factor: Any) -> ScaledArray:
     """:func:`rebalance_by` for a block-scaled `x`: every block's scale divided by `factor`."""
-    cdtype = np.float64 if x.dtype == np.float64 else np.float32
+    cdtype = compute_dtype(x.dtype)
     data = (x.data.astype(cdtype) * factor.astype(cdtype)).astype(x.dtype)
     scale = jnp.asarray(x.scale, jnp.float32)
     return ScaledArray(data, block_scales.ratio(scale, jnp.broadcast_to(factor, scale.shape)))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.datatype import ScaledArray, is_floating
+from ..core.dtypes import compute_dtype
 from ..core.types import Array
 from ..tree._src import leaves as _tree_leaves
 from ..tree._src import map as _tree_map
@@ -37,12 +38,6 @@ def _as_float_array(x: Any) -> Array:
     return jnp.asarray(x)
 
 
-def _compute_dtype(dtype: Any) -> Any:
-    """At least float32: narrower floats (float16, bfloat16, float8, ...) compute in float32."""
-    dtype = jnp.dtype(dtype)
-    return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
-
-
 def _rescale_leaf(x: Any, loss_scale: Array, multiply: bool) -> Any:
     """Multiply (or divide) one floating leaf by `loss_scale`; other leaves pass through."""
     if x is None:
@@ -54,7 +49,7 @@ def _rescale_leaf(x: Any, loss_scale: Array, multiply: bool) -> Any:
     if not is_floating(x):
         return x
     arr = jnp.asarray(x)
-    compute = jnp.promote_types(_compute_dtype(arr.dtype), _compute_dtype(loss_scale.dtype))
+    compute = compute_dtype(arr.dtype, loss_scale.dtype)
     value, ls = arr.astype(compute), loss_scale.astype(compute)
     return (value * ls if multiply else value / ls).astype(arr.dtype)
 

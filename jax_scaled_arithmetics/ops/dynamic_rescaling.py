@@ -26,6 +26,7 @@ from ..core.define import (
     tangent_of_operand_0,
     zero_tangents,
 )
+from ..core.dtypes import compute_dtype
 from ..core.interpreter import autoscale
 from ..core.scale_arithmetic import mark_pow2
 from ..core.types import Array
@@ -95,7 +96,7 @@ def _reblock(x: ScaledArray, target: tuple[int, ...]) -> tuple[Array, Array]:
     """`x` on the block layout `target`: `(data, scale)`, the scale of each target block the
     largest old scale within it, the data (float32 or float64) multiplied by each old
     scale's ratio to it (a power of two at most 1: nothing overflows)."""
-    cdtype = block_scales.wide_dtype(x.dtype)
+    cdtype = compute_dtype(x.dtype)
     data = jnp.asarray(x.data).astype(cdtype)
     scale = jnp.asarray(x.scale, _F32)
     if scale.ndim == 0:

@@ -49,6 +49,7 @@ import numpy as np
 import optax
 
 from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
+from ..core.dtypes import compute_dtype
 from ..core.interpreter import autoscale
 from ..ops.dynamic_rescaling import dynamic_rescale_max
 from . import scaled as _scaled
@@ -60,17 +61,9 @@ Rescale = Callable[[Any], Any]
 DTypeLike = Any
 
 
-def _wide_dtype(dtype: Any) -> Any:
-    """float32 for narrower floating dtypes; others as they are."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-        return jnp.dtype(jnp.float32)
-    return dtype
-
-
 def _wide(x: Any) -> Any:
     """A floating leaf with float32 (or wider) data, same value; others as they are."""
-    if x is None or not is_floating(x) or _wide_dtype(x.dtype) == x.dtype:
+    if x is None or not is_floating(x) or compute_dtype(x.dtype) == x.dtype:
         return x
     return x.astype(jnp.float32)
 
@@ -153,7 +146,7 @@ def accumulate_gradients(
         shapes = shapes[1] if has_value else shapes
         dtypes = jax.tree_util.tree_map(lambda s: None if s is None else s.dtype, shapes)
         zeros = jax.tree_util.tree_map(
-            lambda s: None if s is None else jnp.zeros(s.shape, _wide_dtype(s.dtype)), shapes
+            lambda s: None if s is None else jnp.zeros(s.shape, compute_dtype(s.dtype)), shapes
         )
 
         def body(total: Any, microbatch: Any) -> tuple[Any, Any]:
