@@ -4,6 +4,7 @@ Every function handles ScaledArray leaves: casting casts their data and keeps
 their scale, loss scaling multiplies their scale and keeps their data.
 """
 
+from .loss_scale import BooleanScalarError as BooleanScalarError
 from .loss_scale import DynamicLossScale as DynamicLossScale
 from .loss_scale import LossScale as LossScale
 from .loss_scale import NoOpLossScale as NoOpLossScale
@@ -17,6 +18,7 @@ from .policy import get_policy as get_policy
 from .policy import half_dtype as half_dtype
 
 __all__ = [
+    "BooleanScalarError",
     "DynamicLossScale",
     "LossScale",
     "NoOpLossScale",

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core import _compat
 from ..core.datatype import ScaledArray, is_floating
 from ..core.dtypes import compute_dtype
 from ..core.types import Array
@@ -22,6 +24,7 @@ from ..tree._src import leaves as _tree_leaves
 from ..tree._src import map as _tree_map
 
 __all__ = [
+    "BooleanScalarError",
     "LossScale",
     "NoOpLossScale",
     "StaticLossScale",
@@ -59,25 +62,44 @@ def _rescale(tree: Any, loss_scale: Any, multiply: bool) -> Any:
     return _tree_map(lambda x: _rescale_leaf(x, loss_scale, multiply), tree)
 
 
+class BooleanScalarError(TypeError, ValueError, AssertionError):
+    """A predicate (`grads_finite`, `select_tree`'s `pred`) that is not a boolean scalar.
+
+    A `TypeError` (wrong dtype) and a `ValueError` (wrong shape), and an `AssertionError`,
+    which is what `jmp` raises there: code written for either keeps catching it.
+    """
+
+
 def _check_bool_scalar(x: Any, name: str) -> Array:
     """Check statically that `x` is a boolean scalar (works on tracers); return it as an array."""
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         if isinstance(x, (bool, np.bool_)):
             return jnp.asarray(x)
-        raise TypeError(f"{name} must be a boolean scalar, got {type(x).__name__} {x!r}.")
+        raise BooleanScalarError(f"{name}: expected boolean scalar, got {type(x).__name__} {x!r}.")
     if jnp.dtype(dtype) != jnp.dtype(bool):
-        raise TypeError(
-            f"{name} must be a boolean scalar, got dtype {dtype}; compare explicitly, e.g. "
+        raise BooleanScalarError(
+            f"{name}: expected boolean scalar, got dtype {dtype}; compare explicitly, e.g. "
             "`jsa.mp.all_finite(grads)`."
         )
     shape = tuple(getattr(x, "shape", ()))
     if shape != ():
-        raise ValueError(
-            f"{name} must be a boolean scalar, got shape {shape}; reduce it first, e.g. "
+        raise BooleanScalarError(
+            f"{name}: expected boolean scalar, got shape {shape}; reduce it first, e.g. "
             "with `jnp.all`."
         )
     return jnp.asarray(x)
+
+
+def _warn_if_not_floating(x: Any, name: str) -> None:
+    """Warn, as `jmp` does, when a loss-scale field is an array of a non-floating dtype (a
+    Python number is computed in float32; a tracer or JAX's placeholder is not checked)."""
+    if _compat.is_tracer(x) or not hasattr(x, "dtype") or is_floating(x):
+        return
+    warnings.warn(
+        f"Expected floating type for {name}, got {x.dtype}.",
+        stacklevel=4,
+    )
 
 
 class LossScale(Protocol):
@@ -123,7 +145,7 @@ class NoOpLossScale:
         return self
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class StaticLossScale:
     """A constant loss scale.
 
@@ -131,6 +153,10 @@ class StaticLossScale:
     in at least float32 and rounding back to the leaf's dtype); a ScaledArray
     leaf gets its scale multiplied, its data kept, which is exact. `unscale`
     divides likewise. Integer, boolean and `None` leaves pass through.
+
+    As in `jmp`, the class is a pytree with no leaves: the loss scale is static (a
+    constant of the compiled program). Build it from a concrete number; a loss scale
+    that changes is a :class:`DynamicLossScale`.
 
     Attributes:
         loss_scale: the loss scale, a float scalar (a power of two keeps
@@ -147,6 +173,13 @@ class StaticLossScale:
     """
 
     loss_scale: Array
+
+    def __post_init__(self) -> None:
+        _warn_if_not_floating(self.loss_scale, "loss_scale")
+
+    @functools.cached_property
+    def _static_loss_scale(self) -> _Static:
+        return _Static(self.loss_scale)
 
     def scale(self, tree: Any) -> Any:
         """Multiply the floating leaves of `tree` by the loss scale."""
@@ -170,7 +203,7 @@ def _one_float32() -> Array:
     return np.ones((), np.float32)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
     """A loss scale that grows while gradients stay finite and shrinks when they do not.
 
@@ -183,16 +216,17 @@ class DynamicLossScale:
     2. Non-finite gradients: `counter = 0` and
        `loss_scale = max(min_loss_scale, loss_scale / factor)`.
 
-    The loss scale and counter keep their dtypes. The class is a pytree whose
-    leaves are `loss_scale`, `counter` and `min_loss_scale`; `period` and `factor`
-    are static metadata. Every field survives flattening and `jit`.
+    The loss scale and counter keep their dtypes. As in `jmp`, the class is a pytree
+    whose leaves are `loss_scale` and `counter`; `period`, `factor` and `min_loss_scale`
+    are static metadata, and every field survives flattening and `jit` (`jmp` drops
+    `min_loss_scale` there, which then falls back to 1).
 
     Attributes:
         loss_scale: current loss scale, a float scalar (float32 for Python numbers).
         counter: finite steps since the last change, an int32 scalar.
-        period: number of consecutive finite steps before growing (Python int >= 1).
-        factor: growth and shrink factor (Python int >= 1).
-        min_loss_scale: floor of the loss scale, a float scalar.
+        period: number of consecutive finite steps before growing (a number >= 1).
+        factor: growth and shrink factor (a number >= 1).
+        min_loss_scale: floor of the loss scale, a concrete float scalar.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -213,14 +247,20 @@ class DynamicLossScale:
     min_loss_scale: Array = dataclasses.field(default_factory=_one_float32)
 
     def __post_init__(self) -> None:
-        # Only the static fields are checked: JAX rebuilds the class with
-        # placeholder objects as the array fields.
+        # The array fields are only warned about: JAX rebuilds the class with
+        # placeholder objects as the leaves.
         for name in ("period", "factor"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"DynamicLossScale.{name} must be a Python int, got {value!r}.")
-            if value < 1:
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)):
+                raise TypeError(f"DynamicLossScale.{name} must be a number, got {value!r}.")
+            if not value >= 1:
                 raise ValueError(f"DynamicLossScale.{name} must be >= 1, got {value}.")
+        _warn_if_not_floating(self.loss_scale, "loss_scale")
+        _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
+
+    @functools.cached_property
+    def _static_min_loss_scale(self) -> _Static:
+        return _Static(self.min_loss_scale)
 
     def scale(self, tree: Any) -> Any:
         """Multiply the floating leaves of `tree` by the loss scale."""
@@ -260,12 +300,59 @@ class DynamicLossScale:
         )
 
 
+class _Static:
+    """A concrete array (or number) as pytree metadata: compared and hashed by its dtype,
+    shape and bytes, so that jit finds its compiled program again for an equal value; a
+    tracer (a value built inside a traced function) by identity."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        if _compat.is_tracer(value):
+            self.key: Any = ("tracer", id(value))
+        else:
+            array = np.asarray(value)
+            self.key = (array.dtype.str, array.shape, array.tobytes())
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def _flatten_static(ls: StaticLossScale) -> tuple[tuple[()], _Static]:
+    return (), ls._static_loss_scale
+
+
+def _unflatten_static(meta: _Static, leaves: Any) -> StaticLossScale:
+    del leaves
+    return StaticLossScale(meta.value)
+
+
+_DYNAMIC_KEYS = (jax.tree_util.GetAttrKey("loss_scale"), jax.tree_util.GetAttrKey("counter"))
+
+
+def _flatten_dynamic(ls: DynamicLossScale) -> tuple[Any, Any]:
+    leaves = zip(_DYNAMIC_KEYS, (ls.loss_scale, ls.counter), strict=True)
+    return tuple(leaves), (ls.period, ls.factor, ls._static_min_loss_scale)
+
+
+def _unflatten_dynamic(meta: Any, leaves: Any) -> DynamicLossScale:
+    loss_scale, counter = leaves
+    period, factor, min_loss_scale = meta
+    return DynamicLossScale(loss_scale, counter, period, factor, min_loss_scale.value)
+
+
 jax.tree_util.register_dataclass(NoOpLossScale, data_fields=[], meta_fields=[])
-jax.tree_util.register_dataclass(StaticLossScale, data_fields=["loss_scale"], meta_fields=[])
-jax.tree_util.register_dataclass(
+jax.tree_util.register_pytree_node(StaticLossScale, _flatten_static, _unflatten_static)
+jax.tree_util.register_pytree_with_keys(
     DynamicLossScale,
-    data_fields=["loss_scale", "counter", "min_loss_scale"],
-    meta_fields=["period", "factor"],
+    _flatten_dynamic,
+    _unflatten_dynamic,
+    flatten_func=lambda ls: ((ls.loss_scale, ls.counter), _flatten_dynamic(ls)[1]),
 )
 
 

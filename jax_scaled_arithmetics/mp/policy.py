@@ -219,7 +219,8 @@ class Policy:
 def get_policy(policy_name: str) -> Policy:
     """Parse a policy string such as "p=f32,c=bf16,o=f32".
 
-    Entries are `key=dtype`, separated by commas. Keys: `p`/`params`,
+    Entries are `key=dtype`, separated by commas; a dtype name alone (`"float16"`, as in
+    `jmp`) is the dtype of all three. Keys: `p`/`params`,
     `c`/`compute`, `o`/`output`. Dtype names: `f16`/`float16`, `bf16`/`bfloat16`,
     `f32`/`float32`/`full`/`single`, `f64`/`float64`/`double`,
     `f8e4m3`/`e4m3`/`float8_e4m3fn`, `f8e5m2`/`e5m2`/`float8_e5m2`, `half`
@@ -238,9 +239,20 @@ def get_policy(policy_name: str) -> Policy:
         p=float32,c=bfloat16,o=float32
         >>> print(jsa.mp.get_policy("c=e4m3"))
         p=float32,c=float8_e4m3fn,o=float8_e4m3fn
+        >>> print(jsa.mp.get_policy("bf16"))
+        p=bfloat16,c=bfloat16,o=bfloat16
     """
     if not isinstance(policy_name, str):
         raise TypeError(f"get_policy expects a string, got {type(policy_name).__name__}.")
+    if "=" not in policy_name and "," not in policy_name:
+        # One dtype name for all three, as in `jmp` ("float16", "half", "f32").
+        dtype = _dtype_from_name(policy_name.strip())
+        if dtype is None:
+            raise ValueError(
+                f"Unknown dtype {policy_name!r} in policy {policy_name!r}; accepted names: "
+                f"{_accepted_dtype_names()}."
+            )
+        return Policy(dtype, dtype, dtype)
     parsed: dict[str, np.dtype] = {}
     for entry in policy_name.split(","):
         key, sep, value = entry.partition("=")

@@ -133,9 +133,23 @@ def test_unknown_dtype_lists_accepted_names():
         assert name in message
 
 
-@pytest.mark.parametrize("spec", ["", "f32", "p=f32,", "p=f32,,c=bf16", "p", "p=", "=f32"])
+@pytest.mark.parametrize("spec", ["p=f32,", "p=f32,,c=bf16", "p=", "=f32", "p=f32,c"])
 def test_malformed_entries(spec):
     with pytest.raises(ValueError, match=r"Malformed entry"):
+        mp.get_policy(spec)
+
+
+@pytest.mark.parametrize("name, dtype", DTYPE_NAMES)
+def test_one_dtype_name_is_the_dtype_of_all_three(name, dtype):
+    """As in jmp: `get_policy("float16")`."""
+    expected = mp.half_dtype() if dtype is None else dtype
+    policy = mp.get_policy(name)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (expected,) * 3
+
+
+@pytest.mark.parametrize("spec", ["", "p", "compute_float16", "f8"])
+def test_a_name_alone_that_is_no_dtype_is_an_unknown_dtype(spec):
+    with pytest.raises(ValueError, match=rf"Unknown dtype '{spec}' in policy '{spec}'"):
         mp.get_policy(spec)
 
 
@@ -253,6 +267,7 @@ def test_half_dtype():
 
 def test_public_names():
     expected = {
+        "BooleanScalarError",
         "Policy",
         "get_policy",
         "cast_to_full",
