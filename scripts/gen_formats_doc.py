@@ -229,7 +229,8 @@ magnitude in the format (the largest element lands in `(max/2, max]`, casts satu
 finite inputs never give inf/NaN); `x` and `w` are in the forward format (E4M3) in all
 three matmuls, re-quantised from their float32 values along the backward axes. MX uses
 the OCP scales of `block_quantize` (`"mxfp8_e4m3"`, `"mxfp8_e5m2"`, `"mxfp6_e2m3"`,
-`"mxfp6_e3m2"`, `"mxfp4_e2m1"`: `jsa.quantization.MX_FORMATS`; `block_quantize` and
+`"mxfp6_e3m2"`, `"mxfp4_e2m1"`: `jsa.quantization.MX_FORMATS`; the family names `"mxfp8"`,
+`"mxfp6"`, `"mxfp4"` are E4M3, E2M3 and E2M1: `MX_FORMAT_ALIASES`; `block_quantize` and
 `block_fake_quantize` also take `scale_rounding="up"`, the smallest power of two at which a
 block's largest magnitude fits the element format, where the OCP rule lets it saturate:
 Mishra et al. 2025 found the OCP rule can make MX training diverge); `block_size` must divide

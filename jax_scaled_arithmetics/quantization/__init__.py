@@ -6,6 +6,7 @@ block scaled arrays (`MXArray.to_scaled_array`, `mx_from_scaled_array`).
 """
 
 from ._bits import Rounding as Rounding
+from .block import MX_FORMAT_ALIASES as MX_FORMAT_ALIASES
 from .block import MX_FORMATS as MX_FORMATS
 from .block import MXArray as MXArray
 from .block import as_e8m0 as as_e8m0
@@ -41,6 +42,7 @@ from .table import table_quantize as table_quantize
 
 __all__ = [
     "FORMATS",
+    "MX_FORMAT_ALIASES",
     "MX_FORMATS",
     "NF4",
     "POSIT_FORMATS",

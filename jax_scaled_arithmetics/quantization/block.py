@@ -41,14 +41,22 @@ Every one has E8M0 scales shared by blocks of 32 elements. The names are accepte
 wherever an MX element format is (:func:`block_quantize`, :func:`mx_element_format`).
 """
 
+MX_FORMAT_ALIASES: Mapping[str, str] = types.MappingProxyType(
+    {"mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e2m3", "mxfp4": "mxfp4_e2m1"}
+)
+"""The family names of the specifications and vendors' documents, as the concrete format
+each means here (read-only): MXFP4 has one element format; for MXFP8 and MXFP6, the
+variant with more mantissa bits (E4M3, E2M3), the one used for weights and activations.
+The other variants are named in full (``"mxfp8_e5m2"``, ``"mxfp6_e3m2"``)."""
+
 
 def mx_element_format(format: str | FloatFormat | Any) -> FloatFormat:
     """The element format of an MX format name, or an element format itself.
 
     Args:
-        format: An OCP MX name from :data:`MX_FORMATS` (``"mxfp8_e4m3"``, ...), or an
-            element format: a preset name, dtype or :class:`FloatFormat` (signed, with a
-            zero).
+        format: An OCP MX name from :data:`MX_FORMATS` (``"mxfp8_e4m3"``, ...) or
+            :data:`MX_FORMAT_ALIASES` (``"mxfp4"``, ...), or an element format: a preset
+            name, dtype or :class:`FloatFormat` (signed, with a zero).
 
     Returns:
         The element :class:`FloatFormat`.
@@ -60,17 +68,21 @@ def mx_element_format(format: str | FloatFormat | Any) -> FloatFormat:
     Examples:
         >>> mx_element_format("mxfp4_e2m1").name
         'float4_e2m1fn'
+        >>> mx_element_format("mxfp8").name
+        'float8_e4m3fn'
         >>> mx_element_format("float8_e5m2").max
         57344.0
     """
-    if isinstance(format, str) and format in MX_FORMATS:
-        return _check_element_format(get_format(MX_FORMATS[format]))
+    if isinstance(format, str):
+        format = MX_FORMAT_ALIASES.get(format.lower(), format)
+        if format.lower() in MX_FORMATS:
+            return _check_element_format(get_format(MX_FORMATS[format.lower()]))
     try:
         fmt = get_format(format)
     except ValueError as e:
+        names = ", ".join([*MX_FORMATS, *MX_FORMAT_ALIASES])
         raise ValueError(
-            f"Unknown MX format {format!r}: expected one of {', '.join(MX_FORMATS)} "
-            f"or an element format ({e})"
+            f"Unknown MX format {format!r}: expected one of {names} or an element format ({e})"
         ) from None
     return _check_element_format(fmt)
 

@@ -9,6 +9,7 @@ import pytest
 
 from jax_scaled_arithmetics.quantization import (
     FORMATS,
+    MX_FORMAT_ALIASES,
     MX_FORMATS,
     block,
     block_dequantize,
@@ -45,6 +46,24 @@ def test_block_quantize_accepts_mx_names(name):
     by_element = block_quantize(x, EXPECTED[name])
     assert by_name.format is by_element.format and by_name.block_size == 32
     np.testing.assert_array_equal(block_dequantize(by_name), block_dequantize(by_element))
+
+
+@pytest.mark.parametrize(
+    "alias, name", [("mxfp8", "mxfp8_e4m3"), ("mxfp6", "mxfp6_e2m3"), ("mxfp4", "mxfp4_e2m1")]
+)
+def test_family_names_are_their_documented_variant(alias, name):
+    assert dict(MX_FORMAT_ALIASES)[alias] == name
+    assert mx_element_format(alias) is FORMATS[EXPECTED[name]]
+    assert mx_element_format(alias.upper()) is FORMATS[EXPECTED[name]]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32))
+    np.testing.assert_array_equal(
+        block_dequantize(block_quantize(x, alias)), block_dequantize(block_quantize(x, name))
+    )
+
+
+def test_unknown_mx_name_lists_the_names():
+    with pytest.raises(ValueError, match=r"Unknown MX format 'mxfp5'.*mxfp8_e4m3.*mxfp4"):
+        mx_element_format("mxfp5")
 
 
 # Each format with one axis in the default run (both axes among them); the other five in
