@@ -173,3 +173,50 @@ def test_add_then_sub_recovers_within_tolerance(dtype, da, db, sa, sb):
     a, b = make_scaled(da, dtype, sa), make_scaled(db, dtype, sb)
     out = jsa.autoscale(lambda x, y: (x + y) - y)(a, b)
     _check_close(out, represented(a), dtype, 2 * _inputs_atol(a, b, dtype))
+
+
+# --- a scalar predicate selects one branch as it is ----------------------------------------
+
+
+def _cond(pred, a, b):
+    return lax.cond(pred, lambda: a, lambda: b)
+
+
+SELECTS = {
+    "select_n": lambda pred, a, b: lax.select_n(pred, b, a),
+    "where": jnp.where,
+    "select_tree": lambda pred, a, b: jsa.mp.select_tree(pred, {"x": a}, {"x": b})["x"],
+    "cond": _cond,
+}
+_SELECTS_JIT = {name: jax.jit(jsa.autoscale(fn)) for name, fn in SELECTS.items()}
+# Any positive finite float32 scale (a mantissa too, not only powers of two), far apart.
+any_scales = st.tuples(st.floats(1.0, 2.0, exclude_max=True), st.integers(-120, 120)).map(
+    lambda t: float(np.float32(t[0] * 2.0 ** t[1]))
+)
+
+
+@PROPERTY_SETTINGS
+@given(
+    name=st.sampled_from(sorted(SELECTS)),
+    dtype=dtypes,
+    data_a=datas,
+    data_b=datas,
+    scale_a=any_scales,
+    scale_b=any_scales,
+    pred=st.booleans(),
+    use_jit=st.booleans(),
+)
+def test_a_scalar_predicate_returns_one_branch_bit_for_bit(
+    name, dtype, data_a, data_b, scale_a, scale_b, pred, use_jit
+):
+    """`select_n`, `jnp.where`, `jsa.mp.select_tree` and `lax.cond` between two ScaledArrays
+    with a scalar predicate, under `autoscale`: the chosen branch's data and scale, bit for
+    bit (a skipped training step keeps its state exactly), whatever the two scales."""
+    a, b = make_scaled(data_a, dtype, scale_a), make_scaled(data_b, dtype, scale_b)
+    select = _SELECTS_JIT[name] if use_jit else jsa.autoscale(SELECTS[name])
+    out = select(jnp.asarray(pred), a, b)
+    chosen = a if pred else b
+    assert isinstance(out, jsa.ScaledArray) and out.dtype == np.dtype(dtype)
+    for got, want in ((out.data, chosen.data), (out.scale, chosen.scale)):
+        got, want = np.asarray(got), np.asarray(want)
+        assert (got.dtype, got.shape, got.tobytes()) == (want.dtype, want.shape, want.tobytes())
