@@ -33,8 +33,11 @@ give inf or NaN. Scales lie in ``[2^-126, 2^127]`` (an all-zero row gets 1). MX 
 follow the OCP rule (``2^(floor(log2 amax) - emax)``), which may clip a block's largest
 element to ``max``.
 
-All recipes are simulated in float32 with ``jsa.quantization`` (bit-exact with the real
-casts), jit, vmap and differentiate (a ``jax.custom_vjp``), accept float32, bfloat16 and
+Row-wise and tensor-wise matmuls multiply the quantised operands as FP8 arrays (an FP8
+``dot_general`` with a float32 result, which XLA runs as an FP8 GEMM on GPUs that have
+one; formats without a JAX dtype are multiplied in float32); MX is simulated in float32
+with ``jsa.quantization`` (bit-exact with the real casts). All recipes jit, vmap and
+differentiate (a ``jax.custom_vjp``), accept float32, bfloat16 and
 float16 inputs (output in ``x``'s dtype, gradients in their primal's), and run inside
 ``jsa.autoscale``; a ScaledArray argument outside it is handled by ``jsa.autoscale`` too.
 """
@@ -110,7 +113,18 @@ def _contract(recipe: _Recipe, a: Array, a_fmt: FloatFormat, b: Array, b_fmt: Fl
     row = recipe.granularity == "row"
     qa, sa = _pow2_quantize(a, a_fmt, 1 if row else None)  # (M, 1) or (1, 1)
     qb, sb = _pow2_quantize(b, b_fmt, 0 if row else None)  # (1, N) or (1, 1)
-    return _dot(qa, qb) * (sa * sb)  # a scale product beyond float32 is beyond it too
+    # A scale product beyond float32 is beyond it too.
+    return _dot(_as_fp8(qa, a_fmt), _as_fp8(qb, b_fmt)) * (sa * sb)
+
+
+def _as_fp8(q: Array, fmt: FloatFormat) -> Array:
+    """`q` (float32 on `fmt`'s grid, saturated) in `fmt`'s FP8 dtype, where it is one: the
+    cast is exact, and an FP8 `dot_general` with a float32 result is what XLA runs as an
+    FP8 GEMM on GPUs (tests/lax/test_cuda_lowering.py). Other formats stay float32."""
+    dtype = fmt.jax_dtype
+    if dtype is None or not dtype.name.startswith("float8"):
+        return q
+    return q.astype(dtype)
 
 
 # The recipe's computations are compiled once per recipe and shape (eager calls run one

@@ -468,3 +468,27 @@ def test_mx_scale_rounding_up_backward():
     x, w, kw = SCALE_ROUNDING_X, np.ones((4, 2), np.float32), SCALE_ROUNDING_KW
     g = jax.grad(lambda x: jnp.sum(jsa.ops.mx_matmul(x, w, **kw, scale_rounding="up")))(x)
     assert g.shape == x.shape and np.isfinite(g).all()
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "row"])
+def test_recipes_lower_to_fp8_dots_for_cuda(recipe):
+    """Row-wise and per-tensor recipes multiply FP8 operands (E4M3 forward; E5M2 gradient
+    with E4M3 operand backward) into float32: XLA's FP8 GEMM form on GPUs. Lowered for CUDA
+    on this CPU; the MX recipe (block scales along K) stays a float32 simulation."""
+    from tests.lax.test_cuda_lowering import _cuda_dots
+
+    matmul = {"tensor": jsa.ops.tensorwise_fp8_matmul, "row": jsa.ops.rowwise_fp8_matmul}[recipe]
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(16, 32)).astype(np.float32)
+    w = rng.normal(size=(32, 8)).astype(np.float32)
+    forward = _cuda_dots(matmul, x, w)
+    grads = _cuda_dots(jax.grad(lambda x, w: jnp.sum(matmul(x, w) ** 2), argnums=(0, 1)), x, w)
+    assert [ops for ops, _ in forward] == ["tensor<16x32xf8E4M3FN>, tensor<32x8xf8E4M3FN>"]
+    assert sorted(ops for ops, _ in grads) == sorted(
+        [
+            "tensor<16x32xf8E4M3FN>, tensor<32x8xf8E4M3FN>",  # the forward again
+            "tensor<16x8xf8E5M2>, tensor<8x32xf8E4M3FN>",  # dx = g w^T
+            "tensor<32x16xf8E4M3FN>, tensor<16x8xf8E5M2>",  # dw = x^T g
+        ]
+    )
+    assert all(result.endswith("xf32>") for _, result in forward + grads)
