@@ -6,13 +6,16 @@ operations `set_scaling`, `stop_scaling`, `get_data_scale`, `rebalance`, and
 """
 
 from . import block_rules as block_rules
+from . import callbacks as callbacks
 from . import collectives as collectives
 from . import complex_values as complex_values
 from . import control_flow as control_flow
+from . import custom_derivatives as custom_derivatives
 from . import elementwise as elementwise
 from . import indexing as indexing
 from . import linalg as linalg
 from . import linalg_decompositions as linalg_decompositions
+from . import linear_solve as linear_solve
 from . import optimizer_guard as optimizer_guard
 from . import reductions as reductions
 from . import shape as shape

@@ -56,6 +56,7 @@ __all__ = [
     "register_unscaled_output",
     "dynamic_scale_of",
     "register_materializing",
+    "register_higher_order",
     "register_unscaled_elementwise",
     "zeros_where_scale_zero",
     "scaled_output",
@@ -535,6 +536,15 @@ def materialized_values(args: Sequence[Any], dtype: Any = None) -> list[Any]:
             a = a.to_array(dtype(a.dtype) if callable(dtype) else dtype)
         out.append(a)
     return out
+
+
+def register_higher_order(prim: Any, rule: Any = None, *, remark: str = "") -> Any:
+    """Register the rule of a higher-order primitive (`jit`, `scan`, `custom_vjp`, ...); a
+    decorator. The rule runs for scaled and plain operands alike and gets its operands as
+    they are: it interprets the inner jaxprs itself."""
+    return registry.register_scaled_op(
+        prim, rule, always_scaled=True, promote=False, family="higher-order", remark=remark
+    )
 
 
 def register_materializing(prim: Any, dtype: Any = None, remark: str = "") -> None:

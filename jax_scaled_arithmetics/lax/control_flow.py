@@ -1,4 +1,6 @@
-"""Scaled rules for higher-order primitives and callbacks (collectives: `collectives.py`).
+"""Scaled rules for `jit`, `remat`, calls, and loops and conditionals. The other
+higher-order rules: `custom_derivatives.py` (`custom_jvp`/`custom_vjp`), `linear_solve.py`,
+`callbacks.py` (callbacks, barriers, names, placement), `collectives.py`.
 
 Every rule re-interprets the inner jaxpr(s) with the scaled interpreter over
 flattened leaves (a ScaledArray becomes its `data` and its `scale`), then emits
@@ -36,29 +38,23 @@ the original construct over those leaves:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
-from ..core import _compat, block_scales, registry, shardings
-from ..core.config import ScalePolicy, get_autoscale_config
-from ..core.datatype import ScaledArray, is_floating
-from ..core.dtypes import compute_dtype
+from ..core import _compat, block_scales, registry
+from ..core.config import get_autoscale_config
+from ..core.datatype import ScaledArray
 from ..core.promotion import promote_to_scaled
 from ..core.registry import operand_constants
 from ..core.subjaxpr import (
     abstract_value,
     coerce_scaledness,
-    find_primitive,
     flatten_compact,
     flatten_scaled,
-    leaf_avals,
     leaves_per_value,
     outputs_depending_on,
     trace_scaled_jaxpr,
@@ -66,7 +62,7 @@ from ..core.subjaxpr import (
     unflatten_compact,
     unflatten_scaled,
 )
-from .base import register_materializing, rescale, safe_div
+from .base import register_higher_order
 from .block_rules import meet_scale_shapes, to_scale_shape
 
 
@@ -80,14 +76,7 @@ def _expand_per_value(values: Sequence[Any], specs: Sequence[Any], name: str) ->
     return tuple(out)
 
 
-# Every higher-order primitive's rule: run for scaled and plain operands alike, operands
-# as they are (the rule interprets the inner jaxprs itself).
-_higher_order = functools.partial(
-    registry.register_scaled_op, always_scaled=True, promote=False, family="higher-order"
-)
-
-
-@_higher_order(
+@register_higher_order(
     _compat.jit_p,
     remark="kept as a sub-call with its shardings, layouts and donation; static scales kept",
 )
@@ -107,7 +96,7 @@ def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
     return unflatten_compact(outs, out_specs, scales_of=args)
 
 
-@_higher_order(
+@register_higher_order(
     _compat.closed_call_p,
     remark="inlined (a closed_call has no behaviour of its own)",
 )
@@ -132,7 +121,7 @@ def scaled_call_hi_primitive(*args: Any, **params: Any) -> list[Any]:
     return registry.interpret_closed_jaxpr(closed, args, operand_constants())
 
 
-@_higher_order(
+@register_higher_order(
     _compat.remat_p,
     remark="checkpoint kept, with its policy",
 )
@@ -151,253 +140,6 @@ def scaled_remat(*args: Any, jaxpr: Any, prevent_cse: Any, **params: Any) -> lis
     return unflatten_compact(outs, out_specs, scales_of=args)
 
 
-# --- custom derivatives -------------------------------------------------------------------
-#
-# The scaled function is a new custom_jvp / custom_vjp over the flattened leaves. Its
-# derivative rule runs the user's rule with the scaled interpreter, converting between
-# derivatives of leaves (data, scale) and derivatives of the represented values:
-#   value = data * scale  =>  d value = d data * scale + data * d scale,
-#   dL/d data = dL/d value * scale,  dL/d scale = sum(dL/d value * data).
-
-
-def _value_tangent(primal: Any, tangent_leaves: Sequence[Any]) -> Any:
-    """Tangent of a represented value, from the tangents of its leaves (linear in them)."""
-    if not isinstance(primal, ScaledArray):
-        return tangent_leaves[0]
-    t_data, t_scale = tangent_leaves
-    scale = jnp.asarray(primal.scale)
-    ratio = block_scales.expand_scale(safe_div(t_scale, scale), primal.shape).astype(primal.dtype)
-    data = t_data + primal.data * ratio
-    return ScaledArray(data, jax.lax.stop_gradient(scale))
-
-
-def _leaf_tangents(primal_out: Any, value_tangent: Any) -> list[Any]:
-    """Tangents of an output's leaves that give `value_tangent` (the scale's is zero)."""
-    if not isinstance(primal_out, ScaledArray):
-        if isinstance(value_tangent, ScaledArray):
-            value_tangent = value_tangent.to_array()
-        return [value_tangent]
-    scale = jnp.asarray(primal_out.scale)
-    if isinstance(value_tangent, ScaledArray):
-        t_scale = jnp.asarray(value_tangent.scale)
-        if t_scale.ndim and t_scale.shape != scale.shape:  # another block layout
-            value_tangent = _per_tensor(value_tangent)
-            t_scale = jnp.asarray(value_tangent.scale)
-        ratio = block_scales.expand_scale(safe_div(t_scale, scale), primal_out.shape)
-        t_data = (value_tangent.data.astype(jnp.float32) * ratio).astype(primal_out.dtype)
-    else:
-        full = block_scales.expand_scale(scale, primal_out.shape)
-        t_data = safe_div(value_tangent.astype(jnp.float32), full).astype(primal_out.dtype)
-    return [t_data, jnp.zeros_like(scale)]
-
-
-def _zeros_like_value(value: Any) -> Any:
-    if isinstance(value, ScaledArray):
-        return ScaledArray(jnp.zeros_like(value.data), jnp.zeros_like(jnp.asarray(value.scale)))
-    return jnp.zeros_like(value)
-
-
-def _group_leaves(leaves: Sequence[Any], specs: Sequence[bool]) -> list[list[Any]]:
-    groups = []
-    it = iter(leaves)
-    for scaled in specs:
-        groups.append([next(it), next(it)] if scaled else [next(it)])
-    return groups
-
-
-class _ScaledPrimal:
-    """The scaled interpretation of a custom-derivative function's primal jaxpr.
-
-    Its output structure (which outputs are scaled) is fixed once, from an abstract
-    evaluation; the derivative rules coerce their primal outputs to it.
-    """
-
-    def __init__(self, call_jaxpr: Any, args: Sequence[Any]) -> None:
-        # Only abstract information is kept: the derivative rules close over this object,
-        # and must not hold on to the operands (tracers of the current trace).
-        self.call_jaxpr = call_jaxpr
-        self.known = list(operand_constants()) or [None] * len(args)
-        leaves, self.in_specs = flatten_scaled(args)
-        self._out_specs: tuple[bool, ...] | None = None
-        jax.eval_shape(lambda *flat: flatten_scaled(self.values(*flat))[0], *leaf_avals(leaves))
-
-    @property
-    def out_specs(self) -> tuple[bool, ...]:
-        assert self._out_specs is not None
-        return self._out_specs
-
-    def coerce(self, outs: Sequence[Any]) -> list[Any]:
-        if self._out_specs is None:
-            self._out_specs = tuple(isinstance(o, ScaledArray) for o in outs)
-            return list(outs)
-        return [coerce_scaledness(o, s) for o, s in zip(outs, self._out_specs, strict=True)]
-
-    def values(self, *flat: Any) -> list[Any]:
-        values = unflatten_scaled(flat, self.in_specs)
-        return self.coerce(registry.interpret_closed_jaxpr(self.call_jaxpr, values, self.known))
-
-
-@_higher_order(
-    _compat.custom_jvp_call_p,
-    remark="the user's JVP rule is kept, and run scaled",
-)
-def scaled_custom_jvp_call(
-    *args: Any,
-    call_jaxpr: Any,
-    jvp_jaxpr_fun: Any,
-    symbolic_zeros: bool,
-    num_consts: int = 0,  # absent from JAX 0.11 when 0
-) -> list[Any]:
-    del symbolic_zeros
-    primal = _ScaledPrimal(call_jaxpr, args)
-    known, in_specs, out_specs = primal.known, primal.in_specs, primal.out_specs
-    leaves, _ = flatten_scaled(args)
-    primal_values = primal.values
-
-    @jax.custom_jvp
-    def scaled_fun(*flat: Any) -> list[Any]:
-        return flatten_scaled(primal_values(*flat))[0]
-
-    @scaled_fun.defjvp
-    def scaled_fun_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
-        values = unflatten_scaled(primals, in_specs)
-        primal_outs = primal_values(*primals)
-        tangent_groups = _group_leaves(tangents, in_specs)
-        value_tangents = [_value_tangent(v, t) for v, t in zip(values, tangent_groups, strict=True)]
-        n_in = len(values) - num_consts
-        jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*([False] * n_in))
-        jvp_closed = _compat.ClosedJaxpr(jvp_jaxpr, jvp_consts)
-        jvp_outs = registry.interpret_closed_jaxpr(
-            jvp_closed,
-            [*values[num_consts:], *value_tangents[num_consts:]],
-            [*known[num_consts:], *([None] * n_in)],
-        )
-        nz_tangents = iter(jvp_outs[len(out_zeros) :])
-        out_tangent_leaves: list[Any] = []
-        for primal_out, is_zero in zip(primal_outs, out_zeros, strict=True):
-            if is_zero:
-                tangent = _zeros_like_value(primal_out)
-                out_tangent_leaves.extend(flatten_scaled([tangent])[0])
-            else:
-                out_tangent_leaves.extend(_leaf_tangents(primal_out, next(nz_tangents)))
-        return flatten_scaled(primal_outs)[0], out_tangent_leaves
-
-    outs = scaled_fun(*leaves)
-    return unflatten_scaled(outs, out_specs)
-
-
-def _instantiate(ct: Any, like: Any) -> Any:
-    if _compat.is_symbolic_zero(ct):
-        return _zeros_like_value(like)
-    return ct
-
-
-def _value_cotangent(primal_out: Any, ct_leaves: Sequence[Any]) -> Any:
-    """Cotangent of a represented value, from its leaves' cotangents: dL/dvalue = ct_data / s."""
-    if not isinstance(primal_out, ScaledArray):
-        return ct_leaves[0]
-    scale = jnp.asarray(primal_out.scale, jnp.float32)
-    return ScaledArray(ct_leaves[0], safe_div(1.0, scale))
-
-
-def _leaf_cotangents(primal_in: Any, value_ct: Any) -> list[Any]:
-    """Cotangents of an input's leaves from the cotangent of its represented value."""
-    if not isinstance(primal_in, ScaledArray):
-        if isinstance(value_ct, ScaledArray):
-            value_ct = value_ct.to_array()
-        if not is_floating(primal_in):
-            return [None]
-        return [value_ct.astype(primal_in.dtype)]
-    scale = jnp.asarray(primal_in.scale)
-    if isinstance(value_ct, ScaledArray):
-        ct_scale_in = block_scales.expand_scale(
-            jnp.asarray(value_ct.scale, jnp.float32), value_ct.shape
-        )
-        ct_value = value_ct.data.astype(jnp.float32) * ct_scale_in
-    else:
-        ct_value = value_ct.astype(jnp.float32)
-    full = block_scales.expand_scale(scale.astype(jnp.float32), primal_in.shape)
-    ct_data = (ct_value * full).astype(primal_in.dtype)
-    products = ct_value * primal_in.data.astype(jnp.float32)
-    if scale.ndim:  # dL/dscale of each block: the sum over its block
-        ct_scale = block_scales.block_sum(products, scale.shape).astype(scale.dtype)
-    else:
-        ct_scale = jnp.sum(products).astype(scale.dtype)
-    return [ct_data, ct_scale]
-
-
-@_higher_order(
-    _compat.custom_vjp_call_p,
-    remark="the user's fwd/bwd rules are kept, and run scaled",
-)
-def scaled_custom_vjp_call(
-    *args: Any,
-    call_jaxpr: Any,
-    fwd_jaxpr_thunk: Any,
-    bwd: Any,
-    out_trees: Any,
-    symbolic_zeros: bool,
-    num_consts: int = 0,  # absent from JAX 0.11 when 0
-) -> list[Any]:
-    del symbolic_zeros
-    primal = _ScaledPrimal(call_jaxpr, args)
-    known, in_specs, out_specs = primal.known, primal.in_specs, primal.out_specs
-    leaves, _ = flatten_scaled(args)
-    primal_values, _coerce_outs = primal.values, primal.coerce
-
-    @jax.custom_vjp
-    def scaled_fun(*flat: Any) -> list[Any]:
-        return flatten_scaled(primal_values(*flat))[0]
-
-    def scaled_fwd(*flat: Any) -> tuple[list[Any], Any]:
-        values = unflatten_scaled(flat, in_specs)
-        n_in = len(values) - num_consts
-        fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*([True] * n_in))
-        fwd_closed = _compat.ClosedJaxpr(fwd_jaxpr, fwd_consts)
-        outs = registry.interpret_closed_jaxpr(fwd_closed, values[num_consts:], known[num_consts:])
-        _, res_tree, input_fwds = out_trees()
-        num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
-        res_out, primal_outs = outs[:num_res_out], outs[num_res_out:]
-        res_iter = iter(res_out)
-        residuals = [next(res_iter) if f is None else values[f] for f in input_fwds]
-        primal_outs = _coerce_outs(list(primal_outs))
-        return flatten_scaled(primal_outs)[0], (residuals, primal_outs, values)
-
-    def scaled_bwd(saved: Any, ct_leaves: Sequence[Any]) -> tuple[Any, ...]:
-        residuals, primal_outs, values = saved
-        ct_groups = _group_leaves(ct_leaves, out_specs)
-        value_cts = [_value_cotangent(o, c) for o, c in zip(primal_outs, ct_groups, strict=True)]
-        plain_res = [r.to_array() if isinstance(r, ScaledArray) else r for r in residuals]
-        plain_cts = [c.to_array() if isinstance(c, ScaledArray) else c for c in value_cts]
-        inputs = values[num_consts:]
-
-        def bwd_plain(*res_and_cts: Any) -> list[Any]:
-            cts_in = _compat.call_custom_vjp_bwd(bwd, *res_and_cts)
-            return [
-                jnp.zeros(jnp.shape(x), x.dtype) if _compat.is_symbolic_zero(c) else c
-                for c, x in zip(cts_in, [_plain_like(v) for v in inputs], strict=True)
-            ]
-
-        bwd_closed = jax.make_jaxpr(bwd_plain)(*plain_res, *plain_cts)
-        cts_in = registry.interpret_closed_jaxpr(bwd_closed, [*residuals, *value_cts])
-        out: list[Any] = []
-        for value in values[:num_consts]:
-            out.extend(flatten_scaled([_zeros_like_value(value)])[0])
-        for value, ct in zip(inputs, cts_in, strict=True):
-            out.extend(_leaf_cotangents(value, ct))
-        return tuple(out)
-
-    scaled_fun.defvjp(scaled_fwd, scaled_bwd)
-    outs = scaled_fun(*leaves)
-    return unflatten_scaled(outs, out_specs)
-
-
-def _plain_like(value: Any) -> Any:
-    if isinstance(value, ScaledArray):
-        return jax.ShapeDtypeStruct(value.shape, value.dtype)
-    return jax.ShapeDtypeStruct(jnp.shape(value), jnp.result_type(value))
-
-
 # --- loops and conditionals ---------------------------------------------------------------
 #
 # Re-emitted with the public `jax.lax.scan` / `while_loop` / `switch` over flattened leaves
@@ -406,7 +148,7 @@ def _plain_like(value: Any) -> Any:
 # over leaves, and that jaxpr is what the public API's body evaluates.
 
 
-def _split(values: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
+def split_groups(values: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
     """`values` cut into consecutive groups of the given sizes, and the rest."""
     groups, start = [], 0
     for n in sizes:
@@ -536,7 +278,8 @@ def _stacked_scale(y: ScaledArray, invariant: bool) -> ScaledArray:
     return ScaledArray(y.data, scales.reshape(scales.shape[:1] + tuple(per_iteration)))
 
 
-def _per_tensor(value: Any) -> Any:
+def per_tensor(value: Any) -> Any:
+    """A block-scaled ScaledArray at one scale per tensor; other values as they are."""
     if isinstance(value, ScaledArray) and np.ndim(value.scale):
         return ScaledArray(*block_scales.to_per_tensor(value.data, value.scale))
     return value
@@ -559,10 +302,10 @@ def _scan_x(x: Any, length: int) -> tuple[Any, bool]:
     if layout[0] == 1:
         rest = layout[1:]
         return ScaledArray(x.data, scale.reshape(() if all(r == 1 for r in rest) else rest)), False
-    return _per_tensor(x), False
+    return per_tensor(x), False
 
 
-@_higher_order(
+@register_higher_order(
     _compat.scan_p,
     remark="lax.scan over leaves; carries promoted to a fixed point; stacked outputs and "
     "inputs one scale per iteration",
@@ -570,10 +313,10 @@ def _scan_x(x: Any, length: int) -> tuple[Any, bool]:
 def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: Any) -> list[Any]:
     jaxpr, num_consts, num_carry = _compat.scan_layout(params)
     sizes = (num_consts, num_carry)
-    consts, init, xs = _split(args, sizes)
+    consts, init, xs = split_groups(args, sizes)
     xs, sliced = map(list, zip(*[_scan_x(x, length) for x in xs])) if xs else ([], [])
-    k_consts, k_init, k_xs = _split(operand_known(len(args)), sizes)
-    _, carry_avals, x_avals = _split(jaxpr.in_avals, sizes)
+    k_consts, k_init, k_xs = split_groups(operand_known(len(args)), sizes)
+    _, carry_avals, x_avals = split_groups(jaxpr.in_avals, sizes)
     const_abs = [abstract_value(c) for c in consts]
     x_abs = [
         ScaledArray(
@@ -652,8 +395,6 @@ for _call_prim, _call_rule in (
     (_compat.jit_p, scaled_jit),
     (_compat.closed_call_p, scaled_closed_call),
     (_compat.remat_p, scaled_remat),
-    (_compat.custom_jvp_call_p, scaled_custom_jvp_call),
-    (_compat.custom_vjp_call_p, scaled_custom_vjp_call),
 ):
     registry.register_block_rule(_call_prim, _call_rule)
 
@@ -673,13 +414,13 @@ def _unbatch_predicate(
     """
     cond_fun, body_fun = _compat.jaxpr_as_fun(cond_jaxpr), _compat.jaxpr_as_fun(body_jaxpr)
     cconst_avals = cond_jaxpr.in_avals[:cond_nconsts]
-    bconst_avals, carry_avals = _split(body_jaxpr.in_avals, (body_nconsts,))
+    bconst_avals, carry_avals = split_groups(body_jaxpr.in_avals, (body_nconsts,))
 
     def any_cond(*args: Any) -> Any:
         return jnp.any(cond_fun(*args)[0])
 
     def select_body(*args: Any) -> list[Any]:
-        cconsts, bconsts, carry = _split(args, (cond_nconsts, body_nconsts))
+        cconsts, bconsts, carry = split_groups(args, (cond_nconsts, body_nconsts))
         pred = cond_fun(*cconsts, *carry)[0]
         new = body_fun(*bconsts, *carry)
         outs = []
@@ -696,7 +437,7 @@ def _unbatch_predicate(
     return jax.make_jaxpr(any_cond)(*avals), jax.make_jaxpr(select_body)(*body_avals)
 
 
-@_higher_order(
+@register_higher_order(
     _compat.while_p,
     remark="lax.while_loop over leaves; carries promoted to a fixed point",
 )
@@ -710,8 +451,8 @@ def scaled_while(
 ) -> list[Any]:
     del params
     sizes = (cond_nconsts, body_nconsts)
-    cconsts, bconsts, init = _split(args, sizes)
-    k_cconsts, k_bconsts, k_init = _split(operand_known(len(args)), sizes)
+    cconsts, bconsts, init = split_groups(args, sizes)
+    k_cconsts, k_bconsts, k_init = split_groups(operand_known(len(args)), sizes)
     if cond_jaxpr.out_avals[0].shape:  # a batched predicate (from vmap)
         cond_jaxpr, body_jaxpr = _unbatch_predicate(
             cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts
@@ -756,7 +497,7 @@ def scaled_while(
     return unflatten_scaled(out_leaves, carry_specs)
 
 
-@_higher_order(
+@register_higher_order(
     _compat.cond_p,
     remark="lax.switch over leaves; an output scaled in one branch is scaled in all",
 )
@@ -820,217 +561,3 @@ def _out_scale_shapes(out_avals: Sequence[Any], specs: Sequence[bool]) -> list[A
 # to one layout per output.
 registry.register_block_rule(_compat.while_p, scaled_while)
 registry.register_block_rule(_compat.cond_p, scaled_cond)
-
-
-# --- callbacks, barriers, names, placement ----------------------------------------------
-#
-# Primitives `jax.extend` does not export are found by tracing their public API once
-# (`find_primitive`); one that a JAX release renames simply gets no rule.
-
-
-debug_callback_p = find_primitive(
-    lambda x: jax.debug.callback(lambda v: None, x), 1.0, name="debug_callback"
-)
-debug_print_p = find_primitive(lambda x: jax.debug.print("{}", x), 1.0, name="debug_print")
-pure_callback_p = find_primitive(
-    lambda x: jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), x),
-    1.0,
-    name="pure_callback",
-)
-io_callback_p = find_primitive(
-    lambda x: io_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), x),
-    1.0,
-    name="io_callback",
-)
-optimization_barrier_p = find_primitive(
-    jax.lax.optimization_barrier, 1.0, name="optimization_barrier"
-)
-
-for _prim in (debug_callback_p, debug_print_p):
-    register_materializing(
-        _prim, compute_dtype, "the callback sees represented values (in at least float32)"
-    )
-for _prim in (pure_callback_p, io_callback_p):
-    register_materializing(
-        _prim, None, "the callback sees represented values; its outputs are unscaled"
-    )
-
-
-if optimization_barrier_p is not None:
-
-    @registry.register_scaled_op(
-        optimization_barrier_p,
-        promote=False,
-        family="higher-order",
-        remark="one barrier over data and scales",
-    )
-    def scaled_optimization_barrier(*args: Any, **params: Any) -> list[Any]:
-        del params  # none: the barrier is re-emitted with the public API
-        leaves, specs = flatten_scaled(args)
-        return unflatten_scaled(jax.lax.optimization_barrier(leaves), specs)
-
-
-@registry.register_scaled_op(
-    _compat.primitives.name_p, family="higher-order", remark="data and scale both named"
-)
-def scaled_checkpoint_name(x: ScaledArray, **params: Any) -> ScaledArray:
-    name_p = _compat.primitives.name_p
-    return ScaledArray(name_p.bind(x.data, **params), name_p.bind(jnp.asarray(x.scale), **params))
-
-
-@registry.register_scaled_op(
-    _compat.primitives.sharding_constraint_p,
-    family="linear",
-    remark="constraint on the data; the scalar scale is left unconstrained",
-)
-def scaled_sharding_constraint(x: ScaledArray, **params: Any) -> ScaledArray:
-    return ScaledArray(_compat.primitives.sharding_constraint_p.bind(x.data, **params), x.scale)
-
-
-def _reshard_primitive() -> Any:
-    try:
-        return _compat.primitives.reshard_p
-    except AttributeError:  # a JAX without `jax.sharding.reshard`
-        return None
-
-
-if _reshard_primitive() is not None:
-
-    @registry.register_scaled_op(
-        _reshard_primitive(),
-        family="linear",
-        remark="the data resharded; the scale replicated (a block scale with its blocks)",
-    )
-    def scaled_reshard(x: ScaledArray, **params: Any) -> ScaledArray:
-        return ScaledArray(
-            _reshard_primitive().bind(x.data, **params), _scale_placement(x, "reshard", params)
-        )
-
-
-def _scale_placement(x: ScaledArray, name: str, params: dict[str, Any]) -> Any:
-    """The scale of `x` moved like its data by `reshard` (`dst_sharding`): replicated
-    when per tensor, else with its blocks."""
-    scale = jnp.asarray(x.scale)
-    sharding = params.get("dst_sharding")
-    if sharding is None or not isinstance(sharding, jax.sharding.NamedSharding):
-        return scale
-    target = shardings.scale_sharding(sharding, x.shape, scale)
-    prim = _reshard_primitive()
-    return prim.bind(scale, **{**params, "dst_sharding": target})
-
-
-@registry.register_scaled_op(
-    _compat.primitives.device_put_p,
-    promote=False,
-    family="higher-order",
-    remark="data and scale put on the same device / memory kind",
-)
-def scaled_device_put(*args: Any, **params: Any) -> list[Any]:
-    leaves, specs = flatten_scaled(args)
-    new_params = dict(params)
-    for name, value in params.items():
-        if isinstance(value, (tuple, list)) and len(value) == len(args):
-            expanded: list[Any] = []
-            for arg, v, scaled in zip(args, value, specs, strict=True):
-                if scaled and name == "devices" and isinstance(v, jax.sharding.NamedSharding):
-                    # A scale is replicated (a block scale sharded with its blocks).
-                    expanded.extend([v, shardings.scale_sharding(v, arg.shape, arg.scale)])
-                else:
-                    expanded.extend([v, v] if scaled else [v])
-            new_params[name] = type(value)(expanded)
-    outs = _compat.primitives.device_put_p.bind(*leaves, **new_params)
-    return unflatten_scaled(outs, specs)
-
-
-@registry.register_scaled_op(
-    _compat.primitives.custom_lin_p,
-    always_scaled=False,
-    promote=False,
-    family="higher-order",
-    remark="not supported: internal to jax.linearize",
-)
-def scaled_custom_lin(*args: Any, **params: Any) -> Any:
-    raise NotImplementedError(
-        "autoscale cannot interpret 'custom_lin', an internal primitive of jax.linearize's "
-        "linear function. Apply autoscale before linearizing (jax.linearize(autoscale(f)) or "
-        "autoscale(jax.grad(f))), not to the linearized function."
-    )
-
-
-# --- custom_linear_solve ----------------------------------------------------------------
-#
-# Re-emitted with the public `jax.lax.custom_linear_solve` on the *data* of the right-hand
-# side, so that its implicit derivatives still apply. With fixed scales s_b (of b) and s_x
-# (chosen for x), the data-space system is D_b^-1 A D_x: its matvec, solve and transpose
-# solve are the original jaxprs interpreted on ScaledArrays and rescaled to the fixed
-# scales. Any s_x is exact; s_x = s_b / (scale matvec gives to a unit-scale x) keeps the
-# solution's data in range.
-
-
-def _interpret_fixed_scales(
-    closed: Any,
-    consts: Sequence[Any],
-    datas: Sequence[Any],
-    in_scales: Sequence[Any],
-    out_scales: Sequence[Any],
-) -> list[Any]:
-    """`closed(consts, data * in_scale)` as data at `out_scales` (plain arrays).
-
-    Interpreted with the static scale policy: the solve's functions must stay linear in
-    the data (JAX transposes them), which data-dependent output scales are not.
-    """
-    values = [ScaledArray(d, s) for d, s in zip(datas, in_scales, strict=True)]
-    static = dataclasses.replace(get_autoscale_config(), policy=ScalePolicy.STATIC)
-    with static:
-        outs = registry.interpret_closed_jaxpr(closed, [*consts, *values])
-    result = []
-    for out, scale, like in zip(outs, out_scales, datas, strict=True):
-        out = coerce_scaledness(out, True)
-        ratio = safe_div(jnp.asarray(out.scale, jnp.float32), scale)
-        result.append(rescale(out.data, ratio, like.dtype))
-    return result
-
-
-@registry.register_scaled_op(
-    _compat.primitives.linear_solve_p,
-    promote=False,
-    family="higher-order",
-    remark="lax.custom_linear_solve on the data of b, scales fixed: implicit derivatives kept",
-)
-def scaled_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any) -> list[Any]:
-    *groups, b = _split(args, tuple(const_lengths))
-    *_, k_b = _split(operand_known(len(args)), tuple(const_lengths))
-    b = [promote_to_scaled(v, k) for v, k in zip(b, k_b, strict=True)]
-    matvec_c, _, solve_c, tsolve_c = groups
-    matvec_j, _, solve_j, tsolve_j = jaxprs
-    # x's scales follow b's (differentiably): x = x_data * s_b / c, c from the matvec alone.
-    b_scales = [jnp.asarray(v.scale, jnp.float32) for v in b]
-    b_data = [v.data for v in b]
-    ones = [jnp.ones((), jnp.float32)] * len(b)
-    unit_outs = registry.interpret_closed_jaxpr(
-        matvec_j, [*matvec_c, *[ScaledArray(d, o) for d, o in zip(b_data, ones, strict=True)]]
-    )
-    x_scales = [
-        safe_div(s, jax.lax.stop_gradient(jnp.asarray(o.scale, jnp.float32)))
-        if isinstance(o, ScaledArray)
-        else s
-        for s, o in zip(b_scales, unit_outs, strict=True)
-    ]
-    x_scales = [jnp.where(s > 0, s, 1.0) for s in x_scales]
-    inv_x = [safe_div(1.0, s) for s in x_scales]
-    inv_b = [safe_div(1.0, s) for s in b_scales]
-
-    def matvec(x: list[Any]) -> list[Any]:
-        return _interpret_fixed_scales(matvec_j, matvec_c, x, x_scales, b_scales)
-
-    def solve(_: Any, rhs: list[Any]) -> list[Any]:
-        return _interpret_fixed_scales(solve_j, solve_c, rhs, b_scales, x_scales)
-
-    def transpose_solve(_: Any, rhs: list[Any]) -> list[Any]:
-        # (D_b^-1 A D_x)^-T c = s_b A^-T (c / s_x): data at scale 1 / s_b.
-        return _interpret_fixed_scales(tsolve_j, tsolve_c, rhs, inv_x, inv_b)
-
-    x_data = jax.lax.custom_linear_solve(
-        matvec, b_data, solve, transpose_solve if tsolve_j is not None else None
-    )
-    return [ScaledArray(d, s) for d, s in zip(x_data, x_scales, strict=True)]

@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import io_callback
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.lax import control_flow
+from jax_scaled_arithmetics.lax import custom_derivatives
 from tests.helpers import (
     FLOAT_DTYPES,
     RTOL,
@@ -681,7 +681,7 @@ def test_checkpoint_name_policy_and_placement():
 
 def test_custom_lin_has_a_clear_error():
     with pytest.raises(NotImplementedError, match="linearize"):
-        control_flow.scaled_custom_lin(make_scaled(V, np.float32, 1.0))
+        custom_derivatives.scaled_custom_lin(make_scaled(V, np.float32, 1.0))
 
 
 def _diag_solve(d, v):
