@@ -1,8 +1,7 @@
-"""Higher-order primitives under autoscale: loops, conditionals, custom derivatives, calls."""
+"""Higher-order primitives under autoscale (lax/control_flow.py): jit and calls, loops and
+conditionals, nesting and batching; their gradients, also with respect to the scales."""
 
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
-from jax.experimental import io_callback
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.lax import custom_derivatives
 from tests.helpers import (
     FLOAT_DTYPES,
     RTOL,
@@ -457,7 +454,7 @@ def test_autoscale_of_grad_through_control_flow(name):
     assert_close(g, jax.jit(jax.grad(loss))(jnp.asarray(represented(x), jnp.float32)), 1e-5)
 
 
-# --- custom derivatives ---------------------------------------------------------------------
+# Custom-derivative functions, used here inside loops and by test_custom_derivatives.py.
 
 
 @jax.custom_jvp
@@ -486,84 +483,6 @@ def _square_bwd(res, ct):
 
 
 _square_fake_vjp.defvjp(_square_fwd, _square_bwd)
-
-
-def _custom_cases():
-    x = np.array([0.5, -1.0, 2.0], np.float32)
-    y = np.array([1.5, 0.25, -0.5], np.float32)
-    return [
-        ("jvp", lambda a, b: jnp.sum(_sin_fake_jvp(a) * b), x, y),
-        ("vjp", lambda a, b: jnp.sum(_square_fake_vjp(a, b)), x, y),
-    ]
-
-
-@pytest.mark.parametrize("scale", (2.0**-30, 2.0**30), ids=_ids)
-@pytest.mark.parametrize("case", _custom_cases(), ids=lambda c: c[0])
-def test_custom_derivative_rules_kept(case, scale):
-    _, loss, x, y = case
-    expected = jax.grad(loss, argnums=(0, 1))(x, y)
-    true_rule = (jnp.cos(x) * y, jnp.sin(x)) if case[0] == "jvp" else (y, x)
-    assert not np.allclose(expected[0], true_rule[0])  # the custom rule differs
-
-    sx = jsa.as_scaled_array(x, scale=np.float32(scale))
-    sy = jsa.as_scaled_array(y, scale=np.float32(1 / scale))
-
-    # grad(autoscale(f)), with respect to the represented values
-    def scaled_loss(a, b):
-        out = jsa.autoscale(loss)(jsa.as_scaled_array(a, scale=np.float32(scale)), b)
-        return out.to_array(jnp.float32)
-
-    g = jax.jit(jax.grad(scaled_loss, argnums=(0, 1)))(jnp.asarray(x), jnp.asarray(y))
-    for got, ref in zip(g, expected, strict=True):
-        np.testing.assert_allclose(got, ref, rtol=1e-5)
-    # autoscale(grad(f)), on scaled inputs
-    ga, gb = jax.jit(jsa.autoscale(jax.grad(loss, argnums=(0, 1))))(sx, sy)
-    assert isinstance(ga, jsa.ScaledArray)
-    assert_close(ga, expected[0], 1e-5)
-    assert_close(gb, expected[1], 1e-5)
-
-
-ACTIVATIONS = {
-    "relu": jax.nn.relu,
-    "gelu": jax.nn.gelu,
-    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
-    "softplus": jax.nn.softplus,
-    "silu": jax.nn.silu,
-}
-
-
-ACTIVATION_X = np.linspace(-3, 3, 12).astype(np.float32)
-
-
-@pytest.mark.parametrize(
-    "name, dtype",
-    [  # Each activation with one dtype in the default run, in turn; the slow step: the rest.
-        pytest.param(
-            name,
-            dtype,
-            marks=() if (i + j) % len(FLOAT_DTYPES) == 0 else pytest.mark.slow,
-            id=f"{name}-{dtype.name}",
-        )
-        for i, name in enumerate(sorted(ACTIVATIONS))
-        for j, dtype in enumerate(FLOAT_DTYPES)
-    ],
-)
-def test_activations_with_custom_jvp(name, dtype):
-    fn = ACTIVATIONS[name]
-    check_matches_over_scales(fn, [ACTIVATION_X], dtype, [1.0, 2.0**-2], rtol=4 * RTOL[dtype])
-
-
-@pytest.mark.parametrize(
-    "name",
-    [  # relu and softplus (custom_jvp rules: relu, logaddexp) in the default run
-        pytest.param(name, marks=() if name in ("relu", "softplus") else pytest.mark.slow)
-        for name in sorted(ACTIVATIONS)
-    ],
-)
-def test_activation_gradients_with_custom_jvp(name):
-    dtype = np.dtype(jnp.bfloat16)
-    fn = ACTIVATIONS[name]
-    check_grad_over_scales(fn, [ACTIVATION_X], dtype, [2.0**-4, 2.0**4], rtol=4 * RTOL[dtype])
 
 
 # --- calls, nesting, batching -----------------------------------------------------------------
@@ -630,94 +549,8 @@ def test_autoscale_of_vmap_with_control_flow():
     assert_close(out, jax.vmap(_batched_fn)(jnp.asarray(represented(x), jnp.float32)), 8e-3)
 
 
-# --- callbacks and other higher-order primitives ---------------------------------------------
-
-
-def test_debug_print_and_callback_see_represented_values(capsys):
-    seen = []
-
-    def fn(x):
-        jax.debug.print("value={v}", v=x)
-        jax.debug.callback(lambda v: seen.append(np.asarray(v)), x * 2)
-        return x
-
-    x = make_scaled(np.array([1.0, 1.5]), np.float16, 2.0**40)
-    jax.jit(jsa.autoscale(fn))(x)
-    jax.effects_barrier()
-    printed = capsys.readouterr().out
-    values = [float(v) for v in re.findall(r"[-\d.]+e[+-]\d+", printed)]
-    np.testing.assert_allclose(values, [2.0**40, 1.5 * 2.0**40], rtol=1e-6)
-    np.testing.assert_allclose(seen[-1], [2.0**41, 3 * 2.0**40], rtol=1e-6)
-
-
-def test_pure_and_io_callbacks_receive_values():
-    def fn(x):
-        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        a = jax.pure_callback(lambda v: np.cos(v).astype(v.dtype), shape, x)
-        b = io_callback(lambda v: (v * 2).astype(v.dtype), shape, x)
-        return a, b
-
-    x = make_scaled(V, np.float32, 2.0**-10)
-    a, b = jsa.autoscale(fn)(x)
-    np.testing.assert_allclose(a, np.cos(represented(x)), rtol=1e-6)
-    np.testing.assert_allclose(b, 2 * represented(x), rtol=1e-6)
-
-
-def test_checkpoint_name_policy_and_placement():
-    policy = jax.checkpoint_policies.save_only_these_names("hidden")
-
-    def fn(x):
-        h = checkpoint_name(jnp.sin(x) * 2, "hidden")
-        h = jax.lax.with_sharding_constraint(h, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        return jnp.sum(jax.device_put(h) * x)
-
-    loss = jax.checkpoint(fn, policy=policy)
-    x = make_scaled(V, np.float32, 2.0**-20)
-    g = jax.jit(jsa.autoscale(jax.grad(loss)))(x)
-    assert_close(g, jax.grad(loss)(jnp.asarray(represented(x))), 1e-5)
-    text = _jaxpr_text(jsa.autoscale(jax.grad(loss)), x)
-    assert "name=hidden" in text
-
-
-def test_custom_lin_has_a_clear_error():
-    with pytest.raises(NotImplementedError, match="linearize"):
-        custom_derivatives.scaled_custom_lin(make_scaled(V, np.float32, 1.0))
-
-
 def _diag_solve(d, v):
     return jax.lax.custom_linear_solve(lambda x: d * x, v, lambda mv, r: r / d, lambda mv, r: r / d)
-
-
-def _cg_solve(a, v):
-    return jax.scipy.sparse.linalg.cg(lambda x: a @ x, v, tol=1e-6)[0]
-
-
-@pytest.mark.parametrize("solver", [_diag_solve, _cg_solve], ids=["diag", "cg"])
-def test_custom_linear_solve_forward_and_implicit_gradients(solver):
-    """The solve is kept (cg's while loop has no reverse-mode): gradients are implicit."""
-    a = RNG.normal(size=(3, 3)).astype(np.float32)
-    mat = np.abs(V) + 1 if solver is _diag_solve else a @ a.T + 3 * np.eye(3, dtype=np.float32)
-    b = X[0]
-    sa = jsa.as_scaled_array(mat, scale=np.float32(2.0**20))
-    sb = jsa.as_scaled_array(b, scale=np.float32(2.0**-10))
-    loss = lambda m, v: jnp.sum(solver(m, v) * jnp.arange(3.0))  # noqa: E731
-
-    def solve_and_grad(m, v):  # one program for both
-        return solver(m, v), jax.grad(loss, argnums=(0, 1))(m, v)
-
-    out, grads = jax.jit(jsa.autoscale(solve_and_grad))(sa, sb)
-    ref, expected = jax.jit(solve_and_grad)(mat, b)
-    assert isinstance(out, jsa.ScaledArray)
-    assert_close(out, ref, 1e-4)
-    for g, e in zip(grads, expected, strict=True):
-        assert_close(g, e, 1e-4)
-
-    def data_loss(md, vd):
-        return jsa.autoscale(loss)(jsa.ScaledArray(md, sa.scale), jsa.ScaledArray(vd, sb.scale))
-
-    grads = jax.jit(jax.grad(lambda *d: data_loss(*d).to_array(), argnums=(0, 1)))(sa.data, sb.data)
-    for g, e, s in zip(grads, expected, (sa.scale, sb.scale), strict=True):
-        assert_close(np.asarray(g) / np.float64(s), e, 1e-4)
 
 
 @pytest.mark.parametrize(
