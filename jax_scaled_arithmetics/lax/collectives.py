@@ -22,7 +22,7 @@ import numpy as np
 from ..core import _compat, registry
 from ..core.datatype import ScaledArray, is_floating
 from ..core.subjaxpr import coerce_scaledness, find_primitive, flatten_scaled, unflatten_scaled
-from .base import rescale, safe_div
+from .base import register_higher_order, rescale, safe_div
 from .control_flow import operand_known
 
 # --- collectives ------------------------------------------------------------------------
@@ -204,11 +204,8 @@ def _expand_specs(specs: Sequence[Any], scaled: Sequence[bool]) -> tuple[Any, ..
     return tuple(out)
 
 
-@registry.register_scaled_op(
+@register_higher_order(
     shard_map_p,
-    always_scaled=True,
-    promote=False,
-    family="higher-order",
     remark="jax.shard_map over leaves; scales replicated (largest over the mesh axes)",
 )
 def scaled_shard_map(
