@@ -97,7 +97,7 @@ def _releases(name: str) -> str:
 
 def render() -> str:
     rules = registry.declared_rules()
-    block_rules = {p.name for p in registry._BLOCK_RULES}
+    block_rules = {name for name, info in registry.coverage().items() if info.block_rule}
     rows = []
     counts = {"supported": 0, "not applicable": 0, "not yet": 0}
     kept = 0

@@ -22,6 +22,7 @@ from .datatype import (
     is_floating,
     set_operator_transform,
 )
+from .known_scalars import fold_known, fold_known_call, known_scalar
 from .promotion import promote_to_scaled
 from .registry import operand_constants
 from .scale_arithmetic import is_pow2, mark_pow2
@@ -77,155 +78,6 @@ def trace_notes() -> dict[Any, Any] | None:
     update for `jsa.optax.apply_updates`). Key notes by `id(tracer)` and keep the tracer in
     the note: a note is valid only for that very object."""
     return _STATE.trace_notes[-1] if _STATE.trace_notes else None
-
-
-# --- statically known broadcast scalars -------------------------------------------------
-
-_MAX_CONST_SCAN = 4096
-
-# Primitives whose output is a broadcast of the same scalar when their first operand is.
-_SCALAR_PRESERVING = {
-    "broadcast_in_dim",
-    "reshape",
-    "squeeze",
-    "expand_dims",
-    "transpose",
-    "copy",
-    "copy_p",
-    "rev",
-    "slice",
-    "dynamic_slice",
-    "reduce_precision",
-    "convert_element_type",
-    # Inside `shard_map` a constant used with a value that varies over a mesh axis is first
-    # made to vary (a type cast): it stays the constant (layer norm's epsilon, `+ 1e-5`).
-    "pvary",
-}
-# Elementwise primitives folded when every operand is a known scalar.
-_FOLDABLE_ELEMENTWISE = {
-    "neg",
-    "abs",
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "max",
-    "min",
-    "sqrt",
-    "rsqrt",
-    "exp",
-    "log",
-    "integer_pow",
-    "pow",
-    "square",
-    "sign",
-    "exp2",
-    "log1p",
-    "expm1",
-    "tanh",
-    "logistic",
-}
-
-
-def _known_scalar(value: Any) -> Any:
-    """The scalar `value` is a broadcast of, when it is concrete and constant; else None."""
-    if _compat.is_tracer(value) or isinstance(value, ScaledArray):
-        return None
-    if isinstance(value, (bool, int, float)):
-        return value
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        return None
-    size = int(np.prod(shape, dtype=np.int64))
-    if size == 0 or size > _MAX_CONST_SCAN:
-        return None
-    try:
-        arr = np.asarray(value)
-    except Exception:  # an object without a concrete value: nothing is known
-        return None
-    first = arr.reshape(-1)[0]
-    if size > 1 and not np.all(arr == first):
-        return None
-    return first.item() if hasattr(first, "item") else first
-
-
-def _fold_known(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any]:
-    nout = len(eqn.outvars)
-    name = eqn.primitive.name
-    if eqn.primitive in _CALL_BODY_PARAMS:
-        return _fold_known_call(eqn, in_known)
-    if not eqn.invars or eqn.primitive.multiple_results:
-        return [None] * nout
-    if name in _SCALAR_PRESERVING:
-        value = in_known[0]
-        if value is None:
-            return [None]
-        if name == "convert_element_type":
-            out_dtype = getattr(eqn.outvars[0].aval, "dtype", None)
-            with np.errstate(over="ignore", invalid="ignore"):
-                value = np.asarray(value).astype(out_dtype).item()
-        return [value]
-    if name in _FOLDABLE_ELEMENTWISE and all(k is not None for k in in_known):
-        with np.errstate(over="ignore", invalid="ignore"):
-            args = [
-                np.asarray(k, dtype=getattr(atom.aval, "dtype", None))
-                for k, atom in zip(in_known, eqn.invars)
-            ]
-        with jax.ensure_compile_time_eval():
-            out = eqn.primitive.bind(*args, **eqn.params)
-        return [np.asarray(out).item()]
-    return [None]
-
-
-# Call-like primitives: the output of each is its body's, on the same operands.
-_CALL_BODY_PARAMS = {
-    _compat.jit_p: "jaxpr",
-    _compat.closed_call_p: "call_jaxpr",
-    _compat.remat_p: "jaxpr",
-    _compat.custom_jvp_call_p: "call_jaxpr",
-    _compat.custom_vjp_call_p: "call_jaxpr",
-}
-
-
-def _fold_known_call(eqn: _compat.JaxprEqn, in_known: Sequence[Any]) -> list[Any]:
-    """The scalars the outputs of a call-like equation (jit, closed_call, remat, custom
-    derivatives) are statically known broadcasts of, folded through its body.
-
-    A jit boundary must not hide constants. Linearised inside a `scan` body, `jnp.var`
-    becomes two jits: one computes the normalizer (`N - ddof`) and the NaN fill of an
-    empty reduction from literals, the other divides by the normalizer and selects with
-    the fill. Unknown, the normalizer was promoted at scale 1 (the variance's data N times
-    below its value's scale) and the fill asked the `where` for scale 1 (the variance's
-    data then its value, 2^-10 for float16 activations near 2^-5), and the layer norm's
-    derivative `rsqrt(v) / v` overflowed float16 (NaN gradients). Known, the normalizer
-    takes its power of two into the scale and the fill asks for no scale, as without jit.
-    """
-    nout = len(eqn.outvars)
-    name = _CALL_BODY_PARAMS.get(eqn.primitive)
-    body = eqn.params.get(name) if name is not None else None
-    if body is None:
-        return [None] * nout
-    jaxpr = getattr(body, "jaxpr", body)
-    consts = getattr(body, "consts", ())
-    if len(jaxpr.invars) != len(in_known) or len(jaxpr.outvars) != nout:
-        return [None] * nout
-    return _KNOWN_SCALARS.run(jaxpr, [_known_scalar(c) for c in consts], list(in_known))
-
-
-class _KnownScalars(JaxprWalker):
-    """A walk whose values are what is statically known of each variable: the scalar it
-    is a broadcast of, or None."""
-
-    keep_source_info = False  # nothing is bound
-
-    def literal(self, value: Any) -> Any:
-        return _known_scalar(value)
-
-    def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
-        return _fold_known(eqn, invals)
-
-
-_KNOWN_SCALARS = _KnownScalars()
 
 
 def _check_outputs(eqn: _compat.JaxprEqn, outs: Sequence[Any]) -> None:
@@ -305,6 +157,22 @@ def _computed_once(x: ScaledArray, invals: Sequence[Any]) -> ScaledArray:
     return ScaledArray(block_scales.materialize_on_cpu(x.data), x.scale)
 
 
+def materialize_for_readers(out: Any, readers: int, operands: Sequence[Any]) -> Any:
+    """The materialisation step after each rule: a scaled output that `readers` equations
+    read is computed once where XLA would otherwise copy its scale arithmetic (a scalar read
+    by three or more, `_materialized`) or its rescaled data (a tensor read by two or more, on
+    XLA:CPU, `_computed_once`) into every reader's kernel. Values are unchanged; only what
+    XLA fuses differs. `operands` are the rule's inputs (an output that kept an operand's
+    scale had no ratio applied)."""
+    if not isinstance(out, ScaledArray):
+        return out
+    if readers >= _FAN_OUT:
+        out = _materialized(out)
+    if readers >= 2:
+        out = _computed_once(out, operands)
+    return out
+
+
 class _AutoscaleContext:
     """Per-jaxpr state of `autoscale`'s walk: what is statically known of each variable
     (the scalar it is a broadcast of, or None), and how many equations read it."""
@@ -317,7 +185,7 @@ class _AutoscaleContext:
 
     def read(self, atom: Any) -> Any:
         if isinstance(atom, _compat.Literal):
-            return _known_scalar(atom.val)
+            return known_scalar(atom.val)
         return self.known.get(atom)
 
 
@@ -344,9 +212,9 @@ class _Autoscale(JaxprWalker):
         jaxpr = frame.jaxpr
         known: dict[Any, Any] = {}
         for var in jaxpr.constvars:
-            known[var] = _known_scalar(frame.read(var))
+            known[var] = known_scalar(frame.read(var))
         for var, k in zip(jaxpr.invars, self.known_args):
-            known[var] = k if k is not None else _known_scalar(frame.read(var))
+            known[var] = k if k is not None else known_scalar(frame.read(var))
         uses: collections.Counter[Any] = collections.Counter(
             a for e in jaxpr.eqns for a in e.invars if not isinstance(a, _compat.Literal)
         )
@@ -365,27 +233,23 @@ class _Autoscale(JaxprWalker):
             # A plain output of a call (jit...) keeps what is statically known of it.
             out_known: list[Any] = [
                 None if isinstance(out, ScaledArray) else k
-                for out, k in zip(outs, _fold_known_call(eqn, in_known))
+                for out, k in zip(outs, fold_known_call(eqn, in_known))
             ]
         else:
             invals = _compat.vary_like_plain(eqn, invals)
             outs = _compat.bind_pvary(eqn, invals) or bind_equation(eqn, invals)
-            out_known = _fold_known(eqn, in_known)
+            out_known = fold_known(eqn, in_known)
         for index, (var, k) in enumerate(zip(eqn.outvars, out_known)):
             if isinstance(var, _compat.Var) and not _compat.is_drop_var(var):
                 context.known[var] = k
-                out = outs[index]
-                if isinstance(out, ScaledArray) and context.uses[var] >= _FAN_OUT:
-                    outs[index] = out = _materialized(out)
-                if isinstance(out, ScaledArray) and context.uses[var] >= 2:
-                    outs[index] = _computed_once(out, invals)
+                outs[index] = materialize_for_readers(outs[index], context.uses[var], invals)
         return outs
 
     def _scaled(self, eqn: Any, invals: list[Any], in_known: list[Any]) -> list[Any]:
         info = registry.get_scaled_rule(eqn.primitive)
         any_scaled = any(isinstance(v, ScaledArray) for v in invals)
         if any_scaled:
-            for guard in registry.equation_guards(eqn.primitive):
+            for guard in info.guards:
                 guard(eqn, invals)
         if info.promote and any_scaled:
             invals = [promote_to_scaled(v, k) for v, k in zip(invals, in_known)]
@@ -397,9 +261,8 @@ class _Autoscale(JaxprWalker):
         ]
         rule = info.rule
         if any(isinstance(v, ScaledArray) and np.ndim(v.scale) for v in invals):
-            block_rule = registry.get_block_rule(eqn.primitive)
-            if block_rule is not None:
-                rule = block_rule
+            if info.block_rule is not None:
+                rule = info.block_rule
             else:
                 invals = [_per_tensor(v) for v in invals]
         with registry.with_operand_constants(in_known):

@@ -1,4 +1,6 @@
-"""The table of scaled rules: one entry per JAX primitive."""
+"""The table of scaled rules: one record per JAX primitive (`RuleInfo`), holding everything
+the interpreter needs to run it: the per-tensor rule, the block-scale rule, the guards, whether
+operands are promoted and whether the rule runs with no scaled operand."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from . import _compat
 
 Primitive = _compat.Primitive
 ScaledRule = Callable[..., Any]
+EquationGuard = Callable[[Any, Sequence[Any]], None]
 
 __all__ = [
     "register_scaled_op",
@@ -51,6 +54,11 @@ class RuleInfo:
             this to False.
         family: the rule family, shown in the coverage listing.
         remark: a short note for the coverage listing.
+        block_rule: the rule used when an operand has a block scale (finer than one per
+            tensor), same calling convention; None: block-scaled operands are brought to
+            per-tensor form (`core.block_scales.to_per_tensor`) and `rule` runs.
+        guards: `guard(eqn, operands)` functions called before the rule of every equation
+            with a scaled operand (`register_equation_guard`).
     """
 
     primitive: Primitive | None
@@ -59,8 +67,16 @@ class RuleInfo:
     promote: bool = True
     family: str = ""
     remark: str = ""
+    block_rule: ScaledRule | None = None
+    guards: tuple[EquationGuard, ...] = ()
 
 
+def _no_rule(*operands: Any, **params: Any) -> Any:
+    raise NotImplementedError("This primitive has a block rule or guards but no scaled rule.")
+
+
+# One record per primitive. A record whose rule is `_no_rule` holds a block rule or guards
+# registered before the primitive's rule (module import order does not matter).
 _RULES: dict[Primitive, RuleInfo] = {}
 # Rules declared by name for primitives the installed JAX does not have (other releases do).
 _ABSENT_RULES: dict[str, RuleInfo] = {}
@@ -97,14 +113,15 @@ def register_scaled_op(
         raise TypeError(f"register_scaled_op expects a JAX primitive, got {primitive!r}.")
 
     def register(fn: ScaledRule) -> ScaledRule:
-        if primitive in _RULES:
+        record = _RULES.get(primitive)
+        if record is not None and record.rule is not _no_rule:
             raise ValueError(
                 f"A scaled rule is already registered for primitive '{primitive.name}' "
-                f"({_RULES[primitive].rule.__qualname__})."
+                f"({record.rule.__qualname__})."
             )
-        _RULES[primitive] = RuleInfo(
-            primitive,
-            fn,
+        _RULES[primitive] = dataclasses.replace(
+            record or RuleInfo(primitive, _no_rule),
+            rule=fn,
             always_scaled=always_scaled,
             promote=promote,
             family=family,
@@ -178,13 +195,15 @@ def installed_primitive(name: str) -> Primitive | None:
 
 
 def unregister_scaled_op(primitive: Primitive) -> None:
-    """Remove a primitive's rule (for tests and for replacing a rule)."""
+    """Remove a primitive's record: its rule, block rule and guards (for tests and for
+    replacing a rule)."""
     _RULES.pop(primitive, None)
 
 
 def find_rule(primitive: Primitive) -> RuleInfo | None:
-    """The rule registered for `primitive`, or None."""
-    return _RULES.get(primitive)
+    """The record of `primitive` when it has a rule, else None."""
+    record = _RULES.get(primitive)
+    return record if record is not None and record.rule is not _no_rule else None
 
 
 def get_scaled_rule(primitive: Primitive) -> RuleInfo:
@@ -194,7 +213,7 @@ def get_scaled_rule(primitive: Primitive) -> RuleInfo:
         NotImplementedError: no rule is registered; the message names the
             primitive and says how to register one.
     """
-    info = _RULES.get(primitive)
+    info = find_rule(primitive)
     if info is None:
         raise NotImplementedError(
             f"No scaled rule for JAX primitive '{primitive.name}': autoscale cannot apply it to "
@@ -205,22 +224,25 @@ def get_scaled_rule(primitive: Primitive) -> RuleInfo:
     return info
 
 
-# Rules that keep block scales (scales finer than one per tensor). A primitive without one
-# gets its block-scaled operands in per-tensor form (`core.block_scales.to_per_tensor`) and
-# its ordinary rule.
-_BLOCK_RULES: dict[Primitive, ScaledRule] = {}
+def _update(primitive: Primitive, **changes: Any) -> None:
+    _RULES[primitive] = dataclasses.replace(
+        _RULES.get(primitive) or RuleInfo(primitive, _no_rule), **changes
+    )
 
 
 def register_block_rule(primitive: Primitive, rule: ScaledRule | None = None) -> Any:
     """Register the rule a primitive uses when an operand has a block scale; usable as a
     decorator. Same calling convention as :func:`register_scaled_op` (operands are
     ScaledArrays with scalar or block scales, or plain values); it may return block-scaled
-    outputs (a scale whose dimensions divide the output's)."""
+    outputs (a scale whose dimensions divide the output's). A primitive without one gets its
+    block-scaled operands in per-tensor form (`core.block_scales.to_per_tensor`) and its
+    ordinary rule."""
 
     def register(fn: ScaledRule) -> ScaledRule:
-        if primitive in _BLOCK_RULES:
+        record = _RULES.get(primitive)
+        if record is not None and record.block_rule is not None:
             raise ValueError(f"A block rule is already registered for '{primitive.name}'.")
-        _BLOCK_RULES[primitive] = fn
+        _update(primitive, block_rule=fn)
         return fn
 
     return register(rule) if rule is not None else register
@@ -228,11 +250,8 @@ def register_block_rule(primitive: Primitive, rule: ScaledRule | None = None) ->
 
 def get_block_rule(primitive: Primitive) -> ScaledRule | None:
     """The block-scale rule of `primitive`, or None (its operands then go per tensor)."""
-    return _BLOCK_RULES.get(primitive)
-
-
-EquationGuard = Callable[[Any, Sequence[Any]], None]
-_GUARDS: dict[Primitive, list[EquationGuard]] = {}
+    record = _RULES.get(primitive)
+    return record.block_rule if record is not None else None
 
 
 def register_equation_guard(primitive: Primitive, guard: EquationGuard) -> EquationGuard:
@@ -240,22 +259,28 @@ def register_equation_guard(primitive: Primitive, guard: EquationGuard) -> Equat
     every `primitive` equation that has a scaled operand. A guard raises, at trace time,
     where the rule would compute a silently wrong number that the program's source can tell
     (see `lax/optimizer_guard.py`); it returns None otherwise."""
-    _GUARDS.setdefault(primitive, []).append(guard)
+    record = _RULES.get(primitive)
+    _update(primitive, guards=(*(record.guards if record else ()), guard))
     return guard
 
 
 def equation_guards(primitive: Primitive) -> Sequence[EquationGuard]:
     """The guards registered for `primitive` (empty for most)."""
-    return _GUARDS.get(primitive, ())
+    record = _RULES.get(primitive)
+    return record.guards if record is not None else ()
 
 
 def has_scaled_rule(primitive: Primitive) -> bool:
-    return primitive in _RULES
+    return find_rule(primitive) is not None
 
 
 def coverage() -> dict[str, RuleInfo]:
     """All registered rules, by primitive name (for the generated operator docs)."""
-    return {p.name: info for p, info in sorted(_RULES.items(), key=lambda kv: kv[0].name)}
+    return {
+        p.name: info
+        for p, info in sorted(_RULES.items(), key=lambda kv: kv[0].name)
+        if info.rule is not _no_rule
+    }
 
 
 def declared_rules() -> dict[str, RuleInfo]:

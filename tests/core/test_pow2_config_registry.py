@@ -100,6 +100,45 @@ def test_register_scaled_op_decorator_and_function_forms():
         unregister_scaled_op(prim2)
 
 
+def test_one_record_per_primitive_in_any_registration_order():
+    """A primitive's block rule and guards live in its one record, registered before or
+    after its rule; the record is what the interpreter runs, and removing it removes all."""
+    from jax_scaled_arithmetics.core import registry
+
+    prim = _identity_primitive("one_record_example")
+    seen = []
+    try:
+        registry.register_equation_guard(prim, lambda eqn, operands: seen.append("guard"))
+        assert not registry.has_scaled_rule(prim)  # a guard alone is no rule
+        assert "one_record_example" not in jsa.coverage()
+        with pytest.raises(NotImplementedError, match="No scaled rule"):
+            get_scaled_rule(prim)
+
+        @registry.register_block_rule(prim)
+        def block_rule(x, **params):
+            seen.append("block")
+            return x
+
+        @jsa.register_scaled_op(prim, family="example")
+        def rule(x, **params):
+            seen.append("rule")
+            return x
+
+        record = get_scaled_rule(prim)
+        assert (record.rule, record.block_rule, len(record.guards)) == (rule, block_rule, 1)
+        assert registry.get_block_rule(prim) is block_rule
+        with pytest.raises(ValueError, match="block rule is already registered"):
+            registry.register_block_rule(prim, block_rule)
+        per_tensor = make_scaled(np.ones(4), np.float32, 2.0)
+        jsa.autoscale(prim.bind)(per_tensor)
+        blocks = jsa.ScaledArray(jnp.ones(4, jnp.float32), jnp.array([1.0, 2.0], jnp.float32))
+        jsa.autoscale(prim.bind)(blocks)
+        assert seen == ["guard", "rule", "guard", "block"]
+    finally:
+        unregister_scaled_op(prim)
+    assert registry.get_block_rule(prim) is None and not registry.equation_guards(prim)
+
+
 def test_register_scaled_op_rejects_non_primitives():
     with pytest.raises(TypeError, match="expects a JAX primitive"):
         jsa.register_scaled_op("add")
