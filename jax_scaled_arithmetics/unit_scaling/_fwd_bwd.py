@@ -214,6 +214,14 @@ def _check_factor(factor: Any) -> float:
     return float(factor)
 
 
+def _scaled(scale: Callable[[Array, float], Array], x: Array, factor: Any) -> Array:
+    """`scale(x, factor)` for a floating `x`; `x` itself when it is not one or `factor` is 1."""
+    factor = _check_factor(factor)
+    if not _is_inexact(x) or factor == 1.0:
+        return x
+    return scale(jnp.asarray(x), factor)
+
+
 def scale_fwd(x: Array, factor: float) -> Array:
     """Multiply `x` by `factor` in the forward pass; the gradient passes unscaled.
 
@@ -228,10 +236,7 @@ def scale_fwd(x: Array, factor: float) -> Array:
         >>> jax.grad(lambda x: scale_fwd(x, 0.5).sum())(jnp.array([1.0, 2.0]))
         Array([1., 1.], dtype=float32)
     """
-    factor = _check_factor(factor)
-    if not _is_inexact(x) or factor == 1.0:
-        return x
-    return _scale_fwd(jnp.asarray(x), factor)
+    return _scaled(_scale_fwd, x, factor)
 
 
 def scale_bwd(x: Array, factor: float) -> Array:
@@ -248,10 +253,7 @@ def scale_bwd(x: Array, factor: float) -> Array:
         >>> jax.grad(lambda x: scale_bwd(x, 0.5).sum())(jnp.array([1.0, 2.0]))
         Array([0.5, 0.5], dtype=float32)
     """
-    factor = _check_factor(factor)
-    if not _is_inexact(x) or factor == 1.0:
-        return x
-    return _scale_bwd(jnp.asarray(x), factor)
+    return _scaled(_scale_bwd, x, factor)
 
 
 def scaled_call(

@@ -90,7 +90,7 @@ def parameter_specs(
         >>> [(k, specs[k].kind, specs[k].fan_in) for k in ("emb", "w", "b", "head")]
         [('emb', 'embedding', 8), ('w', 'weight', 8), ('b', 'bias', None), ('head', 'output', 8)]
     """
-    from . import _optim, _transform
+    from . import _optim, _residual_analysis, _transform
 
     if readout not in ("last", "none"):
         raise ValueError(f"parameter_specs: readout must be 'last' or 'none', got {readout!r}.")
@@ -103,12 +103,12 @@ def parameter_specs(
 
     def branch_eqns(inner: Any) -> set[int]:
         if id(inner) not in branch_cache:
-            context = _transform._analyse(inner, "none")
+            context = _residual_analysis.analyse(inner, "none")
             branch_cache[id(inner)] = set().union(*context.branches.values())
         return branch_cache[id(inner)]
 
     _, by_code, _ = _transform._resolve_replace(None)
-    kinds = _transform._residual_kinds(jaxpr, by_code)
+    kinds = _residual_analysis.residual_kinds(jaxpr, by_code)
     depth = max(kinds.count("attention"), kinds.count("mlp")) if kinds else None
 
     uses = [

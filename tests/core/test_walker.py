@@ -8,7 +8,7 @@ from jax import lax
 
 import jax_scaled_arithmetics as jsa
 import jax_scaled_arithmetics.unit_scaling as U
-from jax_scaled_arithmetics.core import _compat, interpreter
+from jax_scaled_arithmetics.core import _compat, interpreter, known_scalars
 from jax_scaled_arithmetics.core.walker import (
     Frame,
     Group,
@@ -150,7 +150,7 @@ def test_every_transform_is_a_walker():
     unit_scale and simulate_fp8 are walkers with their own rules."""
     for cls in (
         interpreter._Autoscale,
-        interpreter._KnownScalars,
+        known_scalars._KnownScalars,
         _transform._UnitScaleRewriter,
         _fp8._Fp8Rewriter,
     ):

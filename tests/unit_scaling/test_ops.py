@@ -69,7 +69,7 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics.unit_scaling as U
-from jax_scaled_arithmetics.unit_scaling import _fwd_bwd, _ops
+from jax_scaled_arithmetics.unit_scaling import _activations, _attention, _fwd_bwd, _softmax
 from tests.helpers import eager_and_jit
 
 DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
@@ -133,10 +133,10 @@ def gmean(*values: float) -> float:
 BATCH_DN = (((2,), (1,)), ((0,), (0,)))
 RBG_KEY = jax.random.key(3, impl="rbg")  # compiles in a fraction of threefry's time
 N = 1 << 18  # elementwise sample size
-GELU_F, GELU_B = _ops._elementwise_factors("gelu_tanh")
-SOFTMAX_P, SOFTMAX_DX, _ = _ops.softmax_moments(512)
-_, SILU_SECOND, SILU_GRAD = _ops.gaussian_moments("silu")
-ATT = [1 / math.sqrt(v) for v in _ops.attention_moments(128, 128, 64, False)]
+GELU_F, GELU_B = _activations._elementwise_factors("gelu_tanh")
+SOFTMAX_P, SOFTMAX_DX, _ = _softmax.softmax_moments(512)
+_, SILU_SECOND, SILU_GRAD = _activations.gaussian_moments("silu")
+ATT = [1 / math.sqrt(v) for v in _attention.attention_moments(128, 128, 64, False)]
 ATT_T = gmean(*ATT)
 
 
@@ -394,7 +394,7 @@ def test_elementwise_factors_match_an_independent_integration():
     for name, f in (("gelu_tanh", gelu), ("silu", silu)):
         df = lambda x, f=f: (f(x + 1e-5) - f(x - 1e-5)) / 2e-5
         mean, second = _gaussian_expectation(f), _gaussian_expectation(lambda x, f=f: f(x) ** 2)
-        fwd, bwd = _ops._elementwise_factors(name)
+        fwd, bwd = _activations._elementwise_factors(name)
         assert fwd == pytest.approx((second - mean**2) ** -0.5, rel=1e-6)
         assert bwd == pytest.approx(_gaussian_expectation(lambda x, df=df: df(x) ** 2) ** -0.5)
 
@@ -405,27 +405,27 @@ def test_softmax_moments_exact_for_two_and_asymptotic_for_many():
     var_p = _gaussian_expectation(lambda z: sig(z) ** 2) - 0.25
     # dx_1 = p1 p2 (g1 - g2): variance 2 E[(p1 p2)^2].
     var_dx = 2 * _gaussian_expectation(lambda z: (sig(z) * (1 - sig(z))) ** 2)
-    p, dx, _ = _ops.softmax_moments(2)
+    p, dx, _ = _softmax.softmax_moments(2)
     assert p == pytest.approx(var_p, rel=0.01) and dx == pytest.approx(var_dx, rel=0.01)
     # Large n: p_i ~ exp(x_i) / (n sqrt(e)): n^2 var p -> e - 1, n^2 var dx -> e.
     n = 1 << 16
-    p, dx, _ = _ops.softmax_moments(n)
+    p, dx, _ = _softmax.softmax_moments(n)
     assert p * n * n == pytest.approx(math.e - 1, rel=0.01)
     assert dx * n * n == pytest.approx(math.e, rel=0.01)
     # Longer rows take the limits directly.
-    p, dx, _ = _ops.softmax_moments(4 * n)
+    p, dx, _ = _softmax.softmax_moments(4 * n)
     assert p * (4 * n) ** 2 == pytest.approx(math.e - 1, rel=1e-9)
 
 
 def test_monte_carlo_factors_are_cached_and_deterministic():
     args = (32, 48, 16, True)
-    first = _ops.attention_moments.__wrapped__(*args)
-    assert first == _ops.attention_moments.__wrapped__(*args)
-    _ops.attention_moments(*args)
-    hits = _ops.attention_moments.cache_info().hits
-    _ops.attention_moments(*args)
-    assert _ops.attention_moments.cache_info().hits == hits + 1
-    assert _ops.softmax_moments.__wrapped__(7) == _ops.softmax_moments.__wrapped__(7)
+    first = _attention.attention_moments.__wrapped__(*args)
+    assert first == _attention.attention_moments.__wrapped__(*args)
+    _attention.attention_moments(*args)
+    hits = _attention.attention_moments.cache_info().hits
+    _attention.attention_moments(*args)
+    assert _attention.attention_moments.cache_info().hits == hits + 1
+    assert _softmax.softmax_moments.__wrapped__(7) == _softmax.softmax_moments.__wrapped__(7)
 
 
 def test_factors_cost_one_multiply_at_run_time():
@@ -531,16 +531,16 @@ def test_elementwise_values_and_gradients_are_plain_times_factors():
         (lambda x, **kw: U.gelu(x, approximate=False, **kw), partial_gelu_erf, "gelu"),
         (U.silu, jax.nn.silu, "silu"),
     ):
-        fwd, bwd = _ops._elementwise_factors(name)
+        fwd, bwd = _activations._elementwise_factors(name)
         out, (g,) = vjp_pairs(lambda x, u=unit: u(x, constraint=None), plain, (x,))
         assert_scaled(out, fwd), assert_scaled(g, bwd)
-    _, second, grad_second = _ops.gaussian_moments("silu")
+    _, second, grad_second = _activations.gaussian_moments("silu")
     out, (gx, gg) = vjp_pairs(
         lambda x, g: U.silu_glu(x, g, constraint=None), lambda x, g: x * jax.nn.silu(g), (x, gate)
     )
     assert_scaled(out, second**-0.5), assert_scaled(gx, second**-0.5)
     assert_scaled(gg, grad_second**-0.5)
-    var_p, var_dx, _ = _ops.softmax_moments(32)
+    var_p, var_dx, _ = _softmax.softmax_moments(32)
     out, (g,) = vjp_pairs(lambda x: U.softmax(x, constraint=None), jax.nn.softmax, (x,))
     assert_scaled(out, var_p**-0.5), assert_scaled(g, var_dx**-0.5)
     out, (ga, gb) = vjp_pairs(lambda a, b: U.add(a, b, constraint=None), jnp.add, (x, gate))
@@ -632,7 +632,7 @@ def test_attention_is_plain_attention_times_factors():
     unit = lambda q, k, v: U.scaled_dot_product_attention(
         q, k, v, mask=mask, is_causal=True, constraint=None
     )
-    var_o, var_dq, var_dk, var_dv = _ops.attention_moments(16, 24, 8, True)
+    var_o, var_dq, var_dk, var_dv = _attention.attention_moments(16, 24, 8, True)
     out, (gq, gk, gv) = vjp_pairs(unit, plain, (q, k, v))
     assert_scaled(out, var_o**-0.5, rtol=1e-4)
     # The q and k grad variances scale with value dim / head dim = 1/2.
@@ -669,7 +669,7 @@ def test_norm_embedding_and_loss_gradients_are_plain_times_factors():
 
     logits, labels = normal(4, (6, 5)), jnp.array([0, 4, 2, 1, 1, 3])
     plain = lambda z: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), labels[:, None], 1))
-    _, _, mean_s = _ops.softmax_moments(5)
+    _, _, mean_s = _softmax.softmax_moments(5)
     out, (g,) = vjp_pairs(lambda z: U.cross_entropy(z, labels), plain, (logits,))
     assert_scaled(out, 1.0), assert_scaled(g, 6 * math.sqrt(5 / (mean_s + 1 - 2 / 5)))
 

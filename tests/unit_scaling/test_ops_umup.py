@@ -42,7 +42,18 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics.unit_scaling as U
-from jax_scaled_arithmetics.unit_scaling import _fwd_bwd, _ops
+from jax_scaled_arithmetics.unit_scaling import (
+    _activations,
+    _attention,
+    _dropout,
+    _embedding,
+    _fwd_bwd,
+    _linear,
+    _losses,
+    _norms,
+    _residual,
+    _softmax,
+)
 from tests.helpers import pairwise_params
 from tests.unit_scaling.test_ops import assert_scaled, measure, normal, std, vjp_pairs
 
@@ -107,7 +118,7 @@ def test_constraints_on_ops_are_plain_times_tied_factors():
         out, (ga, gb) = vjp_pairs(unit, plain_add, (x, row))
         assert_scaled(out, tied), assert_scaled(ga, tied), assert_scaled(gb, tied)
     # silu_glu: x grad factor E[silu^2]^(-1/2), gate's E[silu'^2]^(-1/2).
-    _, second, grad_second = _ops.gaussian_moments("silu")
+    _, second, grad_second = _activations.gaussian_moments("silu")
     gate = normal(3, (8, 16))
     unit = lambda a, g: U.silu_glu(a, g, constraint="to_right_grad_scale")
     out, (ga, gg) = vjp_pairs(unit, lambda a, g: a * jax.nn.silu(g), (x, gate))
@@ -150,23 +161,23 @@ def test_elementwise_moments_with_mult(mult):
     }
     for name, f in functions.items():
         df = lambda x, f=f: (f(x + 1e-6) - f(x - 1e-6)) / 2e-6
-        mean, second, grad_second = _ops.gaussian_moments(name, mult)
+        mean, second, grad_second = _activations.gaussian_moments(name, mult)
         assert mean == pytest.approx(_gaussian_expectation(f), rel=1e-7)
         assert second == pytest.approx(_gaussian_expectation(lambda x, f=f: f(x) ** 2), rel=1e-7)
         assert grad_second == pytest.approx(
             _gaussian_expectation(lambda x, df=df: df(x) ** 2), rel=1e-5
         )
     # The erf form: gelu(mult x)/mult = x Phi(mult x).
-    mean, second, _ = _ops.gaussian_moments("gelu", mult)
+    mean, second, _ = _activations.gaussian_moments("gelu", mult)
     assert mean == pytest.approx(mult / math.sqrt(2 * math.pi * (1 + mult**2)), rel=1e-9)
-    assert _ops.gaussian_moments.cache_info().currsize >= 3
+    assert _activations.gaussian_moments.cache_info().currsize >= 3
 
 
 @pytest.mark.parametrize("mult", [0.5, 3.0])
 def test_softmax_moments_with_mult(mult):
     # n = 2: p = sigmoid(mult (x1 - x2)), x1 - x2 ~ N(0, 2); dx_1 = mult p1 p2 (g1 - g2).
     sig = lambda z: _sigmoid(mult * math.sqrt(2.0) * z)
-    var_p, var_dx, mean_s = _ops.softmax_moments(2, mult)
+    var_p, var_dx, mean_s = _softmax.softmax_moments(2, mult)
     assert var_p == pytest.approx(_gaussian_expectation(lambda z: sig(z) ** 2) - 0.25, rel=0.01)
     expected_dx = 2 * mult**2 * _gaussian_expectation(lambda z: (sig(z) * (1 - sig(z))) ** 2)
     assert var_dx == pytest.approx(expected_dx, rel=0.01)
@@ -175,27 +186,29 @@ def test_softmax_moments_with_mult(mult):
     # (for mult 3, only beyond 2^16 e^9 elements).
     n = 1 << 22
     spread = math.exp(mult**2)
-    if n > _ops._SOFTMAX_ASYMPTOTIC * spread:
-        var_p, var_dx, mean_s = _ops.softmax_moments(n, mult)
+    if n > _softmax._SOFTMAX_ASYMPTOTIC * spread:
+        var_p, var_dx, mean_s = _softmax.softmax_moments(n, mult)
         assert var_p * n * n == pytest.approx(spread - 1, rel=1e-9)
         assert mean_s * n == pytest.approx(spread, rel=1e-9)
     # Just below the switch, the Monte Carlo agrees with the limits.
     n = 1 << 14
-    var_p, var_dx, mean_s = _ops.softmax_moments(n, 0.5)
+    var_p, var_dx, mean_s = _softmax.softmax_moments(n, 0.5)
     assert var_p * n * n == pytest.approx(math.exp(0.25) - 1, rel=0.01)
     assert var_dx * n * n == pytest.approx(0.25 * math.exp(0.25), rel=0.01)
 
 
 def test_attention_moments_follow_the_logit_scale():
     d = 16
-    default = _ops.attention_moments(24, 24, d, False)
-    assert _ops.attention_moments(24, 24, d, False, d**-0.5) == pytest.approx(default, rel=1e-12)
+    default = _attention.attention_moments(24, 24, d, False)
+    assert _attention.attention_moments(24, 24, d, False, d**-0.5) == pytest.approx(
+        default, rel=1e-12
+    )
     # Logit scale 0: uniform weights over 24 keys, S = 1/24; dq = dk = 0.
-    flat = _ops.attention_moments(24, 24, d, False, 1e-9)
+    flat = _attention.attention_moments(24, 24, d, False, 1e-9)
     assert flat[0] == pytest.approx(1 / 24, rel=1e-6) and flat[3] == pytest.approx(1 / 24)
     assert flat[1] < 1e-15 and flat[2] < 1e-15
     # Sharper logits concentrate the weights: a larger output variance.
-    assert _ops.attention_moments(24, 24, d, False, 1.0)[0] > default[0] > flat[0]
+    assert _attention.attention_moments(24, 24, d, False, 1.0)[0] > default[0] > flat[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,7 +230,7 @@ def _mult_case(op: str, mult: float):
     """(unit fn, plain fn, shapes, output factor, grad factors)."""
     if op in ("gelu", "gelu_erf", "silu"):
         name = {"gelu": "gelu_tanh", "gelu_erf": "gelu", "silu": "silu"}[op]
-        fwd, bwd = _ops._elementwise_factors(name, mult)
+        fwd, bwd = _activations._elementwise_factors(name, mult)
         approx = op == "gelu"
         if op == "silu":
             unit = lambda x: U.silu(x, mult=mult, constraint=None)
@@ -227,12 +240,12 @@ def _mult_case(op: str, mult: float):
             plain = lambda x: jax.nn.gelu(x * mult, approximate=approx) / mult
         return unit, plain, ((16, 32),), fwd, (bwd,)
     if op == "silu_glu":
-        _, second, grad_second = _ops.gaussian_moments("silu", mult)
+        _, second, grad_second = _activations.gaussian_moments("silu", mult)
         unit = lambda x, g: U.silu_glu(x, g, mult=mult, constraint=None)
         plain = lambda x, g: x * g * jax.nn.sigmoid(mult * g)
         return unit, plain, ((16, 32),) * 2, second**-0.5, (second**-0.5, grad_second**-0.5)
     if op == "softmax":
-        var_p, var_dx, _ = _ops.softmax_moments(32, mult)
+        var_p, var_dx, _ = _softmax.softmax_moments(32, mult)
         unit = lambda x: U.softmax(x, mult=mult, constraint=None)
         plain = lambda x: jax.nn.softmax(mult * x, axis=-1)
         return unit, plain, ((16, 32),), var_p**-0.5, (var_dx**-0.5,)
@@ -244,7 +257,7 @@ def _mult_case(op: str, mult: float):
         "attention_float_causal": (0.0, True, 0.2),
     }[op]
     c = mult * {None: 8**-0.5, "1/d": 1 / 8, 0.2: 0.2}[scale]
-    var_o, var_dq, var_dk, var_dv = _ops.attention_moments(12, 16, 8, causal, c)
+    var_o, var_dq, var_dk, var_dv = _attention.attention_moments(12, 16, 8, causal, c)
     keep = jax.random.bernoulli(RBG, 1 - p, (2, 12, 16)) if p else None
 
     def unit(q, k, v):
@@ -481,7 +494,7 @@ def _torch_cross_entropy(logits, labels, weight=None, ignore_index=-100, reducti
 
 def _ce_factor(vocab: int, mult: float, e: float) -> float:
     """One over the std of an entry of a term's gradient (the documented formula)."""
-    _, _, mean_s = _ops.softmax_moments(vocab, mult)
+    _, _, mean_s = _softmax.softmax_moments(vocab, mult)
     second = mean_s - 2 / vocab + (1 - e) ** 2 + (2 * e - e * e) / vocab
     return (mult * mult * second / vocab) ** -0.5
 
@@ -542,7 +555,9 @@ def test_cross_entropy_second_moment_by_monte_carlo():
         p /= p.sum(-1, keepdims=True)
         t = (1 - e) * np.eye(vocab)[rng.integers(0, vocab, rows)] + e / vocab
         estimate = mult * mult * ((p - t) ** 2).sum(-1).mean()
-        assert _ops.cross_entropy_second_moment(vocab, mult, e) == pytest.approx(estimate, rel=0.01)
+        assert _losses.cross_entropy_second_moment(vocab, mult, e) == pytest.approx(
+            estimate, rel=0.01
+        )
 
 
 _optax_ce = optax.softmax_cross_entropy_with_integer_labels
@@ -778,6 +793,7 @@ def test_bad_input(call, error, message):
 def test_docstring_examples():
     import doctest
 
-    for module in (_ops, _fwd_bwd):
+    ops = (_linear, _activations, _softmax, _dropout, _norms, _embedding, _residual, _attention)
+    for module in (*ops, _losses, _fwd_bwd):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__

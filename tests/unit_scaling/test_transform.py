@@ -10,7 +10,7 @@ import pytest
 
 import jax_scaled_arithmetics as jsa
 import jax_scaled_arithmetics.unit_scaling as U
-from jax_scaled_arithmetics.unit_scaling._transform import _analyse
+from jax_scaled_arithmetics.unit_scaling._residual_analysis import analyse
 
 SEQ, D, VOCAB = 32, 64, 48
 MATMUL = (((1,), (0,)), ((), ()))
@@ -126,7 +126,7 @@ def _close(a, b, rtol=2e-5, atol=2e-6):
 def test_finds_the_residual_adds_of_a_pre_norm_block_and_leaves_other_adds(inputs):
     x, params = inputs
     jaxpr = jax.make_jaxpr(model)(x, params).jaxpr
-    context = _analyse(jaxpr, "search")
+    context = analyse(jaxpr, "search")
     adds = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "add"]
     residual = sorted(context.residual)
     assert len(residual) == 2
