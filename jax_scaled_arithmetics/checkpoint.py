@@ -61,7 +61,7 @@ import numpy as np
 
 from . import sharding as jsa_sharding
 from .core.datatype import ScaledArray, is_scaled_leaf
-from .quantization.block import MXArray
+from .quantization.mx_array import MXArray
 
 __all__ = [
     "FLAX_REGISTERED",
@@ -219,7 +219,13 @@ def _register_flax() -> bool:
 
 FLAX_REGISTERED: bool = _register_flax()
 """Whether ScaledArray and MXArray are registered with `flax.serialization` (Flax is
-installed). Importing this module imports Flax when it is installed."""
+installed). Importing this module imports Flax when it is installed.
+
+Examples:
+    >>> import jax_scaled_arithmetics as jsa
+    >>> jsa.checkpoint.FLAX_REGISTERED  # Flax is installed here
+    True
+"""
 
 
 # --- checks ------------------------------------------------------------------------------

@@ -136,7 +136,7 @@ def render() -> str:
         "",
         "*block scales*: with an operand whose scale is finer than one per tensor (per row,",
         "channel, MX block, tile, stacked layer), *kept* rules keep the blocks",
-        "(`jax_scaled_arithmetics/lax/block_rules.py`); *per tensor* rules get such operands",
+        "(`jax_scaled_arithmetics/lax/block_rules/`); *per tensor* rules get such operands",
         "brought to one scale first (the largest block scale; smaller blocks lose the",
         "precision their data dtype has below its smallest normal number).",
         "",

@@ -15,8 +15,8 @@ from ._program import jaxpr_equation_counts as jaxpr_equation_counts
 from ._promotion import DtypePromotion as DtypePromotion
 from ._promotion import PromotionReport as PromotionReport
 from ._promotion import dtype_promotions as dtype_promotions
-from ._ranges import RangeTable as RangeTable
-from ._ranges import TensorRange as TensorRange
+from ._range_table import RangeTable as RangeTable
+from ._range_table import TensorRange as TensorRange
 from ._ranges import plot_ranges as plot_ranges
 from ._ranges import tensor_ranges as tensor_ranges
 

@@ -23,9 +23,10 @@ the original construct over those leaves:
   A scaled stacked output of `scan` keeps one scale per iteration, as a block
   scale `(L, 1, ...)` (or its loop-invariant scale), and a scanned input with such
   a scale gives each iteration its own: stacked layers keep their own scales.
-- Block scales (`lax/block_rules.py`): a carry of `scan` or `while` keeps its initial value's
-  layout, per tensor or blocks: the body's output is brought back to it (exactly where
-  the layout is finer than the body's, else each block at the largest scale it holds).
+- Block scales (`lax/block_rules/reblocking.py`): a carry of `scan` or `while` keeps its
+  initial value's layout, per tensor or blocks: the body's output is brought back to it
+  (exactly where the layout is finer than the body's, else each block at the largest
+  scale it holds).
 - A `cond` output scaled in one branch is scaled (promoted) in all; the index
   stays plain. Its branches meet at one layout per output: the finest of theirs when
   their layouts are nested (exact), else the finest layout coarser than all of them.

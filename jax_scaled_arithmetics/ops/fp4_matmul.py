@@ -41,15 +41,22 @@ from jax import lax
 
 from ..lax.scaling_primitives import apply_to_data
 from ..quantization._bits import Rounding
-from ..quantization.block import SCALE_ROUNDINGS, ScaleRounding, block_fake_quantize
 from ..quantization.float_quantize import float_quantize
 from ..quantization.hadamard import random_hadamard
+from ..quantization.mx_formats import SCALE_ROUNDINGS, ScaleRounding
+from ..quantization.mx_quantize import block_fake_quantize
 from ..quantization.nvfp4 import nvfp4_fake_quantize
 
 __all__ = ["FP4_RECIPES", "fp4_matmul", "nvfp4_matmul", "recipe_block_size"]
 
 FP4_RECIPES = ("nvfp4", "mxfp4", "fp4_tensor")
-"""The formats `fp4_matmul` and `U.simulate_fp4` simulate."""
+"""The formats `fp4_matmul` and `U.simulate_fp4` simulate.
+
+Examples:
+    >>> import jax_scaled_arithmetics as jsa
+    >>> jsa.ops.FP4_RECIPES
+    ('nvfp4', 'mxfp4', 'fp4_tensor')
+"""
 _BLOCK_SIZES = {"nvfp4": 16, "mxfp4": 32, "fp4_tensor": 16}
 _E2M1_MAX = 6.0
 

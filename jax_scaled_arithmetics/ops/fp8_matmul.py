@@ -56,8 +56,8 @@ from ..core.datatype import ScaledArray
 from ..core.interpreter import autoscale
 from ..core.types import Array
 from ..quantization import block_fake_quantize, float_quantize, get_format
-from ..quantization.block import SCALE_ROUNDINGS, ScaleRounding, mx_element_format
 from ..quantization.formats import FloatFormat
+from ..quantization.mx_formats import SCALE_ROUNDINGS, ScaleRounding, mx_element_format
 
 __all__ = ["mx_matmul", "rowwise_fp8_matmul", "tensorwise_fp8_matmul"]
 

@@ -6,16 +6,6 @@ block scaled arrays (`MXArray.to_scaled_array`, `mx_from_scaled_array`).
 """
 
 from ._bits import Rounding as Rounding
-from .block import MX_FORMAT_ALIASES as MX_FORMAT_ALIASES
-from .block import MX_FORMATS as MX_FORMATS
-from .block import MXArray as MXArray
-from .block import as_e8m0 as as_e8m0
-from .block import block_dequantize as block_dequantize
-from .block import block_fake_quantize as block_fake_quantize
-from .block import block_quantize as block_quantize
-from .block import from_e8m0 as from_e8m0
-from .block import mx_element_format as mx_element_format
-from .block import mx_from_scaled_array as mx_from_scaled_array
 from .fixed_point import fixed_point_quantize as fixed_point_quantize
 from .float_quantize import float_quantize as float_quantize
 from .formats import FORMATS as FORMATS
@@ -27,6 +17,16 @@ from .formats import get_format as get_format
 from .hadamard import hadamard_matrix as hadamard_matrix
 from .hadamard import inverse_random_hadamard as inverse_random_hadamard
 from .hadamard import random_hadamard as random_hadamard
+from .mx_array import MXArray as MXArray
+from .mx_array import block_dequantize as block_dequantize
+from .mx_formats import MX_FORMAT_ALIASES as MX_FORMAT_ALIASES
+from .mx_formats import MX_FORMATS as MX_FORMATS
+from .mx_formats import as_e8m0 as as_e8m0
+from .mx_formats import from_e8m0 as from_e8m0
+from .mx_formats import mx_element_format as mx_element_format
+from .mx_quantize import block_fake_quantize as block_fake_quantize
+from .mx_quantize import block_quantize as block_quantize
+from .mx_quantize import mx_from_scaled_array as mx_from_scaled_array
 from .nvfp4 import NVFP4Array as NVFP4Array
 from .nvfp4 import nvfp4_dequantize as nvfp4_dequantize
 from .nvfp4 import nvfp4_fake_quantize as nvfp4_fake_quantize

@@ -4,10 +4,14 @@ A finite non-negative float32 is decomposed as ``m * 2**e`` with an integer sign
 ``m < 2**24``. Rounding to a grid ``q * 2**qexp`` and recomposing are done with uint32
 integer arithmetic only, so results are exact and independent of the backend's float
 behaviour (XLA on CPU flushes float32 subnormals to zero in arithmetic, bit casts do not).
+Also what the elementwise quantisers share: their input checks (`prepare`) and their
+straight-through gradient (`straight_through`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -16,6 +20,16 @@ import numpy as np
 from jax import lax
 
 Rounding = Literal["nearest", "stochastic", "toward_zero"]
+"""How a quantiser rounds: to the nearest value (ties to even), stochastically (up with
+the probability of the distance to the value below, with a PRNG key), or toward zero.
+
+Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import jax_scaled_arithmetics as jsa
+    >>> x = jnp.array([1.3, -1.3])
+    >>> jsa.quantization.float_quantize(x, "float4_e2m1fn", rounding="toward_zero")
+    Array([ 1., -1.], dtype=float32)
+"""
 ROUNDING_MODES: tuple[str, ...] = ("nearest", "stochastic", "toward_zero")
 
 SIGN_MASK = 0x80000000
@@ -46,6 +60,17 @@ def compute_dtype(x: jax.Array, fn: str) -> np.dtype:
     if jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_:
         return np.dtype(np.float32)
     raise TypeError(f"{fn} expects a real floating point or integer array, got {dtype.name}")
+
+
+def prepare(x: Any, fn: str, rounding: Any, key: Any) -> tuple[jax.Array, str, Any]:
+    """A quantiser's input: `x` as an array of the dtype `fn` returns, the rounding mode
+    (validated), and the key (None unless the rounding is stochastic)."""
+    mode = check_rounding(rounding, key)
+    x = jnp.asarray(x)
+    dtype = compute_dtype(x, fn)
+    if x.dtype != dtype:
+        x = x.astype(dtype)
+    return x, mode, key if mode == "stochastic" else None
 
 
 def u32(v: int) -> jax.Array:
@@ -145,3 +170,23 @@ def scale_abs_bits(abs_bits: jax.Array, exp: jax.Array) -> jax.Array:
 
 def random_bits(key: Any, shape: tuple[int, ...]) -> jax.Array:
     return jax.random.bits(key, shape, jnp.uint32)
+
+
+def straight_through(quantize: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """`quantize(x, key, *settings)` as ``ste(settings, x, key)``, whose gradient is
+    straight-through (the identity in `x`).
+
+    The custom_jvp wraps the compiled `quantize` rather than the other way round: eager
+    calls then run one cached executable and never trace a custom_jvp.
+    """
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def ste(settings: tuple[Any, ...], x: jax.Array, key: Any) -> jax.Array:
+        return quantize(x, key, *settings)
+
+    @ste.defjvp
+    def jvp(settings: tuple[Any, ...], primals: Any, tangents: Any) -> tuple[jax.Array, jax.Array]:
+        x, key = primals
+        return ste(settings, x, key), tangents[0]
+
+    return ste

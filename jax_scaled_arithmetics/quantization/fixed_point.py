@@ -63,20 +63,8 @@ def _fixed_point_jit(
     return _fixed_point_f32(x, word_bits, frac_bits, rounding, clamp, rbits).astype(x.dtype)
 
 
-# Straight-through gradient around the compiled function (see float_quantize.py).
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
-def _fixed_point_ste(
-    word_bits: int, frac_bits: int, rounding: str, clamp: bool, x: jax.Array, key: Any
-) -> jax.Array:
-    return _fixed_point_jit(x, key, word_bits, frac_bits, rounding, clamp)
-
-
-@_fixed_point_ste.defjvp
-def _fixed_point_jvp(
-    word_bits: int, frac_bits: int, rounding: str, clamp: bool, primals: Any, tangents: Any
-) -> tuple[jax.Array, jax.Array]:
-    x, key = primals
-    return _fixed_point_ste(word_bits, frac_bits, rounding, clamp, x, key), tangents[0]
+# ste((word_bits, frac_bits, rounding, clamp), x, key)
+_fixed_point_ste = _bits.straight_through(_fixed_point_jit)
 
 
 def fixed_point_quantize(
@@ -127,10 +115,5 @@ def fixed_point_quantize(
     """
     word_bits = _check_width("word_bits", word_bits, 1, MAX_WORD_BITS)
     frac_bits = _check_width("frac_bits", frac_bits, 0, MAX_FRAC_BITS)
-    mode = _bits.check_rounding(rounding, key)
-    x = jnp.asarray(x)
-    dtype = _bits.compute_dtype(x, "fixed_point_quantize")
-    if x.dtype != dtype:
-        x = x.astype(dtype)
-    key = key if mode == "stochastic" else None
-    return _fixed_point_ste(word_bits, frac_bits, mode, bool(clamp), x, key)
+    x, mode, key = _bits.prepare(x, "fixed_point_quantize", rounding, key)
+    return _fixed_point_ste((word_bits, frac_bits, mode, bool(clamp)), x, key)

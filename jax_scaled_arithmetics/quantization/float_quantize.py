@@ -108,21 +108,8 @@ def _float_quantize_jit(
     return quantize_float32(x, fmt, rounding, saturate, rbits).astype(x.dtype)
 
 
-# The straight-through custom_jvp wraps the compiled function rather than the other way
-# round: eager calls then run one cached executable and never trace a custom_jvp.
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _float_quantize_ste(
-    fmt: FloatFormat, rounding: str, saturate: bool, x: jax.Array, key: Any
-) -> jax.Array:
-    return _float_quantize_jit(x, key, fmt, rounding, saturate)
-
-
-@_float_quantize_ste.defjvp
-def _float_quantize_jvp(
-    fmt: FloatFormat, rounding: str, saturate: bool, primals: Any, tangents: Any
-) -> tuple[jax.Array, jax.Array]:
-    x, key = primals
-    return _float_quantize_ste(fmt, rounding, saturate, x, key), tangents[0]
+# ste((fmt, rounding, saturate), x, key)
+_float_quantize_ste = _bits.straight_through(_float_quantize_jit)
 
 
 def float_quantize(
@@ -201,10 +188,5 @@ def float_quantize(
     fmt = get_format(format)
     if isinstance(fmt, PositFormat):
         return posit_quantize(x, fmt.nbits, fmt.es, rounding, key)
-    mode = _bits.check_rounding(rounding, key)
-    x = jnp.asarray(x)
-    dtype = _bits.compute_dtype(x, "float_quantize")
-    if x.dtype != dtype:
-        x = x.astype(dtype)
-    key = key if mode == "stochastic" else None
-    return _float_quantize_ste(fmt, mode, bool(saturate), x, key)
+    x, mode, key = _bits.prepare(x, "float_quantize", rounding, key)
+    return _float_quantize_ste((fmt, mode, bool(saturate)), x, key)

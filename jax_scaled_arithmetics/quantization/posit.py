@@ -122,27 +122,8 @@ def _posit_quantize_jit(x: jax.Array, key: Any, nbits: int, es: int, rounding: s
     return _decode_f32(codes, nbits, es).astype(x.dtype)
 
 
-# Straight-through gradient around the compiled function (see float_quantize.py).
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _posit_quantize_ste(nbits: int, es: int, rounding: str, x: jax.Array, key: Any) -> jax.Array:
-    return _posit_quantize_jit(x, key, nbits, es, rounding)
-
-
-@_posit_quantize_ste.defjvp
-def _posit_quantize_jvp(
-    nbits: int, es: int, rounding: str, primals: Any, tangents: Any
-) -> tuple[jax.Array, jax.Array]:
-    x, key = primals
-    return _posit_quantize_ste(nbits, es, rounding, x, key), tangents[0]
-
-
-def _prepare(x: Any, fn: str, rounding: Any, key: Any) -> tuple[jax.Array, str, Any]:
-    mode = _bits.check_rounding(rounding, key)
-    x = jnp.asarray(x)
-    dtype = _bits.compute_dtype(x, fn)
-    if x.dtype != dtype:
-        x = x.astype(dtype)
-    return x, mode, key if mode == "stochastic" else None
+# ste((nbits, es, rounding), x, key)
+_posit_quantize_ste = _bits.straight_through(_posit_quantize_jit)
 
 
 def posit_quantize(
@@ -210,8 +191,8 @@ def posit_quantize(
         [20.0, 24.0]
     """
     fmt = _format(nbits, es)
-    x, mode, key = _prepare(x, "posit_quantize", rounding, key)
-    return _posit_quantize_ste(fmt.nbits, fmt.es, mode, x, key)
+    x, mode, key = _bits.prepare(x, "posit_quantize", rounding, key)
+    return _posit_quantize_ste((fmt.nbits, fmt.es, mode), x, key)
 
 
 def posit_to_bits(
@@ -248,7 +229,7 @@ def posit_to_bits(
         Array([ 64, 192,   0, 128, 127,   1], dtype=uint8)
     """
     fmt = _format(nbits, es)
-    x, mode, key = _prepare(x, "posit_to_bits", rounding, key)
+    x, mode, key = _bits.prepare(x, "posit_to_bits", rounding, key)
     return _encode_jit(x, key, fmt.nbits, fmt.es, mode).astype(fmt.code_dtype)
 
 

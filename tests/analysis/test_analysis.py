@@ -14,7 +14,7 @@ import pytest
 
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics import analysis
-from jax_scaled_arithmetics.analysis import _ranges
+from jax_scaled_arithmetics.analysis import _range_table, _ranges
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 DOC = Path(__file__).resolve().parents[2] / "docs" / "analysis.md"
@@ -239,7 +239,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_doctests():
-    for module in (analysis, _ranges):
+    for module in (analysis, _range_table, _ranges):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0
 

@@ -1,5 +1,5 @@
 """Block scales (scales finer than one per tensor): the datatype contract, and autoscale
-keeping them through the block rules (lax/block_rules.py) or going per tensor elsewhere.
+keeping them through the block rules (lax/block_rules/) or going per tensor elsewhere.
 
 Every case compares the autoscaled function on block-scaled inputs with the plain
 function on the represented values, over layouts (per tensor, per row, per column, MX

@@ -1,5 +1,5 @@
 """Block scales through conv_general_dilated, concatenate, rev, cond, while and scan
-carries (lax/block_rules.py, lax/control_flow.py).
+carries (lax/block_rules/, lax/control_flow.py).
 
 Each case compares the autoscaled function on block-scaled inputs with the plain function
 on the represented values, over layouts, data dtypes and jit on/off (with gradients), and

@@ -1,5 +1,5 @@
 """Block scales through gather, dynamic_slice, dynamic_update_slice, pad and scatter
-(lax/block_rules.py).
+(lax/block_rules/indexing.py).
 
 Each case compares the autoscaled function on block-scaled inputs with the plain function
 on the represented values, over layouts, data dtypes and jit on/off (with gradients), and

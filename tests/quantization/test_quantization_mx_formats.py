@@ -11,11 +11,13 @@ from jax_scaled_arithmetics.quantization import (
     FORMATS,
     MX_FORMAT_ALIASES,
     MX_FORMATS,
-    block,
     block_dequantize,
     block_fake_quantize,
     block_quantize,
+    mx_array,
     mx_element_format,
+    mx_formats,
+    mx_quantize,
 )
 
 EXPECTED = {
@@ -117,7 +119,8 @@ def test_unknown_or_unsuitable_formats_raise():
 
 
 def test_doctests():
-    assert doctest.testmod(block, optionflags=doctest.ELLIPSIS).failed == 0
+    for module in (mx_array, mx_formats, mx_quantize):
+        assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
 
 
 def _wide_range_blocks(extreme: str) -> np.ndarray:

@@ -10,10 +10,10 @@ import pytest
 import jax_scaled_arithmetics as jsa
 from jax_scaled_arithmetics.quantization import (
     MX_FORMATS,
-    block,
     block_dequantize,
     block_quantize,
     mx_from_scaled_array,
+    mx_quantize,
 )
 from tests.helpers import eager_and_jit, pairwise_params
 
@@ -226,6 +226,6 @@ def test_view_under_jit_and_no_recompilation():
     assert_same_mx(round_trip(mx), mx)
     sa = mx.to_scaled_array()
     mx_from_scaled_array(sa, "mxfp6_e3m2")
-    before = block._mx_from_scaled_impl._cache_size()
+    before = mx_quantize._mx_from_scaled_impl._cache_size()
     mx_from_scaled_array(jsa.ScaledArray(sa.data + 1, sa.scale), "mxfp6_e3m2")
-    assert block._mx_from_scaled_impl._cache_size() == before
+    assert mx_quantize._mx_from_scaled_impl._cache_size() == before

@@ -1,12 +1,10 @@
-"""Block scaled ("microscaling", OCP MX v1.0) quantisation."""
+"""Block scaled ("microscaling", OCP MX v1.0) quantisation: `block_quantize`,
+`block_fake_quantize` and `mx_from_scaled_array` (the values of a ScaledArray)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import types
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -15,296 +13,16 @@ from jax import lax
 
 from . import _bits, nvfp4
 from ._bits import Rounding
+from ._mx_common import E8M0_BIAS, E8M0_NAN, block_dequantize_impl, e8m0_from_codes, floor_log2
 from ._tiles import tiles, untiles
 from .float_quantize import quantize_abs_bits, quantize_float32
-from .formats import FloatFormat, get_format
+from .formats import FloatFormat
+from .mx_array import MXArray, block_dequantize
+from .mx_formats import SCALE_ROUNDINGS, ScaleRounding, mx_element_format
 from .nvfp4 import NVFP4Array, nvfp4_quantize
 
 if TYPE_CHECKING:
     from ..core.datatype import ScaledArray
-
-E8M0_NAN = 0xFF
-E8M0_BIAS = 127
-
-MX_FORMATS: Mapping[str, str] = types.MappingProxyType(
-    {
-        "mxfp8_e4m3": "float8_e4m3fn",
-        "mxfp8_e5m2": "float8_e5m2",
-        "mxfp6_e2m3": "float6_e2m3fn",
-        "mxfp6_e3m2": "float6_e3m2fn",
-        "mxfp4_e2m1": "float4_e2m1fn",
-    }
-)
-"""The concrete formats of OCP MX v1.0, by name: their element format (read-only).
-
-Every one has E8M0 scales shared by blocks of 32 elements. The names are accepted
-wherever an MX element format is (:func:`block_quantize`, :func:`mx_element_format`).
-"""
-
-MX_FORMAT_ALIASES: Mapping[str, str] = types.MappingProxyType(
-    {"mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e2m3", "mxfp4": "mxfp4_e2m1"}
-)
-"""The family names of the specifications and vendors' documents, as the concrete format
-each means here (read-only): MXFP4 has one element format; for MXFP8 and MXFP6, the
-variant with more mantissa bits (E4M3, E2M3), the one used for weights and activations.
-The other variants are named in full (``"mxfp8_e5m2"``, ``"mxfp6_e3m2"``)."""
-
-
-def mx_element_format(format: str | FloatFormat | Any) -> FloatFormat:
-    """The element format of an MX format name, or an element format itself.
-
-    Args:
-        format: An OCP MX name from :data:`MX_FORMATS` (``"mxfp8_e4m3"``, ...) or
-            :data:`MX_FORMAT_ALIASES` (``"mxfp4"``, ...), or an element format: a preset
-            name, dtype or :class:`FloatFormat` (signed, with a zero).
-
-    Returns:
-        The element :class:`FloatFormat`.
-
-    Raises:
-        ValueError: for an unknown name (the message lists the MX names and the float
-            formats) or a format that cannot hold block elements.
-
-    Examples:
-        >>> mx_element_format("mxfp4_e2m1").name
-        'float4_e2m1fn'
-        >>> mx_element_format("mxfp8").name
-        'float8_e4m3fn'
-        >>> mx_element_format("float8_e5m2").max
-        57344.0
-    """
-    if isinstance(format, str):
-        format = MX_FORMAT_ALIASES.get(format.lower(), format)
-        if format.lower() in MX_FORMATS:
-            return _check_element_format(get_format(MX_FORMATS[format.lower()]))
-    try:
-        fmt = get_format(format)
-    except ValueError as e:
-        names = ", ".join([*MX_FORMATS, *MX_FORMAT_ALIASES])
-        raise ValueError(
-            f"Unknown MX format {format!r}: expected one of {names} or an element format ({e})"
-        ) from None
-    return _check_element_format(fmt)
-
-
-def _e8m0_from_codes(codes: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(codes.astype(jnp.uint8), jnp.float8_e8m0fnu)
-
-
-def _e8m0_codes(scale: jax.Array) -> jax.Array:
-    """Raw uint8 codes of a float8_e8m0fnu or uint8 array."""
-    dtype = np.dtype(scale.dtype)
-    if dtype == np.dtype(jnp.float8_e8m0fnu):
-        return lax.bitcast_convert_type(scale, jnp.uint8)
-    if dtype == np.uint8:
-        return scale
-    raise TypeError(f"expected a float8_e8m0fnu or uint8 array of scales, got {dtype.name}")
-
-
-def _floor_log2(abs_bits: jax.Array) -> jax.Array:
-    """floor(log2(|x|)) of finite float32 bits as int32 (-150 for zero)."""
-    m, e = _bits.decompose(abs_bits)
-    return e + 31 - lax.clz(m).astype(jnp.int32)
-
-
-def as_e8m0(scale: Any, rounding: Literal["up", "down"] = "up") -> jax.Array:
-    """Converts float32 scales (ideally powers of two) to float8_e8m0fnu.
-
-    E8M0 holds ``2**k`` for ``k`` in ``[-127, 127]`` and NaN, nothing else. A power of two
-    in that range converts exactly; other positive values have their exponent rounded
-    ``"up"`` (``ceil(log2(scale))``, the default, so the E8M0 scale is never smaller than
-    `scale`) or ``"down"`` (``floor``), then clamped to
-    ``[-127, 127]``. ``±0`` gives the smallest scale ``2**-127`` (there is no zero);
-    negative values, ``+inf`` and NaN give NaN.
-
-    Args:
-        scale: Array of scales (converted to float32).
-        rounding: ``"up"`` or ``"down"``.
-
-    Returns:
-        A ``float8_e8m0fnu`` array of the same shape.
-
-    Raises:
-        ValueError: for an unknown rounding.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> s = as_e8m0(jnp.array([0.25, 3.0, -1.0]))
-        >>> s.dtype
-        dtype(float8_e8m0fnu)
-        >>> from_e8m0(s)
-        Array([0.25, 4.  ,  nan], dtype=float32)
-        >>> from_e8m0(as_e8m0(jnp.array([0.0, 1e-40])))  # 2**-127, the smallest scale
-        Array([5.877472e-39, 5.877472e-39], dtype=float32)
-        >>> from_e8m0(as_e8m0(jnp.array([3.0]), rounding="down"))
-        Array([2.], dtype=float32)
-    """
-    if rounding not in ("up", "down"):
-        raise ValueError(f"Unknown rounding {rounding!r} for as_e8m0; expected 'up' or 'down'")
-    return _as_e8m0_impl(jnp.asarray(scale, dtype=jnp.float32), rounding)
-
-
-@functools.partial(jax.jit, static_argnames=("rounding",))
-def _as_e8m0_impl(scale: jax.Array, rounding: str) -> jax.Array:
-    bits = _bits.to_bits(scale)
-    a = bits & _bits.u32(_bits.ABS_MASK)
-    exp = _floor_log2(a)
-    if rounding == "up":
-        m, _ = _bits.decompose(a)
-        exact = (m & (m - _bits.u32(1))) == 0  # the significand is a power of two
-        exp = exp + jnp.where(exact, 0, 1)
-    codes = jnp.clip(exp, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
-    codes = jnp.where(a == 0, 0, codes)
-    invalid = (a >= _bits.u32(_bits.INF_BITS)) | ((bits != a) & (a != 0))
-    codes = jnp.where(invalid, E8M0_NAN, codes)
-    return _e8m0_from_codes(codes)
-
-
-def _e8m0_exponents(codes: jax.Array) -> jax.Array:
-    return codes.astype(jnp.int32) - E8M0_BIAS
-
-
-def from_e8m0(scale: Any) -> jax.Array:
-    """Converts float8_e8m0fnu scales (or their raw uint8 codes) to float32.
-
-    Code ``c`` is ``2**(c - 127)``, code 255 is NaN. The result is exact, including
-    ``2**-127`` (a float32 subnormal).
-
-    Args:
-        scale: A ``float8_e8m0fnu`` array, or a ``uint8`` array of codes.
-
-    Returns:
-        A float32 array of the same shape.
-
-    Raises:
-        TypeError: for other dtypes.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> from_e8m0(jnp.array([127, 130, 255], dtype=jnp.uint8))
-        Array([ 1.,  8., nan], dtype=float32)
-    """
-    return _from_e8m0_impl(_e8m0_codes(jnp.asarray(scale)))
-
-
-@jax.jit
-def _from_e8m0_impl(codes: jax.Array) -> jax.Array:
-    bits = jnp.where(
-        codes == 0,
-        _bits.u32(0x00400000),
-        lax.shift_left(codes.astype(jnp.uint32), _bits.u32(23)),
-    )
-    bits = jnp.where(codes == E8M0_NAN, _bits.u32(_bits.QNAN_BITS), bits)
-    return _bits.from_bits(bits)
-
-
-@dataclasses.dataclass(frozen=True)
-class MXArray:
-    """A block scaled array: ``value = data * scale`` per block along one axis.
-
-    A JAX pytree (``data`` and ``scales`` are leaves, the rest is static metadata), so it
-    can cross ``jax.jit`` boundaries and be mapped over with ``jax.tree_util``.
-
-    Attributes:
-        data: Elements, shape of the (zero-padded) input. Its dtype is the element
-            format's dtype when JAX supports it (float8, float4), else float32 holding
-            values of the element format exactly (float6 and custom formats).
-        scales: ``float8_e8m0fnu`` block scales, shape of the input with ``axis``
-            of length ``ceil(length / block_size)``. NaN marks a block that held NaN/inf.
-        format: Element format.
-        block_size: Number of elements sharing a scale along `axis`, or ``(r, c)``: 2D
-            blocks of r x c over the last two axes (`axis` -1; ``scales`` then has the
-            shape of the data with those axes divided by r and c).
-        axis: The blocked axis, as a negative index (it stays valid when batch
-            dimensions are prepended, e.g. by ``jax.vmap``).
-        length: Length of ``axis`` before padding.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> mx = block_quantize(jnp.arange(8.0), "float4_e2m1fn", block_size=4)
-        >>> mx.data.dtype, mx.scales.dtype, mx.shape
-        (dtype(float4_e2m1fn), dtype(float8_e8m0fnu), (8,))
-        >>> mx.dequantize()  # 7 / 1 saturates to the float4_e2m1fn max, 6
-        Array([0., 1., 2., 3., 4., 4., 6., 6.], dtype=float32)
-    """
-
-    data: jax.Array
-    scales: jax.Array
-    format: FloatFormat
-    block_size: int | tuple[int, int]
-    axis: int
-    length: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape of the dequantized array."""
-        shape = list(self.data.shape)
-        shape[self.axis] = self.length
-        return tuple(shape)
-
-    def dequantize(self) -> jax.Array:
-        """Same as :func:`block_dequantize`."""
-        return block_dequantize(self)
-
-    def to_scaled_array(self) -> ScaledArray:
-        """The same values as a block-scaled :class:`~jax_scaled_arithmetics.ScaledArray`.
-
-        A view, nothing is re-quantised: the data are the elements (``data``, in their
-        dtype), the scale is the float32 power of two of each block (``scales`` decoded
-        from E8M0), of the data's rank with ``shape[axis] // block_size`` blocks along
-        ``axis``: ``(M, K // 32)`` for blocks of 32 along the last axis of ``(M, K)``. So
-        ``jsa.autoscale`` computes on it with its block rules, and
-        :func:`mx_from_scaled_array` gives this MXArray back bit for bit. A block that held
-        NaN/inf keeps its NaN scale (it represents NaNs). The smallest E8M0 scale,
-        ``2**-127``, is a float32 subnormal, which XLA on CPU flushes to zero in arithmetic:
-        there, values of such blocks may read as zeros through ``to_array()``.
-
-        Raises:
-            ValueError: the MXArray is padded (``block_quantize(..., pad=True)`` on an
-                axis that `block_size` does not divide): a block scale needs whole blocks.
-
-        Examples:
-            >>> import jax.numpy as jnp
-            >>> import jax_scaled_arithmetics as jsa
-            >>> x = jnp.array([[1.0, 2.0, 96.0, -64.0]])
-            >>> sa = block_quantize(x, "mxfp8_e4m3", block_size=2).to_scaled_array()
-            >>> sa.scale  # one power of two per block of 2: shape (1, 4 // 2)
-            Array([[0.0078125, 0.25     ]], dtype=float32)
-            >>> sa.data.dtype
-            dtype(float8_e4m3fn)
-            >>> jsa.autoscale(lambda a: a.astype(jnp.float32) * 2.0)(sa).to_array()
-            Array([[   2.,    4.,  192., -128.]], dtype=float32)
-        """
-        from ..core.datatype import ScaledArray
-
-        if self.data.shape[self.axis] != self.length:
-            raise ValueError(
-                f"MXArray padded from length {self.length} to {self.data.shape[self.axis]} "
-                f"along axis {self.axis} (block size {self.block_size}) has no ScaledArray "
-                "view: a block scale needs whole blocks (quantize without pad=True)"
-            )
-        return ScaledArray(self.data, from_e8m0(self.scales))
-
-
-jax.tree_util.register_dataclass(
-    MXArray, data_fields=["data", "scales"], meta_fields=["format", "block_size", "axis", "length"]
-)
-
-
-ScaleRounding = Literal["floor", "up"]
-SCALE_ROUNDINGS: tuple[str, ...] = ("floor", "up")
-"""Block-scale rounding: ``"floor"`` is OCP MX v1.0's ``2**(floor(log2 amax) - emax)`` (a
-block's largest elements may saturate to the element max); ``"up"`` the smallest power of
-two at which the block's largest magnitude fits the element format (Mishra et al. 2025
-found the floor rule can make MXFP4 and MXFP8 training diverge, and rounding up fixes it)."""
-
-
-def _check_element_format(fmt: Any) -> FloatFormat:
-    if not isinstance(fmt, FloatFormat):
-        raise ValueError(f"block element format must be a float format, got {fmt.name!r}")
-    if fmt.unsigned or not fmt.has_zero:
-        raise ValueError(f"block element format must be signed and have a zero, got {fmt.name!r}")
-    return fmt
 
 
 def block_quantize(
@@ -370,6 +88,7 @@ def block_quantize(
     Examples:
         >>> import jax.numpy as jnp
         >>> x = jnp.array([1.0, -2.0, 3.0, 100.0])
+        >>> from jax_scaled_arithmetics.quantization import from_e8m0
         >>> mx = block_quantize(x, "float8_e4m3fn", block_size=2)
         >>> from_e8m0(mx.scales)  # 2**(floor(log2(amax)) - 8)
         Array([0.0078125, 0.25     ], dtype=float32)
@@ -561,7 +280,7 @@ def _encode_blocks(
     special = jnp.any(blocked(special), axis=-1, keepdims=True)
     a = jnp.where(special, _bits.u32(0), a)
     # floor(log2 |value|) per element; its largest over a block is that of the block's amax.
-    exponent = jnp.where(a == 0, _NO_EXPONENT, _floor_log2(a) + offset)
+    exponent = jnp.where(a == 0, _NO_EXPONENT, floor_log2(a) + offset)
     top = jnp.max(exponent, axis=-1, keepdims=True)
     shared = jnp.clip(top - fmt.max_exponent, -E8M0_BIAS, E8M0_BIAS)
     if round_up:
@@ -583,7 +302,7 @@ def _encode_blocks(
     shape = jnp.moveaxis(bits, axis, -1).shape
     data = jnp.moveaxis(elements.reshape(shape), -1, axis)
     data = data.astype(data_dtype)
-    scales = jnp.moveaxis(_e8m0_from_codes(codes[..., 0]), -1, axis)
+    scales = jnp.moveaxis(e8m0_from_codes(codes[..., 0]), -1, axis)
     return data, scales
 
 
@@ -802,56 +521,7 @@ def _fake_quantize_nearest(
             bits, 0, special_elements, None, fmt, block_size, axis, "nearest",
             np.dtype(np.float32), round_up,
         )  # fmt: skip
-        return _block_dequantize_impl(data, scales, block_size, axis - x.ndim, x.shape[axis])
+        return block_dequantize_impl(data, scales, block_size, axis - x.ndim, x.shape[axis])
 
     in_range = jnp.all(zero | special | ((shared >= low) & (shared <= high)))
     return lax.cond(in_range, fast, exact, None)
-
-
-def block_dequantize(mx: MXArray | NVFP4Array) -> jax.Array:
-    """Converts an :class:`MXArray` (or an ``NVFP4Array``) back to float32 (exactly:
-    ``data * scale``).
-
-    Args:
-        mx: The block scaled array.
-
-    Returns:
-        A float32 array of shape ``mx.shape`` (padding trimmed).
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> mx = block_quantize(jnp.array([1.0, 2.0, 3.0]), "float8_e5m2", 2, pad=True)
-        >>> block_dequantize(mx)
-        Array([1., 2., 3.], dtype=float32)
-    """
-    if isinstance(mx, NVFP4Array):
-        return nvfp4.nvfp4_dequantize(mx)
-    if not isinstance(mx, MXArray):
-        raise TypeError(
-            f"block_dequantize expects an MXArray or NVFP4Array, got {type(mx).__name__}"
-        )
-    if isinstance(mx.block_size, tuple):  # 2D blocks over the last two axes
-        r, c = mx.block_size
-        rows = tiles(mx.data, (r, c))
-        values = _block_dequantize_impl(rows, mx.scales[..., None], r * c, -1, r * c)
-        return untiles(values, (r, c))
-    return _block_dequantize_impl(mx.data, mx.scales, mx.block_size, mx.axis, mx.length)
-
-
-@functools.partial(jax.jit, static_argnames=("block_size", "axis", "length"))
-def _block_dequantize_impl(
-    data_in: jax.Array, scales: jax.Array, block_size: int, axis: int, length: int
-) -> jax.Array:
-    data = jnp.moveaxis(data_in.astype(jnp.float32), axis, -1)
-    blocks = data.reshape(*data.shape[:-1], data.shape[-1] // block_size, block_size)
-    codes = jnp.moveaxis(_e8m0_codes(scales), axis, -1)[..., None]
-    bits = _bits.to_bits(blocks)
-    sign = bits & _bits.u32(_bits.SIGN_MASK)
-    a = bits & _bits.u32(_bits.ABS_MASK)
-    r = _bits.scale_abs_bits(a, _e8m0_exponents(codes))
-    out = jnp.where(codes == E8M0_NAN, _bits.u32(_bits.QNAN_BITS), r | sign)
-    out = jnp.where(a == _bits.u32(_bits.INF_BITS), bits, out)
-    out = jnp.where(a > _bits.u32(_bits.INF_BITS), bits, out)
-    values = _bits.from_bits(out).reshape(data.shape)
-    values = jnp.moveaxis(values, -1, axis)
-    return lax.slice_in_dim(values, 0, length, axis=axis % values.ndim)
