@@ -3,7 +3,6 @@ and the FSDP recipe, on the test session's 4 CPU devices."""
 
 from __future__ import annotations
 
-import doctest
 import functools
 import re
 
@@ -21,11 +20,6 @@ from jax_scaled_arithmetics import sharding
 N = 4
 MESH = Mesh(np.array(jax.devices()[:N]), ("i",))
 RNG = np.random.default_rng(0)
-
-
-def test_doctests():
-    result = doctest.testmod(sharding, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted >= 6 and result.failed == 0
 
 
 # --- like / device_put ---------------------------------------------------------------------

@@ -29,6 +29,13 @@ def jaxpr_equation_counts(jaxpr: Any) -> collections.Counter[str]:
 
     A higher-order equation (jit, scan, cond, custom_jvp_call...) counts once itself, plus
     the equations of every jaxpr among its params.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> jaxpr = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3))
+        >>> sorted(jsa.analysis.jaxpr_equation_counts(jaxpr).items())
+        [('mul', 1), ('sin', 1)]
     """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     counts: collections.Counter[str] = collections.Counter()

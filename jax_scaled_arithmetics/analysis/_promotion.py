@@ -43,6 +43,15 @@ class DtypePromotion:
         from_dtype: the low-precision dtype ("" for an input).
         to_dtype: the wide dtype.
         count: how many equations (or leaves) of this kind, place and dtypes.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jnp.ones(3, jnp.float16)
+        >>> report = jsa.analysis.dtype_promotions(lambda x: x.astype(jnp.float32) * 2, x)
+        >>> p = report.promotions[0]
+        >>> p.kind, p.from_dtype, p.to_dtype, p.shape
+        ('convert_element_type', 'float16', 'float32', (3,))
     """
 
     kind: str
@@ -64,6 +73,14 @@ class PromotionReport:
         tensors_by_dtype: floating tensor outputs of the program's equations (rank >= 1,
             sub-jaxprs included, wide accumulations of reductions left out) counted by
             dtype: the share left in the low dtype.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jnp.ones(3, jnp.float16)
+        >>> report = jsa.analysis.dtype_promotions(lambda x: x.astype(jnp.float32) * 2, x)
+        >>> report.low_dtype, report.tensors_by_dtype, report.wide_fraction
+        ('float16', {'float32': 2}, 1.0)
     """
 
     low_dtype: str

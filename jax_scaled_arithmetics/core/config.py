@@ -27,6 +27,15 @@ class Pow2RoundMode(enum.IntEnum):
     - `NONE`: no rounding, scales take any float value.
     - `DOWN`: the largest power of two not above the value (the default).
     - `UP`: the smallest power of two not below the value.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jsa.as_scaled_array(jnp.array([3.0, 5.0], jnp.float16))
+        >>> with jsa.AutoScaleConfig(rounding_mode=jsa.Pow2RoundMode.UP):
+        ...     y = jsa.autoscale(lambda a: a * 3.0)(x)
+        >>> y.scale  # 3 rounded up (DOWN, the default, gives 2)
+        Array(4., dtype=float32)
     """
 
     NONE = 0
@@ -48,6 +57,16 @@ class ScalePolicy(enum.Enum):
       time, and right for unit-scaled models (whose ops keep unit variance); on other
       models the data drifts from unit range, so rescale it yourself
       (`jsa.ops.dynamic_rescale_*`).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> x = jsa.as_scaled_array(jnp.array([3.0, 5.0], jnp.float16))
+        >>> jsa.autoscale(jnp.sum)(x)  # DYNAMIC: the data's largest magnitude in [1, 2)
+        ScaledArray(data=Array(1., dtype=float16), scale=Array(8., dtype=float32))
+        >>> with jsa.AutoScaleConfig(policy=jsa.ScalePolicy.STATIC):
+        ...     jsa.autoscale(jnp.sum)(x)  # sqrt(2), rounded down to 1
+        ScaledArray(data=Array(8., dtype=float16), scale=Array(1., dtype=float32))
     """
 
     DYNAMIC = "dynamic"

@@ -275,7 +275,16 @@ def has_scaled_rule(primitive: Primitive) -> bool:
 
 
 def coverage() -> dict[str, RuleInfo]:
-    """All registered rules, by primitive name (for the generated operator docs)."""
+    """All registered rules, by primitive name (for the generated operator docs).
+
+    Examples:
+        >>> import jax_scaled_arithmetics as jsa
+        >>> rules = jsa.coverage()
+        >>> rules["mul"].family, rules["mul"].remark
+        ('mul', 'scales multiply')
+        >>> "dot_general" in rules
+        True
+    """
     return {
         p.name: info
         for p, info in sorted(_RULES.items(), key=lambda kv: kv[0].name)

@@ -67,6 +67,15 @@ class BooleanScalarError(TypeError, ValueError, AssertionError):
 
     A `TypeError` (wrong dtype) and a `ValueError` (wrong shape), and an `AssertionError`,
     which is what `jmp` raises there: code written for either keeps catching it.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> try:
+        ...     jsa.mp.select_tree(jnp.array([True, False]), 1.0, 2.0)
+        ... except ValueError as error:  # also a TypeError and an AssertionError
+        ...     print(type(error).__name__)
+        BooleanScalarError
     """
 
 
@@ -103,7 +112,18 @@ def _warn_if_not_floating(x: Any, name: str) -> None:
 
 
 class LossScale(Protocol):
-    """The interface shared by the loss scales: `loss_scale`, `scale`, `unscale`, `adjust`."""
+    """The interface shared by the loss scales: `loss_scale`, `scale`, `unscale`, `adjust`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> def scaled_loss(loss_scale: jsa.mp.LossScale, loss):
+        ...     return loss_scale.scale(loss)
+        >>> scaled_loss(jsa.mp.StaticLossScale(2.0**10), jnp.float32(0.5))
+        Array(512., dtype=float32)
+        >>> scaled_loss(jsa.mp.NoOpLossScale(), jnp.float32(0.5))
+        Array(0.5, dtype=float32)
+    """
 
     @property
     def loss_scale(self) -> Array: ...
@@ -376,7 +396,7 @@ def all_finite(tree: Any) -> Array:
         >>> import jax_scaled_arithmetics as jsa
         >>> bool(jsa.mp.all_finite({"a": jnp.ones(2), "n": jnp.arange(3)}))
         True
-        >>> bool(jsa.mp.all_finite([jsa.scaled_array(jnp.ones(2), jnp.inf)]))
+        >>> bool(jsa.mp.all_finite([jsa.scaled_array(jnp.array([1.0, jnp.inf]), 1.0)]))
         False
     """
     checks = [c for c in (_leaf_all_finite(x) for x in _tree_leaves(tree)) if c is not None]

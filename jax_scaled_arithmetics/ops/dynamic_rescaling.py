@@ -439,15 +439,48 @@ def _grad_variant(rescale_fn: Callable[..., Any], doc: str) -> Callable[..., Any
 dynamic_rescale_max_grad = _grad_variant(
     dynamic_rescale_max,
     """Identity on the forward pass; dynamic_rescale_max of the gradient on the backward pass
-    (same `epsilon` and `scale_shape`).""",
+    (same `epsilon` and `scale_shape`).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> w = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16))
+        >>> x = jsa.as_scaled_array(jnp.array([0.25, 0.5], jnp.float16))
+        >>> def loss(w, x):  # d loss / d w is x: data [0.25, 0.5], scale 1, rescaled
+        ...     return jnp.sum(jsa.ops.dynamic_rescale_max_grad(w) * x)
+        >>> jsa.autoscale(jax.grad(loss))(w, x)
+        ScaledArray(data=Array([0.5, 1. ], dtype=float16), scale=Array(0.5, dtype=float32))
+    """,
 )
 dynamic_rescale_l1_grad = _grad_variant(
     dynamic_rescale_l1,
     """Identity on the forward pass; dynamic_rescale_l1 of the gradient on the backward pass
-    (same `epsilon` and `scale_shape`).""",
+    (same `epsilon` and `scale_shape`).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> w = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16))
+        >>> x = jsa.as_scaled_array(jnp.array([0.25, 0.5], jnp.float16))
+        >>> def loss(w, x):  # d loss / d w is x: data [0.25, 0.5], scale 1, rescaled
+        ...     return jnp.sum(jsa.ops.dynamic_rescale_l1_grad(w) * x)
+        >>> jsa.autoscale(jax.grad(loss))(w, x)
+        ScaledArray(data=Array([1., 2.], dtype=float16), scale=Array(0.25, dtype=float32))
+    """,
 )
 dynamic_rescale_l2_grad = _grad_variant(
     dynamic_rescale_l2,
     """Identity on the forward pass; dynamic_rescale_l2 of the gradient on the backward pass
-    (same `epsilon` and `scale_shape`).""",
+    (same `epsilon` and `scale_shape`).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> w = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16))
+        >>> x = jsa.as_scaled_array(jnp.array([0.25, 0.5], jnp.float16))
+        >>> def loss(w, x):  # d loss / d w is x: data [0.25, 0.5], scale 1, rescaled
+        ...     return jnp.sum(jsa.ops.dynamic_rescale_l2_grad(w) * x)
+        >>> jsa.autoscale(jax.grad(loss))(w, x)
+        ScaledArray(data=Array([1., 2.], dtype=float16), scale=Array(0.25, dtype=float32))
+    """,
 )

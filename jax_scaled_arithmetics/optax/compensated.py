@@ -52,6 +52,14 @@ class KahanState(NamedTuple):
 
     `compensation` has the structure of the parameters, `None` for parameters that are
     not floating; a ScaledArray parameter gets a ScaledArray buffer.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> import jax_scaled_arithmetics as jsa
+        >>> opt = jsa.optax.kahan_summation(optax.sgd(0.1))
+        >>> state = opt.init({"w": jnp.ones(2, jnp.bfloat16), "step": jnp.int32(0)})
+        >>> state.compensation
+        {'step': None, 'w': Array([0, 0], dtype=bfloat16)}
     """
 
     inner_state: Any

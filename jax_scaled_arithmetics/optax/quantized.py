@@ -54,7 +54,18 @@ __all__ = ["QuantizeState", "QuantizeSpec", "apply_updates", "quantize", "Format
 
 QuantizeSpec = Any
 """A format (name, dtype or FloatFormat), a `(format, rounding)` pair, or a callable
-`(x, key) -> x`; `None` leaves the quantity as it is."""
+`(x, key) -> x`; `None` leaves the quantity as it is.
+
+Examples:
+    >>> import optax
+    >>> import jax_scaled_arithmetics as jsa
+    >>> opt = jsa.optax.quantize(
+    ...     optax.adam(1e-3),
+    ...     grad="float8_e5m2",  # a format name
+    ...     state={"mu": ("bfloat16", "stochastic"), "nu": None},  # with rounding; as is
+    ...     update=lambda x, key: x,  # a callable
+    ... )
+"""
 Rescale = Callable[[Any], Any]
 
 
@@ -260,7 +271,16 @@ def _state_spec_of(specs: Mapping[str, Spec | None]) -> SpecOf:
 
 
 class QuantizeState(NamedTuple):
-    """State of :func:`quantize`: the inner state, and the raw PRNG key of the next step."""
+    """State of :func:`quantize`: the inner state, and the raw PRNG key of the next step.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> import jax_scaled_arithmetics as jsa
+        >>> opt = jsa.optax.quantize(optax.sgd(0.1), grad="float8_e5m2")
+        >>> state = opt.init({"w": jnp.zeros(2)})
+        >>> type(state).__name__, state.key.shape
+        ('QuantizeState', (2,))
+    """
 
     inner_state: Any
     key: jax.Array

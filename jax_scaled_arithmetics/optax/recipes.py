@@ -56,6 +56,15 @@ class Recipe:
             weights and activations in the forward pass (it rounds their gradients on the
             way back); `None` otherwise.
         rows: `(quantity, stored as, rounding, done by)` for each quantity.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> import jax_scaled_arithmetics as jsa
+        >>> recipe = jsa.optax.bf16_stochastic(optax.sgd(0.1))
+        >>> recipe.name
+        'bf16_stochastic'
+        >>> recipe.cast_params({"w": jnp.ones(2)})["w"].dtype
+        dtype(bfloat16)
     """
 
     name: str

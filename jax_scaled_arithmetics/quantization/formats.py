@@ -23,6 +23,11 @@ NanEncoding = Literal["ieee", "fn", "fnuz", "none"]
 * ``"fnuz"``: finite, no infinities, NaN is the "negative zero" pattern, so zero is
   unsigned. E.g. float8_e4m3fnuz.
 * ``"none"``: no infinities and no NaN, every pattern is a finite number. E.g. float4_e2m1fn.
+
+Examples:
+    >>> import jax_scaled_arithmetics as jsa
+    >>> [jsa.quantization.get_format(n).nan_encoding for n in ("float8_e5m2", "float8_e4m3fn")]
+    ['ieee', 'fn']
 """
 
 _NAN_ENCODINGS: tuple[str, ...] = ("ieee", "fn", "fnuz", "none")
@@ -301,7 +306,14 @@ FORMATS: Mapping[str, FloatFormat] = types.MappingProxyType(
         )
     }
 )
-"""The preset formats, by name (read-only)."""
+"""The preset formats, by name (read-only).
+
+Examples:
+    >>> import jax_scaled_arithmetics as jsa
+    >>> e4m3 = jsa.quantization.FORMATS["float8_e4m3fn"]
+    >>> e4m3.exponent_bits, e4m3.mantissa_bits, e4m3.max
+    (4, 3, 448.0)
+"""
 
 _BY_DTYPE: Mapping[np.dtype, FloatFormat] = {
     f.dtype: f for f in FORMATS.values() if f.dtype is not None
@@ -430,7 +442,15 @@ POSIT_FORMATS: Mapping[str, PositFormat] = types.MappingProxyType(
         )
     }
 )
-"""Posit presets listed in the docs (read-only); any valid ``"posit{n}_es{e}"`` name works."""
+"""Posit presets listed in the docs (read-only); any valid ``"posit{n}_es{e}"`` name works.
+
+Examples:
+    >>> import jax_scaled_arithmetics as jsa
+    >>> list(jsa.quantization.POSIT_FORMATS)
+    ['posit8_es0', 'posit8_es1', 'posit8_es2', 'posit16_es1', 'posit16_es2']
+    >>> jsa.quantization.get_format("posit12_es1").nbits  # not a preset, still a format
+    12
+"""
 
 Format = FloatFormat | PositFormat
 """What :func:`get_format` returns."""

@@ -42,6 +42,12 @@ NF4: np.ndarray = _normal_float(4)
 Derived from normal quantiles (:func:`_normal_float`); within 1e-6 of the values
 published with bitsandbytes. Meant for weights scaled to ``[-1, 1]`` by their absolute
 maximum (per tensor, or per block as QLoRA does).
+
+Examples:
+    >>> import jax_scaled_arithmetics as jsa
+    >>> nf4 = jsa.quantization.NF4
+    >>> nf4.shape, float(nf4[0]), float(nf4[7]), float(nf4[-1])
+    ((16,), -1.0, 0.0, 1.0)
 """
 
 

@@ -50,6 +50,13 @@ Only operands "on the path" (activations) are tied; a weight's grad factor never
 These are the constraints of the PyTorch library `unit-scaling`, whose ops default to
 `"to_output_scale"`; its `gmean` (as its `hmean` and `amean`) also averages over every
 factor it is given, which for its `matmul` includes the right operand's, a weight's.
+
+Examples:
+    >>> import jax.numpy as jnp
+    >>> from jax_scaled_arithmetics import unit_scaling as U
+    >>> x = jnp.ones((4, 8))
+    >>> U.gelu(x, constraint="to_output_scale").shape
+    (4, 8)
 """
 
 CONSTRAINTS: tuple[str, ...] = (

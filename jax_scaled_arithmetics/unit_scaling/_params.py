@@ -85,7 +85,7 @@ def parameter_specs(
         >>> params = {"emb": jnp.ones((10, 8)), "w": jnp.ones((8, 8)), "b": jnp.zeros(8),
         ...           "head": jnp.ones((8, 10))}
         >>> def f(p, ids):
-        ...     return (jax.nn.relu(p["emb"][ids] @ p["w"] + p["b"])) @ p["head"]
+        ...     return (jax.nn.relu(p["emb"][ids] @ p["w"] + p["b"][None])) @ p["head"]
         >>> specs = U.parameter_specs(f, params, jnp.zeros(4, jnp.int32))
         >>> [(k, specs[k].kind, specs[k].fan_in) for k in ("emb", "w", "b", "head")]
         [('emb', 'embedding', 8), ('w', 'weight', 8), ('b', 'bias', None), ('head', 'output', 8)]

@@ -136,12 +136,3 @@ def test_plain_jax_vmap_needs_the_axes():
     x = jsa.as_scaled_array(jnp.ones((3, 2)))
     with pytest.raises(ValueError, match="axis 0"):
         jax.vmap(jsa.autoscale(lambda t: t * 2.0))(x)
-
-
-def test_docstring_examples():
-    import doctest
-
-    from jax_scaled_arithmetics.core import vmap as vmap_module
-
-    result = doctest.testmod(vmap_module, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0

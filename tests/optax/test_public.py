@@ -1,17 +1,12 @@
-"""The public face of `jsa.optax`: its names, its lazy import, and the doctests of its modules."""
+"""The public face of `jsa.optax`: its names and its lazy import (its examples run in
+tests/docs/test_doctests.py)."""
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import subprocess
 import sys
 
-import pytest
-
 import jax_scaled_arithmetics as jsa
-
-MODULES = ["__init__", "scaled", "quantized", "compensated", "recipes", "accumulation"]
 
 
 def test_public_names():
@@ -48,13 +43,3 @@ def test_lazy_import():
         "jsa.optax.quantize; assert 'jax_scaled_arithmetics.optax.recipes' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-@pytest.mark.parametrize("name", MODULES)
-def test_doctests(name):
-    module = importlib.import_module(
-        "jax_scaled_arithmetics.optax" + ("" if name == "__init__" else f".{name}")
-    )
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0
-    assert result.failed == 0

@@ -3,8 +3,6 @@ products unchanged, outliers spread; under jit, grad, vmap and autoscale."""
 
 from __future__ import annotations
 
-import doctest
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -12,7 +10,6 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.quantization import hadamard as hadamard_module
 from jax_scaled_arithmetics.quantization import (
     hadamard_matrix,
     inverse_random_hadamard,
@@ -30,10 +27,6 @@ TOL = {np.float32: 2e-6, np.float16: 2e-3, ml_dtypes.bfloat16: 1.6e-2}
 def _matrix(size, key):
     """The transform's matrix T, read off the transformed identity (rows are e_i @ T)."""
     return np.asarray(random_hadamard(jnp.eye(size), axis=1, key=key, size=size))
-
-
-def test_doctests():
-    assert doctest.testmod(hadamard_module).failed == 0
 
 
 @pytest.mark.parametrize("size", [1, 2, 4, 16, 64])

@@ -1,7 +1,5 @@
 """OCP MX format names (`MX_FORMATS`, `mx_element_format`) and `block_quantize` with them."""
 
-import doctest
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,10 +12,7 @@ from jax_scaled_arithmetics.quantization import (
     block_dequantize,
     block_fake_quantize,
     block_quantize,
-    mx_array,
     mx_element_format,
-    mx_formats,
-    mx_quantize,
 )
 
 EXPECTED = {
@@ -116,11 +111,6 @@ def test_unknown_or_unsuitable_formats_raise():
         mx_element_format("float8_e8m0fnu")
     with pytest.raises(ValueError, match="float format"):
         mx_element_format("posit8_es0")
-
-
-def test_doctests():
-    for module in (mx_array, mx_formats, mx_quantize):
-        assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
 
 
 def _wide_range_blocks(extreme: str) -> np.ndarray:

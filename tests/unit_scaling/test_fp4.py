@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,10 +50,6 @@ def by_hand(keep, key=KEY, **options):
         return jsa.ops.nvfp4_matmul(x, w, jax.random.fold_in(key, i), **options)
 
     return matmul
-
-
-def test_doctests():
-    assert doctest.testmod(_fp4).failed == 0
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@ decay, equivalence with optax, Flax / Equinox parameter trees, scaled states, er
 
 from __future__ import annotations
 
-import doctest
 import functools
 
 import jax
@@ -14,7 +13,6 @@ import pytest
 
 import jax_scaled_arithmetics as jsa
 import jax_scaled_arithmetics.unit_scaling as U
-from jax_scaled_arithmetics.unit_scaling import _optim
 from tests.helpers import eager_and_jit
 
 ParamSpec = U.optim.ParamSpec
@@ -72,12 +70,6 @@ def test_public_names():
         "sgd",
     }
     assert U.optim.KINDS == ("weight", "embedding", "bias", "norm", "output")
-
-
-def test_doctests():
-    result = doctest.testmod(_optim)
-    assert result.attempted > 0
-    assert result.failed == 0
 
 
 # (spec, shape, multiplier written out from the rule).

@@ -1,0 +1,30 @@
+"""Every docstring example of the package runs: `doctest.testmod` on each of its modules
+(the examples of functions, classes and module docstrings; the examples under constants and
+type aliases, which `testmod` does not see, run in tests/docs/test_api_doc.py)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import jax_scaled_arithmetics
+
+
+def _modules() -> list[str]:
+    names = [jax_scaled_arithmetics.__name__]
+    for info in pkgutil.walk_packages(
+        jax_scaled_arithmetics.__path__, jax_scaled_arithmetics.__name__ + "."
+    ):
+        names.append(info.name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("module_name", _modules())
+def test_docstring_examples_run(module_name):
+    module = importlib.import_module(module_name)
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testmod(module, optionflags=flags, report=True)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed"

@@ -1,0 +1,34 @@
+"""The site's hand-written pages: the getting-started page carries the README's quickstart
+unchanged, and every name the migration page offers exists."""
+
+import importlib
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _section(text: str, heading: str) -> str:
+    return re.search(rf"^{heading}\n.*?(?=^## |\Z)", text, re.S | re.M).group(0).rstrip()
+
+
+def test_getting_started_has_the_readme_quickstart():
+    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "getting_started.md").read_text()
+    assert _section(page, "## Quickstart") == _section(readme, "## Quickstart"), (
+        "docs/getting_started.md: copy the README's Quickstart section again"
+    )
+
+
+def test_every_name_on_the_migration_page_exists():
+    text = (ROOT / "docs" / "migration.md").read_text()
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| `jax_scalify")]
+    rows += [line.split("|") for line in text.splitlines() if line.startswith("| (none)")]
+    ours = [name for row in rows for name in re.findall(r"`(jsa(?:\.\w+)+)`", row[2])]
+    assert len(ours) > 40
+    package = importlib.import_module("jax_scaled_arithmetics")
+    for name in ours:
+        obj = package
+        for part in name.split(".")[1:]:
+            assert hasattr(obj, part), f"migration.md names {name}, which does not exist"
+            obj = getattr(obj, part)
