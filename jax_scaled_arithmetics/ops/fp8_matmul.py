@@ -212,6 +212,20 @@ def _as_operand(v: Any) -> Any:
     return v if isinstance(v, ScaledArray) else jnp.asarray(v)
 
 
+def _float_recipe_matmul(
+    name: str, layout: str, x: Any, w: Any, forward_format: Any, backward_format: Any
+) -> Any:
+    """The per-tensor or per-row FP8 recipe (`layout`) on checked operands."""
+    recipe = _Recipe(
+        layout,
+        _float_format(name, "forward_format", forward_format),
+        _float_format(name, "backward_format", backward_format),
+    )
+    x, w = _as_operand(x), _as_operand(w)
+    _check_operands(name, x, w)
+    return _call(recipe, x, w)
+
+
 def tensorwise_fp8_matmul(
     x: Any,
     w: Any,
@@ -243,15 +257,9 @@ def tensorwise_fp8_matmul(
         Array([[1024., 2048.],
                [   0.,    0.]], dtype=float32)
     """
-    name = "tensorwise_fp8_matmul"
-    recipe = _Recipe(
-        "tensor",
-        _float_format(name, "forward_format", forward_format),
-        _float_format(name, "backward_format", backward_format),
+    return _float_recipe_matmul(
+        "tensorwise_fp8_matmul", "tensor", x, w, forward_format, backward_format
     )
-    x, w = _as_operand(x), _as_operand(w)
-    _check_operands(name, x, w)
-    return _call(recipe, x, w)
 
 
 def rowwise_fp8_matmul(
@@ -291,15 +299,7 @@ def rowwise_fp8_matmul(
         Array([[1.0240000e+03, 2.0480000e+03],
                [9.7656250e-04, 2.9296875e-03]], dtype=float32)
     """
-    name = "rowwise_fp8_matmul"
-    recipe = _Recipe(
-        "row",
-        _float_format(name, "forward_format", forward_format),
-        _float_format(name, "backward_format", backward_format),
-    )
-    x, w = _as_operand(x), _as_operand(w)
-    _check_operands(name, x, w)
-    return _call(recipe, x, w)
+    return _float_recipe_matmul("rowwise_fp8_matmul", "row", x, w, forward_format, backward_format)
 
 
 def mx_matmul(
