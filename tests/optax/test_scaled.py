@@ -10,6 +10,7 @@ import pytest
 
 import jax_scaled_arithmetics as jsa
 import jax_scaled_arithmetics.optax as jsa_optax
+from tests.helpers import as_scaled_array_jit
 
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.05),
@@ -80,10 +81,21 @@ def _loss(params, x, y):
 def _grads(params, scale_exponent):
     """Gradient-like values of magnitude ~2**scale_exponent, exactly representable in float16."""
     grads = _unit_grads(params)
-    plain = jax.tree_util.tree_map(lambda g: g * 2.0**scale_exponent, grads)
-    # Values `plain`, data `grads` (float16), scale 2**scale_exponent.
-    scaled = jsa.as_scaled_array(plain, scale=2.0**scale_exponent, dtype=jnp.float16)
+    return _scaled_grads(grads, jnp.float32(2.0**scale_exponent))
+
+
+@jax.jit  # one compile for every scale (eagerly, each operation is a compile per call)
+def _scaled_grads(grads, scale):
+    plain = jax.tree_util.tree_map(lambda g: g * scale, grads)
+    # Values `plain`, data `grads` (float16), scale `scale`.
+    scaled = jsa.as_scaled_array(plain, scale=scale, dtype=jnp.float16)
     return plain, scaled
+
+
+@jax.jit  # one compile (eagerly, each operation is one)
+def _scaled_params(params):
+    """`params` as float16 ScaledArrays, max-rescaled (data in [1, 2))."""
+    return jsa.ops.dynamic_rescale_max(jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16))
 
 
 @jax.jit  # one compile for the draws
@@ -143,12 +155,12 @@ def test_update_matches_float32_optax(name):
         updates, state = ref.update(grads, state, params)
         return optax.apply_updates(params, updates), state, updates
 
+    s_params0 = _scaled_params(params)
+    s_state0, ref_state0 = opt.init(s_params0), ref.init(params)
     for scale_exponent in (0, -24, 20):  # one compilation: the scale is a value
         plain_grads, scaled_grads = _grads(params, scale_exponent)
-        ref_params, ref_state = params, ref.init(params)
-        s_params = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
-        s_params = jsa.ops.dynamic_rescale_max(s_params)
-        s_state = opt.init(s_params)
+        ref_params, ref_state = params, ref_state0
+        s_params, s_state = s_params0, s_state0
         for i in range(3):
             what = f"2**{scale_exponent} gradients, step {i}"
             ref_params, ref_state, ref_updates = ref_step(ref_params, ref_state, plain_grads)
@@ -186,7 +198,7 @@ def test_full_step_in_one_autoscale_function(name):
         return jsa_optax.apply_updates(params, updates), state, loss
 
     ref_params, ref_state = params, ref.init(params)
-    s_params = jsa.ops.dynamic_rescale_max(jsa.tree.astype(jsa.as_scaled_array(params), "float16"))
+    s_params = _scaled_params(params)
     s_state = opt.init(s_params)
     s_x, s_y = jsa.as_scaled_array((x, y), dtype=jnp.float16)
     structure = jax.tree_util.tree_structure(s_state)
@@ -208,7 +220,7 @@ def test_outside_autoscale_matches_inside(name):
     params, _, _ = _problem()
     _, grads = _grads(params, -10)
     opt = jsa_optax.scale_optimizer(OPTIMIZERS[name]())
-    s_params = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
+    s_params = jax.jit(lambda p: jsa.tree.astype(jsa.as_scaled_array(p), jnp.float16))(params)
     state = opt.init(s_params)
 
     updates_out, state_out = opt.update(grads, state, s_params)
@@ -356,7 +368,7 @@ def test_apply_updates_adds_the_update_of_the_same_step_before_its_store():
     of the program unless something else reads the updates."""
     params, _, _ = _problem()
     plain_grads, grads = _grads(params, -10)
-    s_params = jsa.ops.dynamic_rescale_max(jsa.tree.astype(jsa.as_scaled_array(params), "float16"))
+    s_params = _scaled_params(params)
     p32 = jsa.asarray(s_params, jnp.float32)
     ref_updates, _ = optax.adam(1e-2).update(plain_grads, optax.adam(1e-2).init(p32), p32)
     expected = jax.tree_util.tree_map(lambda p, u: np.float64(p) + np.float64(u), p32, ref_updates)
@@ -420,8 +432,8 @@ def test_scaled_state_moments_take_their_parameters_block_scales(layout):
     magnitudes = np.exp2(np.linspace(-12, 12, 16))[None, :]
     w = jnp.asarray(rng.normal(size=(8, 16)) * magnitudes, jnp.float32)
     params = {
-        "w": jsa.as_scaled_array(w, scale_shape=layout, dtype=jnp.float16),
-        "b": jsa.as_scaled_array(jnp.ones(16), dtype=jnp.float16),
+        "w": as_scaled_array_jit(w, scale_shape=layout, dtype=jnp.float16),
+        "b": as_scaled_array_jit(jnp.ones(16), dtype=jnp.float16),
     }
     grads_value = {"w": w * 1e-3, "b": jnp.full(16, 0.5)}
     adam = optax.adam(1e-2)
@@ -436,8 +448,8 @@ def test_scaled_state_moments_take_their_parameters_block_scales(layout):
         return opt.update(grads, state, params)
 
     grads = {
-        "w": jsa.as_scaled_array(grads_value["w"], scale_shape=layout, dtype=jnp.float16),
-        "b": jsa.as_scaled_array(grads_value["b"], dtype=jnp.float16),
+        "w": as_scaled_array_jit(grads_value["w"], scale_shape=layout, dtype=jnp.float16),
+        "b": as_scaled_array_jit(grads_value["b"], dtype=jnp.float16),
     }
     updates, new_state = update(grads, state, params)
     assert new_state[0].nu["w"].scale.shape == layout
