@@ -45,8 +45,9 @@ slow: opt in):
         `jsa.optax.apply_updates`; plain: the float32 optax.adam step.
     gpt-scaled-opt-channel: gpt-scaled-opt with every parameter of rank >= 2 (and so its
         Adam moments) scaled per output channel.
-    gpt-unit-fp8: char GPT, 1 block, adam; the "scaled" variant is `U.simulate_fp8(U.unit_scale(
-        loss))` on float32 `U.unit_init` parameters (no autoscale).
+    gpt-unit-fp8: char GPT, 1 block, adam; the "scaled" variant is
+        `jsa.ops.simulate_fp8(U.unit_scale(loss))` on float32 `U.unit_init` parameters (no
+        autoscale).
     adam-update: the optimizer alone: optax.adam update + optax.apply_updates on the 1-block
         char GPT's parameters and given gradients (scaled: bfloat16 data by default).
     scaled-opt-update: the same with `jsa.optax.scale_optimizer(optax.adam)` and
@@ -324,13 +325,13 @@ def case_gpt_scaled_opt(dtype: Any) -> Case:
 
 
 def case_gpt_unit_fp8(dtype: Any) -> Case:
-    """Char GPT, 1 block, adam; "scaled": `U.simulate_fp8(U.unit_scale(loss))` on float32
+    """Char GPT, 1 block, adam; "scaled": `jsa.ops.simulate_fp8(U.unit_scale(loss))` on float32
     `U.unit_init` parameters (no autoscale): the cost of the unit-scaling transform and of the
     FP8 casts."""
     config = _gpt_config(1)
     plain = _gpt_adam_case(config, 16, dtype)
     opt = optax.adam(1e-3)
-    loss = U.simulate_fp8(U.unit_scale(gpt.loss_fn))
+    loss = jsa.ops.simulate_fp8(U.unit_scale(gpt.loss_fn))
 
     def step(params, opt_state, tokens, targets):
         value, grads = jax.value_and_grad(loss)(params, tokens, targets, config)

@@ -84,7 +84,7 @@ def render_index() -> str:
         "# API reference",
         "",
         "Generated from the docstrings: one page per public module, one entry per name in",
-        "the module's `__all__`. Most entries carry a runnable example (the test suite runs",
+        "the module's `__all__`. Every entry carries a runnable example (the test suite runs",
         "them).",
         "",
         "| module | names |",

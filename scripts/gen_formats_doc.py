@@ -121,7 +121,7 @@ to and from the codes (uint8, uint16, uint32 beyond 16 bits), `posit_values(nbit
 lists the values, and
 every name `"posit{nbits}_es{es}"` works wherever a format is accepted (`float_quantize`,
 `jsa.ops.reduce_precision_on_forward` / `_on_backward`, `jsa.ops.quantizer`,
-`U.simulate_fp8`). `jsa.ops.posit_sigmoid` and `posit_tanh` are the bit-level activation
+`jsa.ops.simulate_fp8`). `jsa.ops.posit_sigmoid` and `posit_tanh` are the bit-level activation
 shortcuts of `posit<n, 0>` (flip the sign bit, shift right by two).
 
 Simulation in float32 is exact for every posit whose values float32 holds: `es` from 0 to
@@ -311,13 +311,13 @@ lower the weight gradient's error (256 tokens, K 64, N 32, nearest rounding, mea
 keys; relative error without / with: Student-t(2) operands 0.130 / 0.171, Gaussian with 1%
 of `x` 50x larger 0.115 / 0.141); in training, see `docs/experiments.md`, "4-bit training".
 
-`jsa.unit_scaling.simulate_fp4(fn, recipe="nvfp4", high_precision="first_and_last", ...)`
+`jsa.ops.simulate_fp4(fn, recipe="nvfp4", high_precision="first_and_last", ...)`
 applies it to a whole program: every linear layer's `dot_general` (`x (..., K) @ w` with a
 2-D weight, or a tied embedding's `h @ e.T`, shapes that the block size divides) becomes
 `fp4_matmul` with the key `fold_in(key, i)` of its position; attention's batched products
 and the first and last linear layers (by default, as the NVFP4 recipe keeps them) stay in
 the program's precision. The returned function takes `key=`; `jax.grad(simulate_fp4(f))`
-differentiates through the recipe (`tests/unit_scaling/test_fp4.py`).
+differentiates through the recipe (`tests/ops/test_fp4_simulation.py`).
 
 ## Random Hadamard transforms
 

@@ -422,9 +422,8 @@ def _rowwise_fp8_loss(p, x):
 
 
 def _simulate_fp8_loss(p, x):
-    import jax_scaled_arithmetics.unit_scaling as U
 
-    return U.simulate_fp8(_mlp_loss, rescale=True)(p, x)
+    return jsa.ops.simulate_fp8(_mlp_loss, rescale=True)(p, x)
 
 
 @pytest.mark.parametrize(
@@ -440,7 +439,7 @@ def _simulate_fp8_loss(p, x):
     ids=["simulate_fp8", "rowwise"],
 )
 def test_fsdp_composes_with_fp8_matmul_recipes(fp8_loss):
-    """`U.simulate_fp8` / `rowwise_fp8_matmul` on the gathered parameters, inside the
+    """`jsa.ops.simulate_fp8` / `rowwise_fp8_matmul` on the gathered parameters, inside the
     shard_map, under autoscale."""
     params = _mlp_params()
     x = _inputs()

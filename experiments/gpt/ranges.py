@@ -5,9 +5,9 @@ The model, initialisation and first batch are those of `train.py`'s default conf
 the first training batch of tiny-shakespeare). For each mode the gradient program is
 analysed as the mode trains it:
 
-- `fp8-plain`: `jax.grad(U.simulate_fp8(loss))` on the float32 parameters (plain arrays:
+- `fp8-plain`: `jax.grad(jsa.ops.simulate_fp8(loss))` on the float32 parameters (plain arrays:
   every scale is 1, the data are the values);
-- `scaled-fp8`: `jax.grad(U.simulate_fp8(loss, rescale=True))` on the float16 ScaledArray
+- `scaled-fp8`: `jax.grad(jsa.ops.simulate_fp8(loss, rescale=True))` on the float16 ScaledArray
   parameters, under `jsa.autoscale` (the data are what FP8 would store).
 
 Writes `docs/images/gpt_ranges_fp8_plain.png` and `docs/images/gpt_ranges_scaled_fp8.png`
@@ -73,17 +73,16 @@ def analyse(
     `backward_format="float32"` keeps the matmul-output gradients unrounded (the backward
     casts are then identities), so that the rows of the casts show what E5M2 would flush
     in each of them, without earlier flushes hiding values."""
-    import jax_scaled_arithmetics.unit_scaling as U
 
     def loss(p: Any, tokens: Any, targets: Any) -> Any:
         return gpt.loss_fn(p, tokens, targets, model)
 
     if mode == "fp8-plain":
         params = params32
-        fp8_loss = U.simulate_fp8(loss, backward_format=backward_format)
+        fp8_loss = jsa.ops.simulate_fp8(loss, backward_format=backward_format)
     elif mode == "scaled-fp8":
         params = train._to_scaled_fp16(params32)
-        fp8_loss = U.simulate_fp8(loss, backward_format=backward_format, rescale=True)
+        fp8_loss = jsa.ops.simulate_fp8(loss, backward_format=backward_format, rescale=True)
     else:
         raise ValueError(f"Unknown mode {mode!r}; choose from {', '.join(MODES)}.")
     grad = jax.grad(fp8_loss)

@@ -14,14 +14,14 @@ Modes:
                      the gradients cast back to float32 for Adam. No loss scaling
                      (bfloat16 has float32's exponent range).
     fp8-plain        float32 parameters and Adam; the loss wrapped in
-                     `U.simulate_fp8`: matmul operands rounded to E4M3 on the forward
+                     `jsa.ops.simulate_fp8`: matmul operands rounded to E4M3 on the forward
                      pass, matmul-output gradients to E5M2 on the backward pass, with no
                      scaling (the naive baseline).
     scaled-fp16      `jsa.autoscale` + `jsa.optax`: float16 ScaledArray parameters and Adam
                      state (`jsa.optax.scale_optimizer`), the whole step in one
                      `jax.jit(jsa.autoscale(step))`, no loss scaling.
     scaled-fp8       scaled-fp16 plus the FP8 casts after dynamic rescaling: the loss is
-                     `U.simulate_fp8(loss_fn, rescale=True)` inside the autoscaled step
+                     `jsa.ops.simulate_fp8(loss_fn, rescale=True)` inside the autoscaled step
                      (one power of two per matmul operand and per output gradient).
     scaled-fp8-rowwise
                      scaled-fp8 with `scale_layout="axis"`: block scales, one power of two
@@ -32,13 +32,13 @@ Modes:
                      matmul operand's contracting axis (one power of two per 32 values of a
                      token's features and of a weight column), and along the last axis of
                      the output gradients.
-    unit-scaled-fp8  `U.unit_scale` + `U.simulate_fp8`: parameters `U.unit_init(params)`
+    unit-scaled-fp8  `U.unit_scale` + `jsa.ops.simulate_fp8`: parameters `U.unit_init(params)`
                      (unit-variance weights, zero biases), loss
-                     `U.simulate_fp8(U.unit_scale(loss_fn))`, float32 Adam, no loss scaling
+                     `jsa.ops.simulate_fp8(U.unit_scale(loss_fn))`, float32 Adam, no loss scaling
                      and no dynamic rescaling. Its own learning rate (`--mode-lr`).
 
 4-bit modes (`--mode fp4` runs fp32 and all of them): float32 parameters and Adam, the loss
-wrapped in `U.simulate_fp4(loss_fn, ...)` (the linear layers' three matmuls with 4-bit
+wrapped in `jsa.ops.simulate_fp4(loss_fn, ...)` (the linear layers' three matmuls with 4-bit
 operands; the key of step i is `fold_in(key(seed + 1), i)`):
     nvfp4            the full NVFP4 recipe: 16x16 weight blocks, stochastically rounded
                      gradients, random Hadamard transform of the weight gradient's
@@ -126,7 +126,7 @@ FP4_RECIPES: dict[str, dict[str, Any]] = {
         "high_precision": None,
     },
 }
-"""The `U.simulate_fp4` arguments of each 4-bit mode (`--mode fp4`: fp32 and these)."""
+"""The `jsa.ops.simulate_fp4` arguments of each 4-bit mode (`--mode fp4`: fp32 and these)."""
 MODES = FP8_MODES + tuple(FP4_RECIPES)
 SCALE_LAYOUTS: dict[str, str | int] = {
     "scaled-fp8": "tensor",
@@ -354,7 +354,7 @@ def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float, seed: 
     if name == "unit-scaled-fp8":
         U = _unit_scaling()
         unit_loss = U.unit_scale(loss)
-        train_loss = U.simulate_fp8(unit_loss)
+        train_loss = jsa.ops.simulate_fp8(unit_loss)
         params = U.unit_init(params32)
         opt = _adam(lr)
         return Mode(
@@ -380,7 +380,7 @@ def _fp4_mode(
     lr: float,
     seed: int,
 ) -> Mode:
-    """A 4-bit mode: float32 parameters and Adam, `loss` through `U.simulate_fp4`; the
+    """A 4-bit mode: float32 parameters and Adam, `loss` through `jsa.ops.simulate_fp4`; the
     optimizer state carries the step count, which picks the step's key."""
     fp4_loss = _unit_scaling().simulate_fp4(loss, **FP4_RECIPES[name])
     opt = _adam(lr)

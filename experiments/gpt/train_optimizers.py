@@ -16,7 +16,7 @@ weights, the optimizer state, the gradients and the updates differ:
     ibm8             `jsa.optax.ibm8_like(adam)`: weights, state and updates in the 16-bit
                      FP16_169 float with stochastic rounding (simulated in float32),
                      gradients rounded to float8_e5m2, and the model's matmuls in
-                     float8_e5m2 on both passes (`U.simulate_fp8(loss, forward_format=
+                     float8_e5m2 on both passes (`jsa.ops.simulate_fp8(loss, forward_format=
                      "float8_e5m2", backward_format="float8_e5m2")`, saturating), with a
                      constant loss scale of 2**`--ibm8-loss-scale-exp` (float8_e5m2
                      flushes gradients below 2**-16 to zero).
@@ -117,9 +117,7 @@ def setup(name: str, params32: Any, model: gpt.GPTConfig, lr: float, ibm8_exp: i
         raise ValueError(f"Unknown variant {name!r}; choose from {', '.join(VARIANTS)}.")
     train_loss, loss_scale = loss, 1.0
     if name == "ibm8":
-        from jax_scaled_arithmetics import unit_scaling as U
-
-        train_loss = U.simulate_fp8(
+        train_loss = jsa.ops.simulate_fp8(
             loss, forward_format="float8_e5m2", backward_format="float8_e5m2"
         )
         # The gradients are rounded to float8_e5m2 while scaled, then unscaled (exactly:

@@ -16,11 +16,11 @@ Modes:
     plain-bf16   the same with bfloat16.
     mixed-fp16   `jsa.mp` mixed precision: float32 parameters and Adam state,
                  float16 compute, dynamic loss scaling.
-    fp8-plain    float32 parameters and Adam; the loss wrapped in `U.simulate_fp8`
+    fp8-plain    float32 parameters and Adam; the loss wrapped in `jsa.ops.simulate_fp8`
                  (`jax_scaled_arithmetics.unit_scaling`): matmul operands rounded to
                  E4M3 forward, matmul-output gradients to E5M2 backward, no scaling.
     scaled-fp8   scaled-fp16 plus those FP8 casts after dynamic rescaling
-                 (`U.simulate_fp8(loss, rescale=True)` inside the autoscaled step).
+                 (`jsa.ops.simulate_fp8(loss, rescale=True)` inside the autoscaled step).
 
 Test accuracy is measured with the parameters' values in float32, at the end and every
 `--eval-every` steps (the accuracy curve). With `--out-dir`, a JSON log per mode is
@@ -235,9 +235,8 @@ def _mixed_step(
 
 
 def _simulate_fp8(loss_fn: Callable[..., Any], rescale: bool) -> Callable[..., Any]:
-    import jax_scaled_arithmetics.unit_scaling as U
 
-    return U.simulate_fp8(loss_fn, rescale=rescale)
+    return jsa.ops.simulate_fp8(loss_fn, rescale=rescale)
 
 
 def _setup(

@@ -12,7 +12,7 @@ Modes:
                scaled by 1/sqrt(2 * layers)).
     unit       `U.unit_scale(loss)`, parameters `U.unit_init(params)` (unit-variance
                weights, zero biases).
-    unit-fp8   `U.simulate_fp8(U.unit_scale(loss))`: matmul operands in E4M3, their output
+    unit-fp8   `jsa.ops.simulate_fp8(U.unit_scale(loss))`: matmul operands in E4M3, their output
                gradients in E5M2, no loss scaling.
 
 Optimiser: Adam (betas 0.9/0.99 as the reference's example), optax's `adam`, or with
@@ -50,6 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a script, only this folder is on the path
     sys.path.insert(0, str(REPO_ROOT))
 
+import jax_scaled_arithmetics as jsa  # noqa: E402
 import jax_scaled_arithmetics.unit_scaling as U  # noqa: E402
 from experiments import data as datasets  # noqa: E402
 from experiments.unit_scaling.chardata import Config, batch_offsets, char_ids  # noqa: E402
@@ -188,7 +189,7 @@ def make_loss(
     if mode == "fp32":
         return loss
     unit = U.unit_scale(loss, **unit_options)
-    return U.simulate_fp8(unit) if mode == "unit-fp8" else unit
+    return jsa.ops.simulate_fp8(unit) if mode == "unit-fp8" else unit
 
 
 def make_optimizer(

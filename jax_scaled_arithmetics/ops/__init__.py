@@ -1,5 +1,6 @@
 """User-facing operations on scaled arrays: dynamic rescaling, low-precision casts, quantisers,
-posit activation shortcuts, FP8 / MX matmul recipes."""
+posit activation shortcuts, FP8 / MX / FP4 matmul recipes, and the transforms that simulate
+FP8 and FP4 training on a whole function (`simulate_fp8`, `simulate_fp4`)."""
 
 from .casts import cast_on_backward as cast_on_backward
 from .casts import cast_on_forward as cast_on_forward
@@ -15,9 +16,11 @@ from .dynamic_rescaling import dynamic_rescale_max_grad as dynamic_rescale_max_g
 from .fp4_matmul import FP4_RECIPES as FP4_RECIPES
 from .fp4_matmul import fp4_matmul as fp4_matmul
 from .fp4_matmul import nvfp4_matmul as nvfp4_matmul
+from .fp4_simulation import simulate_fp4 as simulate_fp4
 from .fp8_matmul import mx_matmul as mx_matmul
 from .fp8_matmul import rowwise_fp8_matmul as rowwise_fp8_matmul
 from .fp8_matmul import tensorwise_fp8_matmul as tensorwise_fp8_matmul
+from .fp8_simulation import simulate_fp8 as simulate_fp8
 from .posit_activations import posit_sigmoid as posit_sigmoid
 from .posit_activations import posit_tanh as posit_tanh
 
@@ -34,6 +37,8 @@ __all__ = [
     "reduce_precision_on_backward",
     "reduce_precision_on_forward",
     "rowwise_fp8_matmul",
+    "simulate_fp4",
+    "simulate_fp8",
     "tensorwise_fp8_matmul",
     "dynamic_rescale_l1",
     "dynamic_rescale_l1_grad",

@@ -50,7 +50,7 @@ from ..quantization.nvfp4 import nvfp4_fake_quantize
 __all__ = ["FP4_RECIPES", "fp4_matmul", "nvfp4_matmul", "recipe_block_size"]
 
 FP4_RECIPES = ("nvfp4", "mxfp4", "fp4_tensor")
-"""The formats `fp4_matmul` and `U.simulate_fp4` simulate.
+"""The formats `fp4_matmul` and `jsa.ops.simulate_fp4` simulate.
 
 Examples:
     >>> import jax_scaled_arithmetics as jsa

@@ -12,6 +12,7 @@ Examples:
     1.0
 """
 
+from .._deprecation import moved_names
 from . import _optim as optim
 from ._activations import gelu as gelu
 from ._activations import silu as silu
@@ -19,8 +20,6 @@ from ._activations import silu_glu as silu_glu
 from ._attention import scaled_dot_product_attention as scaled_dot_product_attention
 from ._dropout import dropout as dropout
 from ._embedding import embedding as embedding
-from ._fp4 import simulate_fp4 as simulate_fp4
-from ._fp8 import simulate_fp8 as simulate_fp8
 from ._fwd_bwd import Constraint as Constraint
 from ._fwd_bwd import apply_constraint as apply_constraint
 from ._fwd_bwd import scale_bwd as scale_bwd
@@ -73,9 +72,16 @@ __all__ = [
     "silu",
     "silu_glu",
     "softmax",
-    "simulate_fp4",
-    "simulate_fp8",
     "transformer_residual_scaling_rule",
     "unit_init",
     "unit_scale",
 ]
+
+# Moved to `jsa.ops` (quantisation transforms live with the FP8/FP4 recipes they apply).
+__getattr__ = moved_names(
+    __name__,
+    {
+        "simulate_fp4": ("jax_scaled_arithmetics.ops", "simulate_fp4"),
+        "simulate_fp8": ("jax_scaled_arithmetics.ops", "simulate_fp8"),
+    },
+)

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._rewrite import MATMULS, sub_jaxprs
+from ..core.rewrite import MATMULS, sub_jaxprs
 
 __all__ = ["parameter_specs"]
 

@@ -19,9 +19,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from ..core import _compat
-from ._rewrite import MATMULS as _MATMULS
-from ._rewrite import multiplies_matrices as _multiplies_matrices
-from ._rewrite import sub_jaxprs as _sub_jaxprs
+from ..core.rewrite import MATMULS as _MATMULS
+from ..core.rewrite import multiplies_matrices as _multiplies_matrices
+from ..core.rewrite import sub_jaxprs as _sub_jaxprs
 
 __all__ = ["TAU_RULES", "Context", "analyse", "residual_kinds", "residual_tau", "tau_weights"]
 

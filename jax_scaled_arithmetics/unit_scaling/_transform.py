@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import _compat
+from ..core.rewrite import code_of, find_calls, rewrite_call
 from ..core.walker import Frame, Group, JaxprWalker, unwrap_outer
 from . import _activations, _fwd_bwd, _linear, _ops_common, _residual, _softmax
 from ._fwd_bwd import Constraint
@@ -47,7 +48,6 @@ from ._residual_analysis import analyse as _analyse
 from ._residual_analysis import residual_kinds as _residual_kinds
 from ._residual_analysis import residual_tau as _residual_tau
 from ._residual_analysis import tau_weights as _tau_weights
-from ._rewrite import code_of, find_calls, rewrite_call
 
 __all__ = ["unit_scale", "unit_init"]
 

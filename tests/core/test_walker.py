@@ -7,7 +7,6 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics as jsa
-import jax_scaled_arithmetics.unit_scaling as U
 from jax_scaled_arithmetics.core import _compat, interpreter, known_scalars
 from jax_scaled_arithmetics.core.walker import (
     Frame,
@@ -16,7 +15,8 @@ from jax_scaled_arithmetics.core.walker import (
     observe_equations,
     unwrap_outer,
 )
-from jax_scaled_arithmetics.unit_scaling import _fp8, _transform
+from jax_scaled_arithmetics.ops import fp8_simulation
+from jax_scaled_arithmetics.unit_scaling import _transform
 
 
 class SinToCos(JaxprWalker):
@@ -152,7 +152,7 @@ def test_every_transform_is_a_walker():
         interpreter._Autoscale,
         known_scalars._KnownScalars,
         _transform._UnitScaleRewriter,
-        _fp8._Fp8Rewriter,
+        fp8_simulation._Fp8Rewriter,
     ):
         assert issubclass(cls, JaxprWalker), cls
         assert "walk" not in vars(cls) and "run" not in vars(cls), cls
@@ -168,7 +168,7 @@ def test_observers_see_autoscale_s_equations_only():
     with observe_equations(observer):
         jsa.autoscale(lambda v: jnp.sin(v) * 2.0)(x)
         count = len(seen)
-        U.simulate_fp8(lambda a, b: a @ b)(jnp.ones((2, 2)), jnp.ones((2, 2)))
+        jsa.ops.simulate_fp8(lambda a, b: a @ b)(jnp.ones((2, 2)), jnp.ones((2, 2)))
     assert [name for name, _ in seen] == ["sin", "mul"]
     assert seen[1][1] == ["ScaledArray"]
     assert len(seen) == count  # simulate_fp8's walk is not observed
@@ -178,11 +178,11 @@ def test_transforms_commute_through_their_declarations():
     def f(x):
         return x
 
-    for transform in (jsa.autoscale, U.simulate_fp8):
+    for transform in (jsa.autoscale, jsa.ops.simulate_fp8):
         inner, rewrap = unwrap_outer(jax.jit(transform(f)))
         assert inner is f
         assert callable(rewrap(f))
-    inner, _ = unwrap_outer(jsa.autoscale(U.simulate_fp8(f)))
+    inner, _ = unwrap_outer(jsa.autoscale(jsa.ops.simulate_fp8(f)))
     assert inner is f
     # A gradient of a transformed function is not the transformed function.
     assert unwrap_outer(jax.grad(jsa.autoscale(f)))[0] is not f

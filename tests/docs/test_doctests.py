@@ -11,6 +11,7 @@ import pkgutil
 import pytest
 
 import jax_scaled_arithmetics
+from jax_scaled_arithmetics.core import registry
 
 
 def _modules() -> list[str]:
@@ -22,8 +23,18 @@ def _modules() -> list[str]:
     return sorted(names)
 
 
+@pytest.fixture
+def _rules_restored():
+    """An example that registers a rule (`register_scaled_op`'s) leaves the registry as it
+    was: other tests of the worker list the rules."""
+    rules = dict(registry._RULES)
+    yield
+    registry._RULES.clear()
+    registry._RULES.update(rules)
+
+
 @pytest.mark.parametrize("module_name", _modules())
-def test_docstring_examples_run(module_name):
+def test_docstring_examples_run(module_name, _rules_restored):
     module = importlib.import_module(module_name)
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     result = doctest.testmod(module, optionflags=flags, report=True)

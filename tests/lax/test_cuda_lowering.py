@@ -3,7 +3,7 @@
 On Hopper and newer GPUs XLA runs a `dot_general` whose operands are FP8 and whose result
 is float32 as a cuBLASLt FP8 GEMM. Lowering for CUDA needs no GPU: these tests keep the
 scaled programs in that form, forward and backward, for a plain matmul of FP8
-ScaledArrays under `autoscale` and for `U.simulate_fp8` over FP8 ScaledArrays.
+ScaledArrays under `autoscale` and for `jsa.ops.simulate_fp8` over FP8 ScaledArrays.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics import unit_scaling as U
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(16, 32)).astype(np.float32)
@@ -39,7 +38,7 @@ def _loss(matmul):
 @pytest.mark.parametrize("fmt", FP8, ids=str)
 @pytest.mark.parametrize(
     "name, matmul",
-    [("matmul", lambda x, w: x @ w), ("simulate_fp8", U.simulate_fp8(lambda x, w: x @ w))],
+    [("matmul", lambda x, w: x @ w), ("simulate_fp8", jsa.ops.simulate_fp8(lambda x, w: x @ w))],
     ids=["matmul", "simulate_fp8"],
 )
 def test_fp8_scaled_matmul_is_an_fp8_dot_forward_and_backward(name, matmul, fmt):

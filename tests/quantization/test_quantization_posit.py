@@ -441,9 +441,8 @@ def test_names_work_wherever_formats_are_accepted():
     np.testing.assert_array_equal(np.asarray(g), [1.03125, 1.03125])
     q = jsa.ops.quantizer("posit16_es1", "posit8_es0")
     np.testing.assert_array_equal(np.asarray(q(x)), np.asarray(posit_quantize(x, 16, 1)))
-    import jax_scaled_arithmetics.unit_scaling as U
 
-    f = U.simulate_fp8(lambda a, b: a @ b, forward_format="posit8_es0")
+    f = jsa.ops.simulate_fp8(lambda a, b: a @ b, forward_format="posit8_es0")
     np.testing.assert_array_equal(
         np.asarray(f(jnp.array([[1.03, 3.3]]), jnp.ones((2, 1)))), [[4.28125]]
     )

@@ -445,7 +445,7 @@ def test_a_traced_gradient_is_refused_naming_the_order_to_use(inputs):
         "jit(grad)": jax.jit(jax.grad(loss, argnums=1)),
         "value_and_grad": jax.value_and_grad(loss, argnums=(0, 1)),
         "grad of an autoscaled loss": jax.grad(jsa.autoscale(loss), argnums=1),
-        "grad of an FP8 loss": jax.grad(U.simulate_fp8(loss), argnums=1),
+        "grad of an FP8 loss": jax.grad(jsa.ops.simulate_fp8(loss), argnums=1),
         "train step": train_step,
         "jit(train step)": jax.jit(train_step),
         "vjp": lambda v, p: jax.vjp(lambda q: loss(v, q), p)[1](jnp.float32(1.0)),
@@ -458,16 +458,16 @@ def test_a_traced_gradient_is_refused_naming_the_order_to_use(inputs):
         ):
             U.unit_scale(fn)(x, params)
         with pytest.raises(ValueError, match=r"simulate_fp8: .* `jax.grad\(simulate_fp8\(f\)\)`"):
-            U.simulate_fp8(fn)(x, params)
+            jsa.ops.simulate_fp8(fn)(x, params)
         assert name  # every case checked
 
 
 def test_a_jitted_transform_is_looked_through(inputs):
     """`jax.jit` copies the attributes of the function it wraps, the way `jsa.autoscale`
-    and `U.simulate_fp8` declare how to re-apply themselves included: `unit_scale` of a
+    and `jsa.ops.simulate_fp8` declare how to re-apply themselves included: `unit_scale` of a
     jitted autoscaled (or FP8) loss is the transform of the unit-scaled loss."""
     x, params = inputs
-    for transform in (jsa.autoscale, U.simulate_fp8):
+    for transform in (jsa.autoscale, jsa.ops.simulate_fp8):
         _close(
             U.unit_scale(jax.jit(transform(loss)))(x, params),
             transform(U.unit_scale(loss))(x, params),
@@ -572,8 +572,8 @@ def test_nests_with_autoscale_both_orders(inputs, dtype):
 
 def test_nests_with_simulate_fp8_both_orders(inputs):
     x, params = inputs
-    a = U.simulate_fp8(U.unit_scale(loss))
-    b = U.unit_scale(U.simulate_fp8(loss))
+    a = jsa.ops.simulate_fp8(U.unit_scale(loss))
+    b = U.unit_scale(jsa.ops.simulate_fp8(loss))
     va, ga = jax.value_and_grad(a, argnums=1)(x, params)
     vb, gb = jax.value_and_grad(b, argnums=1)(x, params)
     _close(va, vb)
@@ -582,7 +582,7 @@ def test_nests_with_simulate_fp8_both_orders(inputs):
     assert not np.allclose(va, U.unit_scale(loss)(x, params), rtol=1e-4)
     # jax.grad goes outside both (inside either, it is refused: see above).
     with pytest.raises(ValueError, match=r"jax.grad\(simulate_fp8\(f\)\)"):
-        U.simulate_fp8(jax.grad(U.unit_scale(loss), argnums=1))(x, params)
+        jsa.ops.simulate_fp8(jax.grad(U.unit_scale(loss), argnums=1))(x, params)
 
 
 # --- unit_init ----------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from ..core import _compat
+from ..core.rewrite import rewrite_call, sub_jaxprs
 from ..core.walker import Frame, JaxprWalker
-from ..ops.fp4_matmul import FP4_RECIPES, fp4_matmul, recipe_block_size
-from ._rewrite import rewrite_call, sub_jaxprs
+from .fp4_matmul import FP4_RECIPES, fp4_matmul, recipe_block_size
 
 __all__ = ["simulate_fp4"]
 
@@ -146,12 +146,12 @@ def simulate_fp4(
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> import jax_scaled_arithmetics.unit_scaling as U
-        >>> f = U.simulate_fp4(lambda x, w: x @ w, high_precision=None)
+        >>> import jax_scaled_arithmetics as jsa
+        >>> f = jsa.ops.simulate_fp4(lambda x, w: x @ w, high_precision=None)
         >>> y = f(jnp.ones((16, 32)), jnp.full((32, 16), 0.3), key=jax.random.key(0))
         >>> round(float(y[0, 0]), 4)  # 0.3 is on the NVFP4 grid of its tensor scale
         9.6
-        >>> g = U.simulate_fp4(lambda x, w: x @ w, recipe="mxfp4", high_precision=None)
+        >>> g = jsa.ops.simulate_fp4(lambda x, w: x @ w, recipe="mxfp4", high_precision=None)
         >>> float(g(jnp.ones((32, 32)), jnp.full((32, 32), 0.3), key=jax.random.key(0))[0, 0])
         8.0
     """

@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core import _compat
-from ..core.walker import Group, JaxprWalker
+from . import _compat
+from .walker import Group, JaxprWalker
 
 __all__ = [
     "Group",

@@ -1,4 +1,4 @@
-"""`U.simulate_fp4`: a program's linear-layer matmuls as `jsa.ops.fp4_matmul`, the rest kept."""
+"""`jsa.ops.simulate_fp4`: the linear-layer matmuls as `jsa.ops.fp4_matmul`, the rest kept."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
-import jax_scaled_arithmetics.unit_scaling as U
-from jax_scaled_arithmetics.unit_scaling import _fp4
+from jax_scaled_arithmetics.ops import fp4_simulation
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((32, 32)).astype(np.float32)
@@ -66,7 +65,7 @@ def by_hand(keep, key=KEY, **options):
     ids=["first_and_last", "none", "predicate"],
 )
 def test_value_and_gradients_are_the_recipe_on_the_chosen_matmuls(high_precision, keep):
-    simulated = U.simulate_fp4(loss, high_precision=high_precision)
+    simulated = jsa.ops.simulate_fp4(loss, high_precision=high_precision)
     value, grads = jax.jit(jax.value_and_grad(lambda p, k: simulated(X, p, key=k)))(PARAMS, KEY)
     # The reference in one compile (eagerly, each operation of the quantisers is one).
     ref_value, ref_grads = jax.jit(jax.value_and_grad(lambda p: loss(X, p, by_hand(keep))))(PARAMS)
@@ -80,7 +79,7 @@ def test_value_and_gradients_are_the_recipe_on_the_chosen_matmuls(high_precision
 @pytest.mark.slow  # the default run passes options through test_other_recipes
 def test_options_reach_every_matmul():
     off = {"hadamard": False, "stochastic_gradients": False, "weight_blocks": "1d"}
-    simulated = U.simulate_fp4(loss, high_precision=None, **off)
+    simulated = jsa.ops.simulate_fp4(loss, high_precision=None, **off)
     grads = jax.grad(lambda p: simulated(X, p))(PARAMS)  # no key needed with both off
     ref = jax.grad(lambda p: loss(X, p, by_hand(lambda i: False, **off)))(PARAMS)
     for g, r in zip(grads, ref, strict=True):
@@ -105,7 +104,7 @@ def test_other_recipes(recipe, options):
         (rng.standard_normal(shape) / 6).astype(np.float32)
         for shape in ((32, 64), (64, 32), (32, 48))
     ]
-    simulated = U.simulate_fp4(loss, recipe=recipe, high_precision=None, **options)
+    simulated = jsa.ops.simulate_fp4(loss, recipe=recipe, high_precision=None, **options)
     grads = jax.jit(jax.grad(lambda p, k: simulated(X, p, key=k)))(params, KEY)
     block = 32 if recipe == "mxfp4" else 16
 
@@ -122,7 +121,7 @@ def test_other_recipes(recipe, options):
     assert not np.allclose(grads[1], exact[1], rtol=1e-2)  # quantised
     if recipe == "mxfp4":  # the N = 48 matmul kept: its weight gradient has exact operands
         # (its input, the second matmul's output, is still the quantised one's)
-        assert _fp4._count_linear(jax.make_jaxpr(loss)(X, params).jaxpr, 32) == 2
+        assert fp4_simulation._count_linear(jax.make_jaxpr(loss)(X, params).jaxpr, 32) == 2
 
 
 def test_other_matmuls_are_kept():
@@ -132,10 +131,10 @@ def test_other_matmuls_are_kept():
         return jnp.einsum("bqd,bkd->bqk", q, k)
 
     q = _rng(3).standard_normal((2, 16, 32)).astype(np.float32)
-    np.testing.assert_array_equal(U.simulate_fp4(attention)(q, q, key=KEY), attention(q, q))
+    np.testing.assert_array_equal(jsa.ops.simulate_fp4(attention)(q, q, key=KEY), attention(q, q))
     odd = _rng(4).standard_normal((16, 24)).astype(np.float32)
     w = _rng(5).standard_normal((24, 16)).astype(np.float32)
-    f = U.simulate_fp4(lambda a, b: a @ b, high_precision=None)
+    f = jsa.ops.simulate_fp4(lambda a, b: a @ b, high_precision=None)
     np.testing.assert_allclose(f(odd, w, key=KEY), odd @ w, rtol=1e-5, atol=1e-5)
 
 
@@ -145,14 +144,14 @@ def test_tied_embedding_readout_uses_the_transposed_weight():
     def readout(h, e):
         return h @ e.T  # dot_general contracting e's second axis
 
-    got = U.simulate_fp4(readout, high_precision=None)(X, emb, key=KEY)
+    got = jsa.ops.simulate_fp4(readout, high_precision=None)(X, emb, key=KEY)
     expected = jsa.ops.nvfp4_matmul(X, emb.T, jax.random.fold_in(KEY, 0))
     np.testing.assert_array_equal(got, expected)
 
 
 def test_jit_inside_and_keys_matter():
     """One layer (the claim does not depend on depth)."""
-    simulated = U.simulate_fp4(jax.jit(loss), high_precision=None)
+    simulated = jsa.ops.simulate_fp4(jax.jit(loss), high_precision=None)
     grad = jax.jit(jax.grad(lambda p, k: simulated(X, p, key=k)))  # the jit of loss inside
     a = grad(PARAMS[:1], jax.random.key(1))
     b = grad(PARAMS[:1], jax.random.key(2))
@@ -161,19 +160,19 @@ def test_jit_inside_and_keys_matter():
 
 def test_bad_uses_are_refused():
     with pytest.raises(TypeError, match="simulate_fp4 expects a callable"):
-        U.simulate_fp4(3)
+        jsa.ops.simulate_fp4(3)
     with pytest.raises(ValueError, match="recipe must be one of"):
-        U.simulate_fp4(loss, recipe="mxfp8")
+        jsa.ops.simulate_fp4(loss, recipe="mxfp8")
     with pytest.raises(ValueError, match="scale_rounding must be 'up' or 'floor'"):
-        U.simulate_fp4(loss, recipe="mxfp4", scale_rounding="down")
+        jsa.ops.simulate_fp4(loss, recipe="mxfp4", scale_rounding="down")
     with pytest.raises(ValueError, match="high_precision must be 'first_and_last', None"):
-        U.simulate_fp4(loss, high_precision="first")
+        jsa.ops.simulate_fp4(loss, high_precision="first")
     with pytest.raises(ValueError, match="weight_blocks must be '2d' or '1d'"):
-        U.simulate_fp4(loss, weight_blocks="3d")
+        jsa.ops.simulate_fp4(loss, weight_blocks="3d")
     with pytest.raises(ValueError, match="need a PRNG key"):
-        U.simulate_fp4(loss, high_precision=None)(X, PARAMS)
+        jsa.ops.simulate_fp4(loss, high_precision=None)(X, PARAMS)
     with pytest.raises(ValueError, match=r"jax.grad\(simulate_fp4\(f\)\)"):
-        U.simulate_fp4(jax.grad(loss, argnums=1))(X, PARAMS, key=KEY)
+        jsa.ops.simulate_fp4(jax.grad(loss, argnums=1))(X, PARAMS, key=KEY)
 
 
 @pytest.mark.parametrize(
@@ -203,7 +202,7 @@ def test_composes_with_autoscale(recipe):
     def values(a):
         return jsa.asarray(a, jnp.float32)
 
-    simulated = U.simulate_fp4(two_layers, recipe=recipe, high_precision=None)
+    simulated = jsa.ops.simulate_fp4(two_layers, recipe=recipe, high_precision=None)
     value_and_grad = jax.value_and_grad(lambda x, ws, k: simulated(x, ws, key=k), argnums=1)
     scaled_step = jax.jit(jsa.autoscale(value_and_grad))
     sws = [jsa.scaled_array(jnp.asarray(w, jnp.float16), 2.0**-3) for w in params]
@@ -239,7 +238,7 @@ def test_scan_iterations_draw_new_bits():
         _, ys = jax.lax.scan(lambda c, x: (c, x @ w), 0.0, xs)
         return jnp.sum(ys * g)
 
-    simulated = U.simulate_fp4(scanned, high_precision=None, hadamard=False)
+    simulated = jsa.ops.simulate_fp4(scanned, high_precision=None, hadamard=False)
     dxs = jax.jit(jax.grad(lambda xs, k: simulated(xs, w, key=k)))(xs, KEY)
     assert not np.array_equal(dxs[0], dxs[1])
 

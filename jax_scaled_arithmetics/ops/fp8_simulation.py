@@ -9,11 +9,11 @@ from typing import Any
 import jax.numpy as jnp
 
 from ..core import _compat
+from ..core.rewrite import MATMULS, contains_matmul, rewrite_call
 from ..core.walker import Frame, JaxprWalker, declare_rewrap, own_rewrap
-from ..ops.casts import reduce_precision_on_backward, reduce_precision_on_forward
-from ..ops.dynamic_rescaling import dynamic_rescale_max, dynamic_rescale_max_grad
 from ..quantization import get_format
-from ._rewrite import MATMULS, contains_matmul, rewrite_call
+from .casts import reduce_precision_on_backward, reduce_precision_on_forward
+from .dynamic_rescaling import dynamic_rescale_max, dynamic_rescale_max_grad
 
 __all__ = ["simulate_fp8"]
 
@@ -189,8 +189,8 @@ def simulate_fp8(
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> import jax_scaled_arithmetics.unit_scaling as U
-        >>> f = U.simulate_fp8(lambda x, w: x @ w)
+        >>> import jax_scaled_arithmetics as jsa
+        >>> f = jsa.ops.simulate_fp8(lambda x, w: x @ w)
         >>> f(jnp.array([[1.1, 3.3]]), jnp.ones((2, 1)))  # 1.1 -> 1.125, 3.3 -> 3.25 in E4M3
         Array([[4.375]], dtype=float32)
     """

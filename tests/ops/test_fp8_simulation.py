@@ -1,4 +1,4 @@
-"""`U.simulate_fp8`: matmul operands in E4M3 forward, their output gradients in E5M2 backward."""
+"""`jsa.ops.simulate_fp8`: matmul operands in E4M3 forward, output gradients in E5M2 backward."""
 
 import functools
 
@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
-import jax_scaled_arithmetics.unit_scaling as U
 from jax_scaled_arithmetics.quantization import float_quantize
 from tests.helpers import eager_and_jit
 
@@ -61,7 +60,7 @@ def _close(a, b, tol=1e-6):
 )
 def test_matmul_operands_and_output_gradient_are_rounded(operands, jit, dtype):
     x, w, g = (v.astype(dtype) for v in operands)
-    f = U.simulate_fp8(lambda a, b: a @ b)
+    f = jsa.ops.simulate_fp8(lambda a, b: a @ b)
     f = jax.jit(f) if jit else f
     out, vjp = jax.vjp(f, x, w)
     assert out.dtype == dtype
@@ -76,16 +75,16 @@ def test_matmul_operands_and_output_gradient_are_rounded(operands, jit, dtype):
 def test_saturation(operands):
     x, w, _ = operands
     big = x.at[0, 0].set(1000.0)
-    out = U.simulate_fp8(lambda a, b: a @ b)(big, w)
+    out = jsa.ops.simulate_fp8(lambda a, b: a @ b)(big, w)
     _close(out, q4(big) @ q4(w))
     assert float(q4(big)[0, 0]) == 448.0
-    unsaturated = U.simulate_fp8(lambda a, b: a @ b, saturate=False)(big, w)
+    unsaturated = jsa.ops.simulate_fp8(lambda a, b: a @ b, saturate=False)(big, w)
     assert not bool(jnp.all(jnp.isfinite(unsaturated[0])))
 
 
 def test_other_formats(operands):
     x, w, _ = operands
-    f = U.simulate_fp8(lambda a, b: a @ b, forward_format="float8_e5m2")
+    f = jsa.ops.simulate_fp8(lambda a, b: a @ b, forward_format="float8_e5m2")
     _close(f(x, w), q5(x) @ q5(w))
 
 
@@ -97,7 +96,7 @@ def test_convolution_operands_are_rounded():
             a, b, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
         )
 
-    _close(U.simulate_fp8(conv)(x, k), conv(q4(x), q4(k)), 1e-5)
+    _close(jsa.ops.simulate_fp8(conv)(x, k), conv(q4(x), q4(k)), 1e-5)
 
 
 def test_control_flow_and_vmap(operands):
@@ -110,12 +109,12 @@ def test_control_flow_and_vmap(operands):
     expected = x
     for _ in range(3):
         expected = jnp.tanh(q4(expected) @ q4(w2))
-    _close(U.simulate_fp8(scanned)(x), expected, 1e-6)
+    _close(jsa.ops.simulate_fp8(scanned)(x), expected, 1e-6)
 
     xs = jnp.stack([x, 2.0 * x])
     f = lambda a, b: a @ b  # noqa: E731
-    outer = jax.vmap(U.simulate_fp8(f), in_axes=(0, None))(xs, w)
-    inner = U.simulate_fp8(jax.vmap(f, in_axes=(0, None)))(xs, w)
+    outer = jax.vmap(jsa.ops.simulate_fp8(f), in_axes=(0, None))(xs, w)
+    inner = jsa.ops.simulate_fp8(jax.vmap(f, in_axes=(0, None)))(xs, w)
     _close(outer, inner)
     _close(outer[1], q4(2.0 * x) @ q4(w))
 
@@ -135,7 +134,7 @@ def test_custom_vjp_function_with_a_matmul_is_cast_at_its_boundary(operands):
         return 2.0 * (ct @ b.T), 2.0 * (a.T @ ct)
 
     product.defvjp(fwd, bwd)
-    out, vjp = jax.vjp(U.simulate_fp8(product), x, w)
+    out, vjp = jax.vjp(jsa.ops.simulate_fp8(product), x, w)
     expected, (gx, gw) = reference(x, w, g)
     _close(out, expected)
     _close(vjp(g), (2.0 * gx, 2.0 * gw))
@@ -143,7 +142,7 @@ def test_custom_vjp_function_with_a_matmul_is_cast_at_its_boundary(operands):
 
 def test_integer_matmuls_are_left_alone():
     a = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
-    out = U.simulate_fp8(lambda u, v: u @ v)(a, a.T)
+    out = jsa.ops.simulate_fp8(lambda u, v: u @ v)(a, a.T)
     np.testing.assert_array_equal(out, a @ a.T)
 
 
@@ -153,8 +152,8 @@ def test_nests_with_autoscale_both_orders(operands, dtype):
     sx = jsa.scaled_array(x.astype(dtype), 2.0**-30)
     sw = jsa.as_scaled_array(w.astype(dtype))
     f = lambda a, b: a @ b  # noqa: E731
-    first = jsa.autoscale(U.simulate_fp8(f))(sx, sw)
-    second = U.simulate_fp8(jsa.autoscale(f))(sx, sw)
+    first = jsa.autoscale(jsa.ops.simulate_fp8(f))(sx, sw)
+    second = jsa.ops.simulate_fp8(jsa.autoscale(f))(sx, sw)
     assert isinstance(first, jsa.ScaledArray) and isinstance(second, jsa.ScaledArray)
     _close(first.to_array(jnp.float32), second.to_array(jnp.float32), 0.0)
     expected = (
@@ -169,28 +168,28 @@ def test_rescale_brings_small_data_into_the_format_range(operands):
     sx = jsa.scaled_array(x * tiny, 1.0 / tiny)
     sw = jsa.as_scaled_array(w)
     f = lambda a, b: a @ b  # noqa: E731
-    flushed = jsa.autoscale(U.simulate_fp8(f))(sx, sw).to_array()
+    flushed = jsa.autoscale(jsa.ops.simulate_fp8(f))(sx, sw).to_array()
     assert float(jnp.abs(flushed).max()) == 0.0
-    rescaled = jsa.autoscale(U.simulate_fp8(f, rescale=True))(sx, sw).to_array()
+    rescaled = jsa.autoscale(jsa.ops.simulate_fp8(f, rescale=True))(sx, sw).to_array()
     _close(rescaled, q4(x) @ q4(w), 1e-5)
     # On plain arrays, rescaling does nothing.
-    _close(U.simulate_fp8(f, rescale=True)(x, w), q4(x) @ q4(w))
+    _close(jsa.ops.simulate_fp8(f, rescale=True)(x, w), q4(x) @ q4(w))
 
 
 def test_gradient_program_under_jit_and_grad(operands):
     x, w, g = operands
 
     def loss(b):
-        return jnp.sum(U.simulate_fp8(lambda a, c: a @ c)(x, b) * g)
+        return jnp.sum(jsa.ops.simulate_fp8(lambda a, c: a @ c)(x, b) * g)
 
     _close(jax.jit(jax.grad(loss))(w), reference(x, w, g)[1][1])
 
 
 def test_bad_input():
     with pytest.raises(TypeError, match="expects a callable"):
-        U.simulate_fp8("x @ w")
+        jsa.ops.simulate_fp8("x @ w")
     with pytest.raises(ValueError, match="float8_e9m9"):
-        U.simulate_fp8(lambda a: a, forward_format="float8_e9m9")
+        jsa.ops.simulate_fp8(lambda a: a, forward_format="float8_e9m9")
 
 
 # --- scale_layout: one power of two per row / channel / MX block --------------------------
@@ -238,7 +237,7 @@ def spread(shape, axis, period, key):
 
 
 def matmul_and_gradients(layout):
-    f = U.simulate_fp8(lambda a, b: a @ b, rescale=True, scale_layout=layout)
+    f = jsa.ops.simulate_fp8(lambda a, b: a @ b, rescale=True, scale_layout=layout)
 
     def step(x, w, g):
         out, vjp = jax.vjp(f, x, w)
@@ -277,7 +276,7 @@ def test_scale_layouts_round_each_block_at_its_own_scale(layout, pattern):
 
 def test_scale_layout_operand_scale_shapes():
     """The scale shapes asked for a dot_general's operands and its output gradient."""
-    from jax_scaled_arithmetics.unit_scaling import _fp8
+    from jax_scaled_arithmetics.ops import fp8_simulation as _fp8
 
     assert _fp8._operand_scale_shape((2, 3, 64), (2,), "tensor") is None
     assert _fp8._operand_scale_shape((2, 3, 64), (2,), "axis") == (2, 3, 1)
@@ -298,7 +297,7 @@ def test_scale_layout_in_an_einsum_and_under_vmap(layout):
     x = jnp.asarray(spread((3, M, K), 1, 1, 0), jnp.float32)
     w = jnp.asarray(spread((3, K, N), 2, 1, 1), jnp.float32)
     sx, sw = jsa.as_scaled_array(x), jsa.as_scaled_array(w)
-    fp8 = functools.partial(U.simulate_fp8, rescale=True, scale_layout=layout)
+    fp8 = functools.partial(jsa.ops.simulate_fp8, rescale=True, scale_layout=layout)
     batched = jax.jit(jsa.autoscale(fp8(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))))(sx, sw)
     mapped = jax.jit(jsa.autoscale(jax.vmap(fp8(lambda a, b: a @ b))))(sx, sw)
     bx, bw, _ = layout_blocks(layout)
@@ -317,8 +316,8 @@ def test_scale_layout_keeps_convolutions_per_tensor():
         )
 
     sx, sk = jsa.as_scaled_array(x), jsa.as_scaled_array(k)
-    per_tensor = jsa.autoscale(U.simulate_fp8(conv, rescale=True))(sx, sk)
-    axis = jsa.autoscale(U.simulate_fp8(conv, rescale=True, scale_layout="axis"))(sx, sk)
+    per_tensor = jsa.autoscale(jsa.ops.simulate_fp8(conv, rescale=True))(sx, sk)
+    axis = jsa.autoscale(jsa.ops.simulate_fp8(conv, rescale=True, scale_layout="axis"))(sx, sk)
     _close(axis.to_array(), per_tensor.to_array(), 0.0)
 
 
@@ -326,11 +325,11 @@ def test_scale_layout_without_autoscale_and_bad_layouts(operands):
     x, w, _ = operands
     f = lambda a, b: a @ b  # noqa: E731
     # On plain arrays rescaling does nothing, whatever the layout.
-    _close(U.simulate_fp8(f, rescale=True, scale_layout=B)(x, w), q4(x) @ q4(w))
+    _close(jsa.ops.simulate_fp8(f, rescale=True, scale_layout=B)(x, w), q4(x) @ q4(w))
     with pytest.raises(ValueError, match="needs rescale=True"):
-        U.simulate_fp8(f, scale_layout="axis")
+        jsa.ops.simulate_fp8(f, scale_layout="axis")
     with pytest.raises(ValueError, match="needs rescale=True"):
-        U.simulate_fp8(f, rescale=False, scale_layout=32)
+        jsa.ops.simulate_fp8(f, rescale=False, scale_layout=32)
     for bad in ("row", 0, 2.5, True):
         with pytest.raises(ValueError, match="scale_layout"):
-            U.simulate_fp8(f, rescale=True, scale_layout=bad)
+            jsa.ops.simulate_fp8(f, rescale=True, scale_layout=bad)
