@@ -7,7 +7,7 @@ float8_e4m3fn, ...) and `scale`, so a restore gives back the same bits.
   ScaledArray and `quantization.MXArray` are registered with `flax.serialization` when Flax
   is installed, as soon as both `jax_scaled_arithmetics` and `flax.serialization` are
   imported, in either order (`import jax_scaled_arithmetics` does not import Flax). Their
-  state dicts are `{"data": data, "scale": scale}` and `{"data": data, "scales": scales}`;
+  state dicts are `{"data": data, "scale": scale}` (both types);
   restoring into one whose arrays have another dtype or shape raises a ValueError naming
   the path.
 - Orbax (`orbax-checkpoint`): ScaledArray is a pytree, so Orbax saves and restores it
@@ -152,7 +152,7 @@ def scaled_array_from_state_dict(target: ScaledArray, state: Any) -> ScaledArray
 
 
 def mx_array_to_state_dict(x: MXArray) -> dict[str, Any]:
-    """Flax state dict of an MXArray: `{"data": x.data, "scales": x.scales}`.
+    """Flax state dict of an MXArray: `{"data": x.data, "scale": x.scale}`.
 
     Its format, block size, axis and length are not stored: a restore takes them from the
     target.
@@ -161,15 +161,15 @@ def mx_array_to_state_dict(x: MXArray) -> dict[str, Any]:
         >>> import jax.numpy as jnp, jax_scaled_arithmetics as jsa
         >>> mx = jsa.quantization.block_quantize(jnp.ones(4), "float8_e4m3fn", block_size=2)
         >>> sorted(jsa.checkpoint.mx_array_to_state_dict(mx))
-        ['data', 'scales']
+        ['data', 'scale']
     """
-    return {"data": x.data, "scales": x.scales}
+    return {"data": x.data, "scale": x.scale}
 
 
 def mx_array_from_state_dict(target: MXArray, state: Any) -> MXArray:
     """Rebuild an MXArray from its Flax state dict, checked against `target`.
 
-    The restored `data` and `scales` must have the dtypes and shapes of `target`'s; their
+    The restored `data` and `scale` must have the dtypes and shapes of `target`'s; their
     bits are used as stored, and `target`'s format, block size, axis and length are kept.
 
     Raises:
@@ -184,8 +184,8 @@ def mx_array_from_state_dict(target: MXArray, state: Any) -> MXArray:
         >>> jsa.checkpoint.mx_array_from_state_dict(zero, state).dequantize()
         Array([0., 1., 2., 3.], dtype=float32)
     """
-    state = _checked_state(target, state, ("data", "scales"))
-    return dataclasses.replace(target, data=state["data"], scales=state["scales"])
+    state = _checked_state(target, state, ("data", "scale"))
+    return dataclasses.replace(target, data=state["data"], scale=state["scale"])
 
 
 def _flax_path() -> str:

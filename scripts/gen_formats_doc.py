@@ -290,7 +290,7 @@ MX formats take 2D blocks too: `block_quantize(w, "mxfp4_e2m1", block_size=(32, 
 an `MXArray` with one E8M0 scale per 32x32 tile (`scales` of shape `(M // 32, N // 32)`, the
 same for `w.T` transposed), as the MXFP4 recipe quantises weights. The
 view `NVFP4Array.to_scaled_array()` is a block-scaled ScaledArray of the E2M1 elements with
-scale `block_scales * tensor_scale` (`(M, K // 16)`, or `(M // 16, K // 16)` for 2D blocks),
+scale `scale * tensor_scale` (`(M, K // 16)`, or `(M // 16, K // 16)` for 2D blocks),
 so `jsa.autoscale` computes on it: a matmul of two views is the matmul of their dequantized
 values.
 

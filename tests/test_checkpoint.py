@@ -445,7 +445,7 @@ def test_flax_round_trip_of_mx_arrays():
         "e2m3": block_quantize(x, "float6_e2m3fn", block_size=32),  # float32-held elements
     }
     state_dict = fs.to_state_dict(tree)
-    assert set(state_dict["e2m1"]) == {"data", "scales"}
+    assert set(state_dict["e2m1"]) == {"data", "scale"}
     zeros = jax.tree_util.tree_map(jnp.zeros_like, tree)
     restored = fs.from_bytes(zeros, fs.to_bytes(tree))
     for name, mx in tree.items():
@@ -453,7 +453,7 @@ def test_flax_round_trip_of_mx_arrays():
         assert isinstance(got, type(mx))
         meta = ("format", "block_size", "axis", "length")
         assert [getattr(got, f) for f in meta] == [getattr(mx, f) for f in meta]
-        assert_same_bits([got.data, got.scales], [mx.data, mx.scales])
+        assert_same_bits([got.data, got.scale], [mx.data, mx.scale])
     other_dtype = dict(tree, e2m1=block_quantize(x, "float8_e5m2", block_size=32))
     with pytest.raises(
         ValueError,
@@ -464,7 +464,7 @@ def test_flax_round_trip_of_mx_arrays():
     ):
         fs.from_bytes(other_dtype, fs.to_bytes(tree))
     other_blocks = dict(tree, e2m1=block_quantize(x, "float4_e2m1fn", block_size=16))
-    with pytest.raises(ValueError, match=r"at e2m1: its stored scales is float8_e8m0fnu\[2, 2\]"):
+    with pytest.raises(ValueError, match=r"at e2m1: its stored scale is float8_e8m0fnu\[2, 2\]"):
         fs.from_bytes(other_blocks, fs.to_bytes(tree))
     with pytest.raises(ValueError, match=r"MXArray at e2m1: expected a state dict with keys"):
         fs.from_state_dict(tree, dict(state_dict, e2m1={"data": x}))
@@ -482,7 +482,7 @@ tree = {{
 }}
 back = flax.serialization.from_bytes(tree, flax.serialization.to_bytes(tree))
 for a, b in [(back["s"].data, tree["s"].data), (back["s"].scale, tree["s"].scale),
-             (back["m"].data, tree["m"].data), (back["m"].scales, tree["m"].scales)]:
+             (back["m"].data, tree["m"].data), (back["m"].scale, tree["m"].scale)]:
     assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
 assert not [f for f in sys.meta_path if type(f).__name__ == "_FlaxSerializationFinder"]
 print("ok")

@@ -20,3 +20,23 @@ def test_simulate_transforms_moved_to_ops(name):
 def test_a_missing_name_is_still_an_attribute_error():
     with pytest.raises(AttributeError, match="has no attribute 'simulate_fp16'"):
         U.simulate_fp16  # noqa: B018
+
+
+def test_block_scaled_arrays_name_their_scale_scale():
+    """MXArray and NVFP4Array use ScaledArray's vocabulary: `data` and `scale` (NVFP4's
+    second level is `tensor_scale`); the old field names warn and read the same array."""
+    import jax.numpy as jnp
+
+    x = jnp.linspace(-1.0, 1.0, 32)
+    mx = jsa.quantization.block_quantize(x, "mxfp8", block_size=16)
+    nv = jsa.quantization.block_quantize(x, "nvfp4")
+    assert mx.scale.shape == (2,) and nv.scale.shape == (2,)
+    with pytest.warns(
+        DeprecationWarning, match=r"MXArray.scales .* use jsa.quantization.MXArray.scale"
+    ):
+        assert mx.scales is mx.scale
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"NVFP4Array.block_scales .* use jsa.quantization.NVFP4Array.scale",
+    ):
+        assert nv.block_scales is nv.scale

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from .. import _deprecation
 from . import nvfp4
 from ._mx_common import block_dequantize_impl
 from ._tiles import tiles, untiles
@@ -22,18 +23,18 @@ if TYPE_CHECKING:
 class MXArray:
     """A block scaled array: ``value = data * scale`` per block along one axis.
 
-    A JAX pytree (``data`` and ``scales`` are leaves, the rest is static metadata), so it
+    A JAX pytree (``data`` and ``scale`` are leaves, the rest is static metadata), so it
     can cross ``jax.jit`` boundaries and be mapped over with ``jax.tree_util``.
 
     Attributes:
         data: Elements, shape of the (zero-padded) input. Its dtype is the element
             format's dtype when JAX supports it (float8, float4), else float32 holding
             values of the element format exactly (float6 and custom formats).
-        scales: ``float8_e8m0fnu`` block scales, shape of the input with ``axis``
+        scale: ``float8_e8m0fnu`` block scales, shape of the input with ``axis``
             of length ``ceil(length / block_size)``. NaN marks a block that held NaN/inf.
         format: Element format.
         block_size: Number of elements sharing a scale along `axis`, or ``(r, c)``: 2D
-            blocks of r x c over the last two axes (`axis` -1; ``scales`` then has the
+            blocks of r x c over the last two axes (`axis` -1; ``scale`` then has the
             shape of the data with those axes divided by r and c).
         axis: The blocked axis, as a negative index (it stays valid when batch
             dimensions are prepended, e.g. by ``jax.vmap``).
@@ -43,18 +44,26 @@ class MXArray:
         >>> import jax.numpy as jnp
         >>> from jax_scaled_arithmetics.quantization import block_quantize
         >>> mx = block_quantize(jnp.arange(8.0), "float4_e2m1fn", block_size=4)
-        >>> mx.data.dtype, mx.scales.dtype, mx.shape
+        >>> mx.data.dtype, mx.scale.dtype, mx.shape
         (dtype(float4_e2m1fn), dtype(float8_e8m0fnu), (8,))
         >>> mx.dequantize()  # 7 / 1 saturates to the float4_e2m1fn max, 6
         Array([0., 1., 2., 3., 4., 4., 6., 6.], dtype=float32)
     """
 
     data: jax.Array
-    scales: jax.Array
+    scale: jax.Array
     format: FloatFormat
     block_size: int | tuple[int, int]
     axis: int
     length: int
+
+    @property
+    def scales(self) -> jax.Array:
+        """Deprecated: :attr:`scale` (the name every scaled array type uses)."""
+        _deprecation.warn_renamed(
+            "jsa.quantization.MXArray.scales", "jsa.quantization.MXArray.scale"
+        )
+        return self.scale
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -71,7 +80,7 @@ class MXArray:
         """The same values as a block-scaled :class:`~jax_scaled_arithmetics.ScaledArray`.
 
         A view, nothing is re-quantised: the data are the elements (``data``, in their
-        dtype), the scale is the float32 power of two of each block (``scales`` decoded
+        dtype), the scale is the float32 power of two of each block (``scale`` decoded
         from E8M0), of the data's rank with ``shape[axis] // block_size`` blocks along
         ``axis``: ``(M, K // 32)`` for blocks of 32 along the last axis of ``(M, K)``. So
         ``jsa.autoscale`` computes on it with its block rules, and
@@ -105,11 +114,11 @@ class MXArray:
                 f"along axis {self.axis} (block size {self.block_size}) has no ScaledArray "
                 "view: a block scale needs whole blocks (quantize without pad=True)"
             )
-        return ScaledArray(self.data, from_e8m0(self.scales))
+        return ScaledArray(self.data, from_e8m0(self.scale))
 
 
 jax.tree_util.register_dataclass(
-    MXArray, data_fields=["data", "scales"], meta_fields=["format", "block_size", "axis", "length"]
+    MXArray, data_fields=["data", "scale"], meta_fields=["format", "block_size", "axis", "length"]
 )
 
 
@@ -139,6 +148,6 @@ def block_dequantize(mx: MXArray | NVFP4Array) -> jax.Array:
     if isinstance(mx.block_size, tuple):  # 2D blocks over the last two axes
         r, c = mx.block_size
         rows = tiles(mx.data, (r, c))
-        values = block_dequantize_impl(rows, mx.scales[..., None], r * c, -1, r * c)
+        values = block_dequantize_impl(rows, mx.scale[..., None], r * c, -1, r * c)
         return untiles(values, (r, c))
-    return block_dequantize_impl(mx.data, mx.scales, mx.block_size, mx.axis, mx.length)
+    return block_dequantize_impl(mx.data, mx.scale, mx.block_size, mx.axis, mx.length)

@@ -90,7 +90,7 @@ def block_quantize(
         >>> x = jnp.array([1.0, -2.0, 3.0, 100.0])
         >>> from jax_scaled_arithmetics.quantization import from_e8m0
         >>> mx = block_quantize(x, "float8_e4m3fn", block_size=2)
-        >>> from_e8m0(mx.scales)  # 2**(floor(log2(amax)) - 8)
+        >>> from_e8m0(mx.scale)  # 2**(floor(log2(amax)) - 8)
         Array([0.0078125, 0.25     ], dtype=float32)
         >>> block_dequantize(mx)  # 100 / 0.25 = 400 rounds to 384 in float8_e4m3fn
         Array([ 1., -2.,  3., 96.], dtype=float32)
@@ -112,7 +112,7 @@ def block_quantize(
             float32_data=False,
         )  # fmt: skip
         data = untiles(mx.data, (r, c))
-        return MXArray(data, mx.scales[..., 0], mx.format, (r, c), -1, x.shape[-1])
+        return MXArray(data, mx.scale[..., 0], mx.format, (r, c), -1, x.shape[-1])
     return _block_quantize(
         x, format, _mx_block_size(block_size), axis, rounding, key, pad, scale_rounding,
         float32_data=False,
@@ -356,7 +356,7 @@ def mx_from_scaled_array(
         >>> import jax_scaled_arithmetics as jsa
         >>> x = jsa.scaled_array(jnp.array([[1.0, 1.5, 1.0, -1.25]]), 2.0**100)
         >>> mx = mx_from_scaled_array(x, "mxfp8_e4m3", block_size=2)
-        >>> mx.scales.view(jnp.uint8)  # E8M0 codes: 2**(100 - 8) per block
+        >>> mx.scale.view(jnp.uint8)  # E8M0 codes: 2**(100 - 8) per block
         Array([[219, 219]], dtype=uint8)
         >>> mx.data
         Array([[256, 384, 256, -320]], dtype=float8_e4m3fn)

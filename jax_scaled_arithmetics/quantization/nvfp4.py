@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 
+from .. import _deprecation
 from . import _bits
 from ._bits import Rounding
 from ._tiles import tiles, untiles
@@ -48,13 +49,13 @@ _E2M1 = jnp.dtype(ml_dtypes.float4_e2m1fn)
 
 @dataclasses.dataclass(frozen=True)
 class NVFP4Array:
-    """An NVFP4-quantised array: ``value = data * (block_scales * tensor_scale)`` per block.
+    """An NVFP4-quantised array: ``value = data * (scale * tensor_scale)`` per block.
 
-    A JAX pytree (`data`, `block_scales` and `tensor_scale` are leaves).
+    A JAX pytree (`data`, `scale` and `tensor_scale` are leaves).
 
     Attributes:
         data: ``float4_e2m1fn`` elements, the input's shape.
-        block_scales: ``float8_e4m3fn`` scales, the input's shape with `axis` of length
+        scale: ``float8_e4m3fn`` block scales, the input's shape with `axis` of length
             ``length // block_size`` (2D blocks: the last two axes divided by the block
             shape); NaN marks a block that held NaN or infinity.
         tensor_scale: float32 scalar.
@@ -65,15 +66,23 @@ class NVFP4Array:
     Examples:
         >>> import jax.numpy as jnp
         >>> q = nvfp4_quantize(jnp.linspace(-1.0, 1.0, 16))
-        >>> q.data.dtype, q.block_scales.dtype, q.block_scales.shape
+        >>> q.data.dtype, q.scale.dtype, q.scale.shape
         (dtype(float4_e2m1fn), dtype(float8_e4m3fn), (1,))
     """
 
     data: jax.Array
-    block_scales: jax.Array
+    scale: jax.Array
     tensor_scale: jax.Array
     block_shape: tuple[int, int]
     axis: int
+
+    @property
+    def block_scales(self) -> jax.Array:
+        """Deprecated: :attr:`scale` (the name every scaled array type uses)."""
+        _deprecation.warn_renamed(
+            "jsa.quantization.NVFP4Array.block_scales", "jsa.quantization.NVFP4Array.scale"
+        )
+        return self.scale
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -92,7 +101,7 @@ class NVFP4Array:
         """The same values as a block-scaled :class:`~jax_scaled_arithmetics.ScaledArray`.
 
         A view, nothing is re-quantised: the data are the E2M1 elements, the scale is
-        ``block_scales * tensor_scale`` in float32 (the two levels folded into one block
+        ``scale * tensor_scale`` in float32 (the two levels folded into one block
         scale, not a power of two), of the data's rank: ``(M, K // 16)`` for blocks of 16
         along the last axis of ``(M, K)``, ``(M // 16, K // 16)`` for 16x16 blocks. So
         ``jsa.autoscale`` computes on it with its block rules. A block that held NaN/inf
@@ -111,12 +120,12 @@ class NVFP4Array:
         """
         from ..core.datatype import ScaledArray
 
-        return ScaledArray(self.data, self.block_scales.astype(jnp.float32) * self.tensor_scale)
+        return ScaledArray(self.data, self.scale.astype(jnp.float32) * self.tensor_scale)
 
 
 jax.tree_util.register_dataclass(
     NVFP4Array,
-    data_fields=["data", "block_scales", "tensor_scale"],
+    data_fields=["data", "scale", "tensor_scale"],
     meta_fields=["block_shape", "axis"],
 )
 
@@ -281,7 +290,7 @@ def nvfp4_dequantize(q: NVFP4Array) -> jax.Array:
         Array([1.1666667, 7.0000005, 0.       , 0.       ], dtype=float32)
     """
     axis = q.axis % q.data.ndim
-    return _dequantize(q.data, q.block_scales, q.tensor_scale, axis, q.block_shape)
+    return _dequantize(q.data, q.scale, q.tensor_scale, axis, q.block_shape)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "shape"))

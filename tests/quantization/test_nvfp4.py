@@ -69,12 +69,12 @@ def test_matches_reference_bit_for_bit(seed):
     q = nvfp4_quantize(jnp.asarray(x))
     elements, scales, t, deq = ref_nvfp4(x)
     assert (
-        q.data.dtype == ml_dtypes.float4_e2m1fn and q.block_scales.dtype == ml_dtypes.float8_e4m3fn
+        q.data.dtype == ml_dtypes.float4_e2m1fn and q.scale.dtype == ml_dtypes.float8_e4m3fn
     )
-    assert q.block_scales.shape == (4096, 2) and q.tensor_scale.dtype == F32
+    assert q.scale.shape == (4096, 2) and q.tensor_scale.dtype == F32
     assert _bits(q.tensor_scale) == _bits(t)
     np.testing.assert_array_equal(_bits(q.data.astype(jnp.float32)), _bits(elements))
-    np.testing.assert_array_equal(_bits(q.block_scales.astype(jnp.float32)), _bits(scales))
+    np.testing.assert_array_equal(_bits(q.scale.astype(jnp.float32)), _bits(scales))
     np.testing.assert_array_equal(_bits(nvfp4_dequantize(q)), _bits(deq))
     np.testing.assert_array_equal(_bits(nvfp4_fake_quantize(jnp.asarray(x))), _bits(deq))
 
@@ -102,7 +102,7 @@ def test_special_tensors_and_blocks():
 def test_axis_and_jit():
     x = inputs(3)[:64].reshape(4, 16, 32)
     along = nvfp4_quantize(jnp.asarray(x), axis=1)
-    assert along.axis == -2 and along.block_scales.shape == (4, 1, 32)
+    assert along.axis == -2 and along.scale.shape == (4, 1, 32)
     moved = np.moveaxis(x, 1, -1)
     np.testing.assert_array_equal(
         _bits(np.moveaxis(np.asarray(along.dequantize()), 1, -1)), _bits(ref_nvfp4(moved)[3])
@@ -155,12 +155,12 @@ def _tiled(x: np.ndarray, r: int, c: int) -> np.ndarray:
 def test_2d_blocks_match_reference_and_commute_with_transposition():
     w = inputs(4)[:64].reshape(64, 32)  # 4 x 2 tiles of 16 x 16
     q = nvfp4_quantize(jnp.asarray(w), block_size=(16, 16))
-    assert q.block_shape == (16, 16) and q.block_size == 256 and q.block_scales.shape == (4, 2)
+    assert q.block_shape == (16, 16) and q.block_size == 256 and q.scale.shape == (4, 2)
     # The reference on each 16 x 16 tile flattened into one block of 256.
     elements, scales, t, deq = ref_nvfp4(_tiled(w, 16, 16).reshape(8, 256), 256)
     assert _bits(q.tensor_scale) == _bits(t)
     np.testing.assert_array_equal(
-        _bits(q.block_scales.astype(jnp.float32)).ravel(), _bits(scales).ravel()
+        _bits(q.scale.astype(jnp.float32)).ravel(), _bits(scales).ravel()
     )
     np.testing.assert_array_equal(
         _bits(_tiled(np.asarray(q.dequantize()), 16, 16).reshape(8, 256)), _bits(deq)
@@ -172,7 +172,7 @@ def test_2d_blocks_match_reference_and_commute_with_transposition():
     assert not np.array_equal(one_d.T, np.asarray(nvfp4_fake_quantize(jnp.asarray(w.T))))
     # Batch dimensions in front (stacked layers).
     stacked = nvfp4_quantize(jnp.asarray(np.stack([w, 2 * w])), block_size=(16, 16))
-    assert stacked.block_scales.shape == (2, 4, 2)
+    assert stacked.scale.shape == (2, 4, 2)
     np.testing.assert_array_equal(_bits(stacked.dequantize()[0]), _bits(q.dequantize()))
 
 

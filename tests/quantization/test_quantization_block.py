@@ -81,8 +81,8 @@ def test_matches_reference(name):
     mx = block_quantize(jax.device_put(x), name, block_size=32)
     elements, codes, deq = ref_block(x, name, 32)
     assert mx.data.dtype == (fmt.dtype if name.startswith("float8") else mx.data.dtype)
-    assert mx.scales.dtype == E8M0 and mx.scales.shape == (x.shape[0], 1)
-    np.testing.assert_array_equal(e8m0_codes(mx.scales), codes)
+    assert mx.scale.dtype == E8M0 and mx.scale.shape == (x.shape[0], 1)
+    np.testing.assert_array_equal(e8m0_codes(mx.scale), codes)
     assert_same_bits(np.asarray(mx.data.astype(jnp.float32)), elements, x, "elements")
     assert_same_bits(np.asarray(block_dequantize(mx)), deq, x, "dequantized")
 
@@ -99,12 +99,12 @@ def test_scale_rounding_up_matches_reference(name):
     x[11, 0] = float(fmt.max) * 1.0000001  # just above the max at the OCP scale
     mx = block_quantize(jax.device_put(x), name, block_size=32, scale_rounding="up")
     elements, codes, deq = ref_block(x, name, 32, "up")
-    np.testing.assert_array_equal(e8m0_codes(mx.scales), codes)
+    np.testing.assert_array_equal(e8m0_codes(mx.scale), codes)
     assert_same_bits(np.asarray(mx.data.astype(jnp.float32)), elements, x, "elements")
     assert_same_bits(np.asarray(block_dequantize(mx)), deq, x, "dequantized")
     fake = block_fake_quantize(jax.device_put(x), name, 32, scale_rounding="up")
     assert_same_bits(np.asarray(fake), deq, x, "fake")
-    floor_codes = e8m0_codes(block_quantize(jax.device_put(x), name, 32).scales)
+    floor_codes = e8m0_codes(block_quantize(jax.device_put(x), name, 32).scale)
     with np.errstate(all="ignore"):
         scale = np.exp2(floor_codes.astype(np.float64) - 127)  # (blocks, 1)
         saturating = (np.abs(x.astype(np.float64)) / scale > fmt.max).any(axis=1)
@@ -130,7 +130,7 @@ def test_data_dtypes():
     ]:
         mx = block_quantize(x, name)
         assert mx.data.dtype == dtype and mx.data.shape == (600, 32)
-        assert mx.scales.dtype == jnp.float8_e8m0fnu and mx.scales.shape == (600, 1)
+        assert mx.scale.dtype == jnp.float8_e8m0fnu and mx.scale.shape == (600, 1)
         assert mx.format is FORMATS[name] and mx.block_size == 32 and mx.shape == (600, 32)
 
 
@@ -149,7 +149,7 @@ def test_round_trip_error_bounds(name):
     err = np.abs(deq - x64)
     amax = np.abs(x64).max(axis=-1, keepdims=True)
     assert (err <= fmt.epsilon * amax).all()
-    scale = np.asarray(from_e8m0(mx.scales)).astype(np.float64)
+    scale = np.asarray(from_e8m0(mx.scale)).astype(np.float64)
     saturated = np.abs(x64) / scale > fmt.max
     assert saturated.any() or name == "float8_e5m2"  # the OCP rule does clip some maxima
     bound = np.maximum(fmt.epsilon / 2 * np.abs(x64), fmt.min_subnormal / 2 * scale)
@@ -165,10 +165,10 @@ def test_axis_and_batch_dimensions():
     x = rng.standard_normal((4, 64, 3)).astype(np.float32)
     ref = block_dequantize(block_quantize(np.moveaxis(x, 1, -1), "float8_e4m3fn", 16))
     mx = block_quantize(x, "float8_e4m3fn", block_size=16, axis=1)
-    assert mx.axis == -2 and mx.scales.shape == (4, 4, 3) and mx.shape == x.shape
+    assert mx.axis == -2 and mx.scale.shape == (4, 4, 3) and mx.shape == x.shape
     np.testing.assert_array_equal(block_dequantize(mx), np.moveaxis(np.asarray(ref), -1, 1))
     first = block_quantize(x, "float8_e4m3fn", block_size=2, axis=0)
-    assert first.scales.shape == (2, 64, 3)
+    assert first.scale.shape == (2, 64, 3)
     assert block_dequantize(first).shape == x.shape
 
 
@@ -181,7 +181,7 @@ def test_padding():
     ):
         block_quantize(x, "float8_e4m3fn", block_size=4)
     mx = block_quantize(x, "float8_e4m3fn", block_size=4, pad=True)
-    assert mx.data.shape == (1, 12) and mx.scales.shape == (1, 3) and mx.shape == (1, 10)
+    assert mx.data.shape == (1, 12) and mx.scale.shape == (1, 3) and mx.shape == (1, 10)
     padded = block_quantize(jnp.pad(x, ((0, 0), (0, 2))), "float8_e4m3fn", block_size=4)
     np.testing.assert_array_equal(block_dequantize(mx), block_dequantize(padded)[:, :10])
     assert block_quantize(x, "float8_e4m3fn", 5, pad=True).data.shape == (1, 10)
@@ -201,7 +201,7 @@ def test_pytree_jit_and_vmap():
     x = jnp.asarray(mx_inputs(seed=4, n_blocks=16, block_size=64))
     mx = block_quantize(x, "float4_e2m1fn")
     leaves, treedef = jax.tree_util.tree_flatten(mx)
-    assert len(leaves) == 2 and leaves[0] is mx.data and leaves[1] is mx.scales
+    assert len(leaves) == 2 and leaves[0] is mx.data and leaves[1] is mx.scale
     assert jax.tree_util.tree_unflatten(treedef, leaves) == mx
     expected = np.asarray(block_dequantize(mx))
 
@@ -317,7 +317,7 @@ def test_mxfp4_bit_exact_on_a_hundred_thousand_values(scale_rounding):
     for x in (wide, moderate):
         mx = block_quantize(jax.device_put(x), "float4_e2m1fn", 32, scale_rounding=scale_rounding)
         elements, codes, deq = ref_block(x, "float4_e2m1fn", 32, scale_rounding)
-        np.testing.assert_array_equal(e8m0_codes(mx.scales), codes)
+        np.testing.assert_array_equal(e8m0_codes(mx.scale), codes)
         assert_same_bits(np.asarray(mx.data.astype(jnp.float32)), elements, x, "elements")
         assert_same_bits(np.asarray(block_dequantize(mx)), deq, x, "dequantized")
         fake = block_fake_quantize(

@@ -179,14 +179,14 @@ def test_2d_blocks_are_one_scale_per_tile_and_commute_with_transposition(scale_r
     tile's 1,024 values), so a weight and its transpose quantise identically."""
     w = jnp.asarray(_wide_range_blocks("none")[:128])  # 4 x 2 tiles
     mx = block_quantize(w, "mxfp4_e2m1", (32, 32), scale_rounding=scale_rounding)
-    assert mx.block_size == (32, 32) and mx.scales.shape == (4, 2) and mx.shape == w.shape
+    assert mx.block_size == (32, 32) and mx.scale.shape == (4, 2) and mx.shape == w.shape
     flat = block_quantize(
         jnp.asarray(_tiled(np.asarray(w), 32, 32)), "mxfp4_e2m1", 1024,
         scale_rounding=scale_rounding,
     )  # fmt: skip
     np.testing.assert_array_equal(
-        np.asarray(mx.scales.astype(jnp.float32)).ravel(),
-        np.asarray(flat.scales.astype(jnp.float32)).ravel(),
+        np.asarray(mx.scale.astype(jnp.float32)).ravel(),
+        np.asarray(flat.scale.astype(jnp.float32)).ravel(),
     )
     values = np.asarray(block_dequantize(mx))
     np.testing.assert_array_equal(

@@ -29,7 +29,7 @@ def bits(a) -> np.ndarray:
 def assert_same_mx(a, b):
     assert (a.format, a.block_size, a.axis, a.length) == (b.format, b.block_size, b.axis, b.length)
     assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
-    np.testing.assert_array_equal(bits(a.scales), bits(b.scales))
+    np.testing.assert_array_equal(bits(a.scale), bits(b.scale))
     np.testing.assert_array_equal(bits(a.data), bits(b.data))
 
 
@@ -127,9 +127,9 @@ def test_values_beyond_float32_range():
     mx = mx_from_scaled_array(sa, "mxfp8_e5m2")
     ref = block_quantize(x, "mxfp8_e5m2")
     np.testing.assert_array_equal(bits(mx.data), bits(ref.data))
-    shifted = bits(ref.scales).astype(int) + 120
+    shifted = bits(ref.scale).astype(int) + 120
     shifted[:2, 0] = 0  # zero blocks keep the smallest scale, 2**-127
-    np.testing.assert_array_equal(bits(mx.scales).astype(int), shifted)
+    np.testing.assert_array_equal(bits(mx.scale).astype(int), shifted)
 
 
 def test_non_power_of_two_negative_and_zero_scales():
