@@ -40,3 +40,18 @@ def test_block_scaled_arrays_name_their_scale_scale():
         match=r"NVFP4Array.block_scales .* use jsa.quantization.NVFP4Array.scale",
     ):
         assert nv.block_scales is nv.scale
+
+
+def test_fixed_point_clamp_is_saturate():
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = jnp.array([0.3, 9.0, -9.0])
+    with pytest.warns(
+        DeprecationWarning, match=r"clamp=\.\.\.\) .* fixed_point_quantize\(saturate"
+    ):
+        old = jsa.quantization.fixed_point_quantize(x, 8, 4, clamp=False)
+    np.testing.assert_array_equal(
+        old, jsa.quantization.fixed_point_quantize(x, 8, 4, saturate=False)
+    )
+    np.testing.assert_array_equal(old, [0.3125, 9.0, -9.0])

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .. import _deprecation
 from . import _bits
 from ._bits import Rounding
 
@@ -72,8 +73,10 @@ def fixed_point_quantize(
     word_bits: int,
     frac_bits: int,
     rounding: Rounding = "nearest",
-    clamp: bool = True,
+    saturate: bool = True,
     key: jax.Array | None = None,
+    *,
+    clamp: bool | None = None,
 ) -> jax.Array:
     """Rounds `x` to signed (two's complement) fixed point, keeping the dtype of `x`.
 
@@ -82,9 +85,9 @@ def fixed_point_quantize(
     operations on the float32 bits); float16 / bfloat16 inputs are computed in float32
     and cast back, so their result is the fixed point value rounded to their dtype.
 
-    * ``clamp=True`` saturates to ``[-2**(word_bits - 1 - frac_bits),
+    * ``saturate=True`` clamps to ``[-2**(word_bits - 1 - frac_bits),
       (2**(word_bits - 1) - 1) * 2**-frac_bits]`` (infinities included).
-    * ``clamp=False`` only rounds to the step ``2**-frac_bits``: out-of-range values
+    * ``saturate=False`` only rounds to the step ``2**-frac_bits``: out-of-range values
       are left out of range (no wrap-around) and infinities stay infinite.
     * NaN stays NaN, and results are never negative zero.
 
@@ -95,8 +98,10 @@ def fixed_point_quantize(
         word_bits: Total bits including the sign, 1 to 25.
         frac_bits: Fractional bits, 0 to 149.
         rounding: ``"nearest"`` (ties to even), ``"toward_zero"`` or ``"stochastic"``.
-        clamp: Whether to saturate to the representable range.
+        saturate: Whether to clamp to the representable range (the keyword every
+            quantiser uses; ``float_quantize``'s default is False).
         key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
+        clamp: Deprecated name of `saturate`.
 
     Returns:
         The quantised array, with the dtype and shape of `x`.
@@ -110,10 +115,15 @@ def fixed_point_quantize(
         >>> x = jnp.array([0.3, -0.3, 0.375, 9.0, -9.0])
         >>> fixed_point_quantize(x, word_bits=8, frac_bits=4)
         Array([ 0.3125, -0.3125,  0.375 ,  7.9375, -8.    ], dtype=float32)
-        >>> fixed_point_quantize(x, 8, 2, rounding="toward_zero", clamp=False)
+        >>> fixed_point_quantize(x, 8, 2, rounding="toward_zero", saturate=False)
         Array([ 0.25, -0.25,  0.25,  9.  , -9.  ], dtype=float32)
     """
+    if clamp is not None:
+        _deprecation.warn_renamed(
+            "fixed_point_quantize(clamp=...)", "fixed_point_quantize(saturate=...)"
+        )
+        saturate = clamp
     word_bits = _check_width("word_bits", word_bits, 1, MAX_WORD_BITS)
     frac_bits = _check_width("frac_bits", frac_bits, 0, MAX_FRAC_BITS)
     x, mode, key = _bits.prepare(x, "fixed_point_quantize", rounding, key)
-    return _fixed_point_ste((word_bits, frac_bits, mode, bool(clamp)), x, key)
+    return _fixed_point_ste((word_bits, frac_bits, mode, bool(saturate)), x, key)

@@ -91,12 +91,12 @@ def test_examples_and_no_negative_zero():
     got = fixed_point_quantize(x, word_bits=8, frac_bits=4)
     np.testing.assert_array_equal(got, [0.3125, -0.3125, 0.375, 7.9375, -8.0, 0.0, 0.0, 0.125])
     assert bits_of(np.asarray(got))[5] == 0  # -0.01 rounds to +0
-    unclamped = fixed_point_quantize(x, 8, 4, clamp=False)
+    unclamped = fixed_point_quantize(x, 8, 4, saturate=False)
     np.testing.assert_array_equal(unclamped[3:5], [9.0, -9.0])
     inf = fixed_point_quantize(jnp.array([jnp.inf, -jnp.inf, jnp.nan]), 8, 4)
     np.testing.assert_array_equal(inf[:2], [7.9375, -8.0])
     assert np.isnan(inf[2])
-    inf_free = fixed_point_quantize(jnp.array([jnp.inf, -jnp.inf]), 8, 4, clamp=False)
+    inf_free = fixed_point_quantize(jnp.array([jnp.inf, -jnp.inf]), 8, 4, saturate=False)
     np.testing.assert_array_equal(inf_free, [np.inf, -np.inf])
     ints = fixed_point_quantize(jnp.arange(-3, 4), 3, 0)
     assert ints.dtype == jnp.float32
