@@ -47,6 +47,9 @@ def assert_close(out, ref, dtype):
     helpers.assert_close(out, ref, rtol=0.0, atol_rel=TOL[dtype])
 
 
+SLOW = pytest.mark.slow
+
+
 # --- the datatype ------------------------------------------------------------------------
 
 
@@ -69,11 +72,25 @@ def test_scale_that_does_not_tile_the_data_is_rejected(scale_shape):
         jsa.scaled_array(np.ones((4, 64), np.float32), np.ones(scale_shape, np.float32))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# Eagerly (each operation a compile per layout) with the per-tensor and the tile layouts in
+# the default run, jitted (the program the tests below reuse) with the others; the slow step
+# runs the other layouts eagerly too.
+EAGER_AS_SCALED_LAYOUTS = ("tensor", "tile")
+
+
+@pytest.mark.parametrize(
+    "name, jit",
+    [
+        pytest.param(name, jit, marks=() if jit == (name not in EAGER_AS_SCALED_LAYOUTS) else SLOW)
+        for name in LAYOUTS
+        for jit in (False, True)
+    ],
+)
 @pytest.mark.parametrize("dtype", DTYPES + [ml_dtypes.float8_e4m3fn])
-def test_as_scaled_array_with_scale_shape(name, dtype):
+def test_as_scaled_array_with_scale_shape(name, jit, dtype):
     x = rows_far_apart((M, K))
-    y = jsa.as_scaled_array(x, scale_shape=LAYOUTS[name], dtype=dtype)
+    as_scaled = as_scaled_array_jit if jit else jsa.as_scaled_array
+    y = as_scaled(x, scale_shape=LAYOUTS[name], dtype=dtype)
     assert y.scale.shape == LAYOUTS[name] and y.dtype == dtype
     data = np.abs(np.asarray(y.data, np.float32)).reshape(
         LAYOUTS[name][0], -1, LAYOUTS[name][1], K // LAYOUTS[name][1]
@@ -180,15 +197,32 @@ BLOCK_LAYOUT_CASES = [(f, d, layout) for f in FUNCTIONS for d in DTYPES for layo
 
 
 # Eagerly in the default run: with tiles (the finest layout), the dtypes in turn, the
-# functions whose rules cover the block rules' families (dot_general and elementwise,
-# reductions and rsqrt, shapes); each operation is a compile of its own: the slow step runs
-# the others.
+# functions whose rules cover the block rules' families (reductions and rsqrt, max/min
+# reductions, shapes); each operation is a compile of its own: the slow step runs the
+# others. dot_general and elementwise rules run eagerly on block scales in
+# test_gradients_through_block_scaled_inputs[row-float32] (its gradient outside autoscale).
 EAGER_BLOCK_LAYOUT_CASES = {
-    "linear_relu": np.float16,
     "norm_rows": ml_dtypes.bfloat16,
     "reductions": np.float32,
     "shapes": ml_dtypes.float8_e4m3fn,
 }
+# Jitted in the default run: every (function, dtype), (function, layout) and (dtype, layout)
+# pair (test_autoscale_matches_plain_on_block_layouts_jitted, one program per layout); the
+# slow step runs the whole product, a program per case.
+BLOCK_LAYOUT_COVER = helpers.pairwise_cover(BLOCK_LAYOUT_CASES)
+
+
+def _block_layout_case(fn_name, dtype, layout):
+    """Block-scaled inputs of `fn_name` and the float32 reference on their values."""
+    plain = _inputs(fn_name)
+    x = as_scaled_array_jit(plain[0], scale_shape=LAYOUTS[layout], dtype=dtype)
+    rest = [as_scaled_array_jit(p, dtype=dtype) for p in plain[1:]]
+    values = [represented(x)] + [represented(r) for r in rest]  # exact in float32
+    return [x, *rest], _block_layout_references[fn_name](*[np.float32(v) for v in values])
+
+
+# The references in one program per function (eagerly, each operation is a compile).
+_block_layout_references = {name: jax.jit(fn) for name, fn in FUNCTIONS.items()}
 
 
 @pytest.mark.parametrize(
@@ -196,23 +230,31 @@ EAGER_BLOCK_LAYOUT_CASES = {
     helpers.eager_and_jit(
         BLOCK_LAYOUT_CASES,
         lambda f, d, layout: layout == "tile" and EAGER_BLOCK_LAYOUT_CASES.get(f) is d,
-        # The default run: every (function, dtype), (function, layout) and (dtype, layout)
-        # pair jitted; the slow step runs the whole product.
-        helpers.pairwise_cover(BLOCK_LAYOUT_CASES),
+        lambda f, d, layout: False,
     ),
 )
 def test_autoscale_matches_plain_on_block_layouts(fn_name, dtype, layout, jit):
-    fn = FUNCTIONS[fn_name]
-    plain = _inputs(fn_name)
-    x = as_scaled_array_jit(plain[0], scale_shape=LAYOUTS[layout], dtype=dtype)
-    rest = [as_scaled_array_jit(p, dtype=dtype) for p in plain[1:]]
-    values = [represented(x)] + [represented(r) for r in rest]
-    scaled_fn = jsa.autoscale(fn)
+    args, ref = _block_layout_case(fn_name, dtype, layout)
+    scaled_fn = jsa.autoscale(FUNCTIONS[fn_name])
     if jit:
         scaled_fn = jax.jit(scaled_fn)
-    out = scaled_fn(x, *rest)
-    ref = fn(*[jnp.asarray(v, jnp.float32) for v in values])
-    assert_close(out, ref, dtype)
+    assert_close(scaled_fn(*args), ref, dtype)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_autoscale_matches_plain_on_block_layouts_jitted(layout):
+    """The default run's pairwise cover of test_autoscale_matches_plain_on_block_layouts,
+    jitted: the cases of one layout in one program (one compile where a program per case
+    compiles about twice as long), each compared as there."""
+    cases = [c for c in BLOCK_LAYOUT_CASES if c[2] == layout and BLOCK_LAYOUT_COVER(*c)]
+    assert cases
+    prepared = [_block_layout_case(*case) for case in cases]
+    outs = jax.jit(
+        jsa.autoscale(lambda all_args: [FUNCTIONS[f](*a) for (f, _, _), a in zip(cases, all_args)])
+    )([args for args, _ in prepared])
+    for case, out, (_, ref) in zip(cases, outs, prepared, strict=True):
+        assert isinstance(out, jsa.ScaledArray), case
+        assert_close(out, ref, case[1])
 
 
 @pytest.mark.parametrize(
@@ -252,26 +294,36 @@ def test_row_scales_keep_rows_that_one_float16_scale_loses():
 W_LAYOUTS = [(1, 1), (1, N), (2, 1), (2, N)]
 
 
-@pytest.mark.parametrize("x_layout", ["tensor", "row", "mx32"])
-def test_dot_general_block_layouts(x_layout):
-    """Row / MX blocks of x and column / MX blocks of w (every w layout of W_LAYOUTS, in one
+def test_dot_general_block_layouts():
+    """Per tensor / row / MX blocks of x and column / MX blocks of w (every pair, in one
     program): the product is exact in float32 (power-of-two scales), and the output keeps
     x's row blocks."""
     x_plain, w_plain, _ = _inputs("linear_relu")
-    x = as_scaled_array_jit(x_plain, scale_shape=LAYOUTS[x_layout])
+    x_layouts = ["tensor", "row", "mx32"]
+    xs = [as_scaled_array_jit(x_plain, scale_shape=LAYOUTS[name]) for name in x_layouts]
     ws = [as_scaled_array_jit(w_plain, scale_shape=layout) for layout in W_LAYOUTS]
-    outs = jax.jit(jsa.autoscale(lambda a, bs: [jnp.matmul(a, b) for b in bs]))(x, ws)
-    rows = LAYOUTS[x_layout][0]
-    for w_layout, out in zip(W_LAYOUTS, outs, strict=True):
-        np.testing.assert_allclose(
-            out.to_array(), x_plain @ w_plain, rtol=1e-5, atol=1e-6, err_msg=f"w {w_layout}"
-        )
-        assert np.shape(out.scale) == ((rows, 1) if rows > 1 else ()), w_layout
+    outs = jax.jit(jsa.autoscale(lambda az, bs: [[jnp.matmul(a, b) for b in bs] for a in az]))(
+        xs, ws
+    )
+    for x_layout, x_outs in zip(x_layouts, outs, strict=True):
+        rows = LAYOUTS[x_layout][0]
+        for w_layout, out in zip(W_LAYOUTS, x_outs, strict=True):
+            np.testing.assert_allclose(
+                out.to_array(),
+                x_plain @ w_plain,
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"x {x_layout}, w {w_layout}",
+            )
+            assert np.shape(out.scale) == ((rows, 1) if rows > 1 else ()), (x_layout, w_layout)
 
 
-# Every layout and every dtype in the default run (the slow step: the other three pairs).
+# Every layout in the default run, float32 and float16 (the slow step: the other pairs).
 GRADIENT_CASES = [(layout, dtype) for layout in ("row", "mx32") for dtype in DTYPES]
-GRADIENT_DEFAULT = {("row", np.float32), ("mx32", np.float16), ("row", ml_dtypes.bfloat16)}
+# (row, bfloat16) in the slow step: bfloat16 gradients through block scales are in the
+# default run's test_tiles_of_fp8_training_through_a_matmul_with_gradients (128x128 tiles)
+# and test_stacked_layer_scales_with_gradients (per-layer scales).
+GRADIENT_DEFAULT = {("row", np.float32), ("mx32", np.float16)}
 
 
 @pytest.mark.parametrize(
@@ -346,15 +398,15 @@ def _tile_loss(x, w):
     return jnp.sum(jnp.tanh(x @ w) * (x @ w)) / T
 
 
-# The default run: every layout pair jitted once, the dtypes in turn (float8 with the
+# The default run: the tiled layout pairs jitted once, the dtypes in turn (float8 with the
 # 1x128 x 128x128 recipe); the slow step runs every pair with every dtype, jitted and
-# eagerly.
+# eagerly. Per tensor x per tensor is the rest of the suite's layout (float32 gradients:
+# tests/core/test_interpreter.py's MLP); 1x128 x column is 1x128 tiles of x (1x128 x
+# 128x128) and columns of w (row x column), both in the default run.
 TILE_DEFAULT_JIT = {
-    ("tensor x tensor", np.float32),
     ("row x column", np.float16),
     ("1x128 x 128x128", ml_dtypes.float8_e4m3fn),
     ("128x128 x 128x128", ml_dtypes.bfloat16),
-    ("1x128 x column", np.float16),
 }
 
 
@@ -450,14 +502,21 @@ STACKED_REFERENCES = {name: jax.jit(jax.grad(fn)) for name, fn in STACKED_FUNCTI
 def test_stacked_layer_scales_with_gradients(fn_name, dtype, jit):
     """Stacked layers with one scale each, `(L, 1, 1)`, layers 2^18 apart: value and
     gradient (which keeps the per-layer layout) match the plain ones per layer."""
-    fn = STACKED_FUNCTIONS[fn_name]
+    x, w, ref = _stacked_case(fn_name, dtype)
+    grad_fn = jsa.autoscale(jax.grad(STACKED_FUNCTIONS[fn_name]))
+    grad_fn = jax.jit(grad_fn) if jit else grad_fn
+    _check_stacked(grad_fn(x, w), ref, dtype)
+
+
+def _stacked_case(fn_name, dtype):
     x_plain, w_plain = _stacked_inputs()
     x = as_scaled_array_jit(x_plain, scale_shape=(L_LAYERS, 1, 1), dtype=dtype)
     w = as_scaled_array_jit(w_plain, scale_shape=(L_LAYERS, 1, 1), dtype=dtype)
-    grad_fn = jsa.autoscale(jax.grad(fn))
-    grad_fn = jax.jit(grad_fn) if jit else grad_fn
-    g = grad_fn(x, w)
     ref = STACKED_REFERENCES[fn_name](jnp.asarray(represented(x)), jnp.asarray(represented(w)))
+    return x, w, ref
+
+
+def _check_stacked(g, ref, dtype):
     assert g.scale.shape == (L_LAYERS, 1, 1)
     for layer in range(L_LAYERS):  # each layer against its own magnitude
         assert_close(g[layer], np.asarray(ref)[layer], dtype)
