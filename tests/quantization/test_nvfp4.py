@@ -68,9 +68,7 @@ def test_matches_reference_bit_for_bit(seed):
     x = inputs(seed)
     q = nvfp4_quantize(jnp.asarray(x))
     elements, scales, t, deq = ref_nvfp4(x)
-    assert (
-        q.data.dtype == ml_dtypes.float4_e2m1fn and q.scale.dtype == ml_dtypes.float8_e4m3fn
-    )
+    assert q.data.dtype == ml_dtypes.float4_e2m1fn and q.scale.dtype == ml_dtypes.float8_e4m3fn
     assert q.scale.shape == (4096, 2) and q.tensor_scale.dtype == F32
     assert _bits(q.tensor_scale) == _bits(t)
     np.testing.assert_array_equal(_bits(q.data.astype(jnp.float32)), _bits(elements))
@@ -159,9 +157,7 @@ def test_2d_blocks_match_reference_and_commute_with_transposition():
     # The reference on each 16 x 16 tile flattened into one block of 256.
     elements, scales, t, deq = ref_nvfp4(_tiled(w, 16, 16).reshape(8, 256), 256)
     assert _bits(q.tensor_scale) == _bits(t)
-    np.testing.assert_array_equal(
-        _bits(q.scale.astype(jnp.float32)).ravel(), _bits(scales).ravel()
-    )
+    np.testing.assert_array_equal(_bits(q.scale.astype(jnp.float32)).ravel(), _bits(scales).ravel())
     np.testing.assert_array_equal(
         _bits(_tiled(np.asarray(q.dequantize()), 16, 16).reshape(8, 256)), _bits(deq)
     )
