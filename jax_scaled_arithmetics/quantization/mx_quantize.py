@@ -338,9 +338,10 @@ def mx_from_scaled_array(
         rounding: Element rounding: ``"nearest"``, ``"toward_zero"`` or ``"stochastic"``.
         key: PRNG key, required for (and only used by) ``rounding="stochastic"``.
         pad: Whether to zero-pad an axis that `block_size` does not divide.
-        scale_rounding: ``"floor"`` (the OCP rule above) or ``"up"``: a block whose
-            largest magnitude exceeds the element max at the OCP scale gets twice that
-            scale, so that no element saturates (:data:`SCALE_ROUNDINGS`).
+        scale_rounding: ``"floor"`` (the OCP rule, as in :func:`block_quantize`) or
+            ``"up"``: a block whose largest magnitude exceeds the element max at the OCP
+            scale gets twice that scale, so that no element saturates
+            (:data:`SCALE_ROUNDINGS`).
 
     Returns:
         An :class:`MXArray`.
