@@ -32,3 +32,15 @@ def test_every_name_on_the_migration_page_exists():
         for part in name.split(".")[1:]:
             assert hasattr(obj, part), f"migration.md names {name}, which does not exist"
             obj = getattr(obj, part)
+
+
+def test_the_home_page_example_runs():
+    text = (ROOT / "docs" / "index.md").read_text()
+    (block,) = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    namespace: dict = {}
+    exec(compile(block, "docs/index.md", "exec"), namespace)
+    x, y = namespace["x"], namespace["y"]
+    jsa = namespace["jsa"]
+    assert isinstance(y, jsa.ScaledArray)  # as the page says: float16 data, float32 scale
+    assert (str(y.data.dtype), str(y.scale.dtype)) == ("float16", "float32")
+    assert float(y.scale) == 2.0 * float(x.scale)  # the power of two 2 goes into the scale
