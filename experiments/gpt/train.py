@@ -321,7 +321,7 @@ def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float, seed: 
                 return loss(jsa.tree.astype(p, jnp.bfloat16), x, y).astype(jnp.float32)
 
         else:
-            train_loss = _unit_scaling().simulate_fp8(loss)
+            train_loss = jsa.ops.simulate_fp8(loss)
         opt = _adam(lr)
         return Mode(
             name,
@@ -336,7 +336,7 @@ def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float, seed: 
     if name == "scaled-fp16" or name in SCALE_LAYOUTS:
         train_loss = loss
         if name in SCALE_LAYOUTS:
-            train_loss = _unit_scaling().simulate_fp8(
+            train_loss = jsa.ops.simulate_fp8(
                 loss, rescale=True, scale_layout=SCALE_LAYOUTS[name]
             )
         opt = jsa_optax.scale_optimizer(_adam(lr), state_dtype=jnp.float16)
@@ -382,7 +382,7 @@ def _fp4_mode(
 ) -> Mode:
     """A 4-bit mode: float32 parameters and Adam, `loss` through `jsa.ops.simulate_fp4`; the
     optimizer state carries the step count, which picks the step's key."""
-    fp4_loss = _unit_scaling().simulate_fp4(loss, **FP4_RECIPES[name])
+    fp4_loss = jsa.ops.simulate_fp4(loss, **FP4_RECIPES[name])
     opt = _adam(lr)
     base_key = jax.random.key(seed + 1)
 
