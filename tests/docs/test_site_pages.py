@@ -1,9 +1,12 @@
 """The site's hand-written pages: the getting-started page carries the README's quickstart
-unchanged, and every name the migration page offers exists."""
+unchanged, every name the migration page offers exists, and the examples of the home and
+distributed-training pages run."""
 
 import importlib
 import pathlib
 import re
+
+import jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -44,3 +47,27 @@ def test_the_home_page_example_runs():
     assert isinstance(y, jsa.ScaledArray)  # as the page says: float16 data, float32 scale
     assert (str(y.data.dtype), str(y.scale.dtype)) == ("float16", "float32")
     assert float(y.scale) == 2.0 * float(x.scale)  # the power of two 2 goes into the scale
+
+
+def test_the_distributed_page_examples_run_on_a_mesh(capsys):
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    sharded, fsdp = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    namespace: dict = {}
+    with jax.numpy_rank_promotion("allow"):  # the page's bias adds broadcast, as users write
+        exec(compile(sharded, "docs/distributed.md", "exec"), namespace)
+    jsa, grads, mesh = namespace["jsa"], namespace["grads"], namespace["mesh"]
+    assert mesh.size == 4  # tests/conftest.py: four CPU devices
+    assert isinstance(grads["w"], jsa.ScaledArray)
+    assert grads["w"].data.sharding.spec == namespace["P"]("fsdp", None)
+    assert grads["w"].data.dtype == "float16"
+
+    namespace = {}
+    with jax.numpy_rank_promotion("allow"):
+        exec(compile(fsdp, "docs/distributed.md", "exec"), namespace)
+    params, loss_fn, x, y = (namespace[name] for name in ("params", "loss_fn", "x", "y"))
+    with jax.numpy_rank_promotion("allow"):
+        first = float(loss_fn(namespace["params32"], x, y))
+    last = float(capsys.readouterr().out)
+    assert last < 0.8 * first  # five FSDP Adam steps with FP8 gathers train
+    assert float(jsa.asarray(namespace["loss"])) == last
+    assert params["w"].data.dtype == "float16"
