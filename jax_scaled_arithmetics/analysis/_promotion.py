@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core import _compat
 from ..core.datatype import ScaledArray, is_array
+from ..core.rewrite import of_leaves
 from ._program import sub_jaxprs
 
 __all__ = ["DtypePromotion", "PromotionReport", "dtype_promotions"]
@@ -224,14 +225,7 @@ def dtype_promotions(
     # Trace on what the arguments represent (a ScaledArray stands for its data's dtype).
     flat, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_scaled)
     dynamic = [i for i, x in enumerate(flat) if is_scaled(x) or is_array(x)]
-
-    def flat_fun(*dyn: Any) -> Any:
-        full = list(flat)
-        for i, x in zip(dynamic, dyn):
-            full[i] = x
-        a, k = jax.tree_util.tree_unflatten(tree, full)
-        return fun(*a, **k)
-
+    flat_fun = of_leaves(fun, tree, flat, dynamic)
     avals = [
         jax.ShapeDtypeStruct(np.shape(flat[i]), flat[i].dtype) if is_scaled(flat[i]) else flat[i]
         for i in dynamic

@@ -29,6 +29,8 @@ from .define import (
     tangent_of_operand_0,
 )
 from .dtypes import compute_dtype
+from .scale_arithmetic import SCALE_MAX as SCALE_MAX  # the range of block scales too
+from .scale_arithmetic import SCALE_MIN as SCALE_MIN
 from .scale_arithmetic import materialize_impl, scale_divide_p
 from .types import Array
 
@@ -45,9 +47,6 @@ __all__ = [
 ]
 
 _F32 = np.dtype(np.float32)
-# Block scales chosen by rules stay in this range (as per-tensor ones do).
-SCALE_MIN = 2.0**-124
-SCALE_MAX = 2.0**126
 
 
 def block_layout(data_shape: Sequence[int], scale_shape: Sequence[int]) -> tuple[int, ...]:

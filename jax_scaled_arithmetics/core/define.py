@@ -33,6 +33,7 @@ from . import _compat
 
 __all__ = [
     "define_primitive",
+    "define_identity_primitive",
     "identity_on_operand_0",
     "batch_along_operand_0",
     "batch_along_operand_0_if_unbatched",
@@ -113,3 +114,15 @@ def zero_tangents(primitive: Any, primals: Any, tangents: Any, **params: Any) ->
     if primitive.multiple_results:
         return out, [jnp.zeros_like(o) for o in out]
     return out, jnp.zeros_like(out)
+
+
+def define_identity_primitive(name: str, batching: Rule) -> _compat.Primitive:
+    """A primitive that is the identity on its first operand outside `autoscale` (a scaling
+    primitive: it only changes the representation), tangents passing through it."""
+    return define_primitive(
+        name,
+        identity_on_operand_0,
+        identity_on_operand_0,
+        batching=batching,
+        jvp=tangent_of_operand_0,
+    )

@@ -29,6 +29,7 @@ __all__ = [
     "gradient_error",
     "rewrite_call",
     "trace_flat",
+    "of_leaves",
     "MATMULS",
     "contains_matmul",
     "first_backward_eqn",
@@ -162,6 +163,22 @@ def _is_array_leaf(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or _compat.is_tracer(leaf)
 
 
+def of_leaves(
+    fn: Callable[..., Any], treedef: Any, leaves: Sequence[Any], dynamic: Sequence[int]
+) -> Callable[..., Any]:
+    """`fn(*args, **kwargs)` as a function of some leaves of `(args, kwargs)` (flattened to
+    `leaves` and `treedef`): those at the indices `dynamic`, the others held fixed."""
+
+    def flat_fn(*values: Any) -> Any:
+        full = list(leaves)
+        for i, v in zip(dynamic, values):
+            full[i] = v
+        call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        return fn(*call_args, **call_kwargs)
+
+    return flat_fn
+
+
 def trace_flat(
     fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[Any, list[Any], Any]:
@@ -174,14 +191,7 @@ def trace_flat(
     leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array_leaf(leaf)]
     dynamic_leaves = [leaves[i] for i in dynamic]
-
-    def flat_fn(*values: Any) -> Any:
-        full = list(leaves)
-        for i, v in zip(dynamic, values):
-            full[i] = v
-        call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        return fn(*call_args, **call_kwargs)
-
+    flat_fn = of_leaves(fn, treedef, leaves, dynamic)
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic_leaves)
     out_tree = jax.tree_util.tree_structure(out_shape)
     return closed, dynamic_leaves, out_tree

@@ -220,6 +220,17 @@ def _coerce_carry(value: Any, scaled: bool, known: Any, scale_aval: Any) -> Any:
     return value
 
 
+def _init_leaves(
+    init: Sequence[Any], specs: Sequence[bool], known: Sequence[Any], scale_avals: Sequence[Any]
+) -> list[Any]:
+    """The leaves of the initial carry, each value coerced to the loop's (see `_coerce_carry`)."""
+    coerced = [
+        _coerce_carry(c, s, k, sa)
+        for c, s, k, sa in zip(init, specs, known, scale_avals, strict=True)
+    ]
+    return flatten_scaled(coerced)[0]
+
+
 def _cast_like(leaf: Any, aval: Any) -> Any:
     """Cast an output leaf to the dtype of the input leaf it is carried to (drops weak types)."""
     leaf_aval = _compat.typeof(leaf)
@@ -342,12 +353,8 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
         [*k_consts, *([None] * num_carry), *k_xs],
         num_ys,
     )
-    init = [
-        _coerce_carry(c, s, k, sa)
-        for c, s, k, sa in zip(init, carry_specs, k_init, scale_avals, strict=True)
-    ]
+    init_leaves = _init_leaves(init, carry_specs, k_init, scale_avals)
     const_leaves, _ = flatten_scaled(consts)
-    init_leaves, _ = flatten_scaled(init)
     carry_leaf_avals, _ = flatten_scaled(carry_abs)
     n_carry = len(init_leaves)
     xs_data: list[Any] = []
@@ -478,13 +485,9 @@ def scaled_while(
         [*k_cconsts, *([None] * len(init))],
         [False],
     )
-    init = [
-        _coerce_carry(c, s, k, sa)
-        for c, s, k, sa in zip(init, carry_specs, k_init, scale_avals, strict=True)
-    ]
+    init_leaves = _init_leaves(init, carry_specs, k_init, scale_avals)
     cconst_leaves, _ = flatten_scaled(cconsts)
     bconst_leaves, _ = flatten_scaled(bconsts)
-    init_leaves, _ = flatten_scaled(init)
     carry_leaf_avals, _ = flatten_scaled(carry_abs)
 
     def cond_fun(carry_leaves: list[Any]) -> Any:

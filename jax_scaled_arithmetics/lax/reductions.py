@@ -125,26 +125,22 @@ def scaled_reduce_prod(x: ScaledArray, *, axes: Any, **params: Any) -> ScaledArr
     return renormalised(out, jnp.asarray(x.scale, jnp.float32) ** count, x.dtype)
 
 
-@registry.register_scaled_op(
-    lax.select_and_scatter_add_p, family="linear", remark="source's scale; selection on data"
-)
-def scaled_select_and_scatter_add(
-    source: ScaledArray, operand: ScaledArray, **params: Any
-) -> ScaledArray:
-    """Gradient of max/min pooling: scatter `source` where `operand` is selected."""
-    out = lax.select_and_scatter_add_p.bind(source.data, masked_data(operand), **params)
-    return ScaledArray(out, source.scale)
+def _select_and_add_rule(primitive: Any) -> Any:
+    """The rule of a max/min pooling derivative: `values` (the gradient, scattered, or the
+    tangents, gathered) placed where `operand` is selected, at the scale of `values`."""
+
+    def rule(values: ScaledArray, operand: ScaledArray, **params: Any) -> ScaledArray:
+        out = primitive.bind(values.data, masked_data(operand), **params)
+        return ScaledArray(out, values.scale)
+
+    return rule
 
 
-@registry.register_scaled_op(
-    lax.select_and_gather_add_p, family="linear", remark="tangents' scale; selection on data"
-)
-def scaled_select_and_gather_add(
-    tangents: ScaledArray, operand: ScaledArray, **params: Any
-) -> ScaledArray:
-    """Forward-mode derivative of max/min pooling: gather `tangents` where `operand` wins."""
-    out = lax.select_and_gather_add_p.bind(tangents.data, masked_data(operand), **params)
-    return ScaledArray(out, tangents.scale)
+for _prim, _remark in (
+    (lax.select_and_scatter_add_p, "source's scale; selection on data"),  # pooling gradient
+    (lax.select_and_gather_add_p, "tangents' scale; selection on data"),  # its forward mode
+):
+    registry.register_scaled_op(_prim, _select_and_add_rule(_prim), family="linear", remark=_remark)
 
 
 # --- generic reductions: a body jaxpr, evaluated on float32 values ----------------------

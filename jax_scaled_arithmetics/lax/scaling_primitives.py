@@ -21,9 +21,8 @@ from ..core.datatype import ScaledArray, is_floating
 from ..core.define import (
     batch_along_operand_0,
     batch_along_operand_0_if_unbatched,
+    define_identity_primitive,
     define_primitive,
-    identity_on_operand_0,
-    tangent_of_operand_0,
 )
 from ..core.dtypes import compute_dtype
 from ..core.types import Array
@@ -37,7 +36,16 @@ __all__ = [
     "apply_to_data",
     "rebalance_by",
     "block_rebalance_by",
+    "register_scaling_op",
 ]
+
+
+def register_scaling_op(primitive: Any, remark: str, *, always_scaled: bool = True) -> Any:
+    """Register the scaled rule of a scaling primitive (a decorator): in the "scaling"
+    family, its operands left as they are (no promotion to ScaledArrays)."""
+    return registry.register_scaled_op(
+        primitive, always_scaled=always_scaled, promote=False, family="scaling", remark=remark
+    )
 
 
 def _plain(x: Any) -> Any:
@@ -76,22 +84,12 @@ def _usable_factor(value: Any, name: str, what: str, fallback: Any) -> Any:
 
 # --- set_scaling -------------------------------------------------------------------------
 
-set_scaling_p = define_primitive(
-    "set_scaling",
-    identity_on_operand_0,
-    identity_on_operand_0,
-    batching=batch_along_operand_0_if_unbatched(scale=1),
-    jvp=tangent_of_operand_0,
+set_scaling_p = define_identity_primitive(
+    "set_scaling", batch_along_operand_0_if_unbatched(scale=1)
 )
 
 
-@registry.register_scaled_op(
-    set_scaling_p,
-    always_scaled=True,
-    promote=False,
-    family="scaling",
-    remark="rescale to the given scale",
-)
+@register_scaling_op(set_scaling_p, "rescale to the given scale")
 def scaled_set_scaling(x: Any, scale: Any) -> ScaledArray:
     scale = jnp.asarray(_plain(scale))
     if not isinstance(x, ScaledArray):
@@ -156,13 +154,7 @@ stop_scaling_p = define_primitive(
 )
 
 
-@registry.register_scaled_op(
-    stop_scaling_p,
-    always_scaled=True,
-    promote=False,
-    family="scaling",
-    remark="materialise the value",
-)
+@register_scaling_op(stop_scaling_p, "materialise the value")
 def scaled_stop_scaling(x: Any, *, dtype: Any) -> Array:
     if isinstance(x, ScaledArray):
         return x.to_array(dtype)
@@ -212,13 +204,7 @@ get_data_scale_p = define_primitive(
 )
 
 
-@registry.register_scaled_op(
-    get_data_scale_p,
-    always_scaled=True,
-    promote=False,
-    family="scaling",
-    remark="(data, scale) as plain arrays",
-)
+@register_scaling_op(get_data_scale_p, "(data, scale) as plain arrays")
 def scaled_get_data_scale(x: Any) -> list[Array]:
     if isinstance(x, ScaledArray):
         return [x.data, jnp.asarray(x.scale)]
@@ -241,22 +227,10 @@ def get_data_scale(x: Array) -> tuple[Array, Array]:
 
 # --- rebalance ---------------------------------------------------------------------------
 
-rebalance_p = define_primitive(
-    "rebalance",
-    identity_on_operand_0,
-    identity_on_operand_0,
-    batching=batch_along_operand_0_if_unbatched(factor=1),
-    jvp=tangent_of_operand_0,
-)
+rebalance_p = define_identity_primitive("rebalance", batch_along_operand_0_if_unbatched(factor=1))
 
 
-@registry.register_scaled_op(
-    rebalance_p,
-    always_scaled=True,
-    promote=False,
-    family="scaling",
-    remark="move a factor from scale to data",
-)
+@register_scaling_op(rebalance_p, "move a factor from scale to data")
 def scaled_rebalance(x: Any, factor: Any) -> Any:
     if not isinstance(x, ScaledArray):
         return x
@@ -372,9 +346,7 @@ apply_to_data_p = define_primitive(
 )
 
 
-@registry.register_scaled_op(
-    apply_to_data_p, promote=False, family="scaling", remark="elementwise function of the data"
-)
+@register_scaling_op(apply_to_data_p, "elementwise function of the data", always_scaled=False)
 def scaled_apply_to_data(x: Any, *extra: Any, fn: Any) -> Any:
     if isinstance(x, ScaledArray):
         return ScaledArray(fn(x.data, *[_plain(e) for e in extra]), x.scale)

@@ -20,17 +20,12 @@ from jax import lax
 
 from ..core import block_scales, registry
 from ..core.datatype import ScaledArray, is_array, is_floating, is_scaled_leaf
-from ..core.define import (
-    define_primitive,
-    identity_on_operand_0,
-    tangent_of_operand_0,
-    zero_tangents,
-)
+from ..core.define import define_identity_primitive, define_primitive, zero_tangents
 from ..core.dtypes import compute_dtype
 from ..core.interpreter import autoscale
 from ..core.scale_arithmetic import mark_pow2
 from ..core.types import Array
-from ..lax.scaling_primitives import block_rebalance_by, rebalance_by
+from ..lax.scaling_primitives import block_rebalance_by, rebalance_by, register_scaling_op
 
 __all__ = [
     "dynamic_rescale_max",
@@ -136,13 +131,7 @@ def _dynamic_rescale_batch(
     return primitive.bind(x, layout=layout, **params), dim
 
 
-dynamic_rescale_p = define_primitive(
-    "dynamic_rescale",
-    identity_on_operand_0,
-    identity_on_operand_0,
-    batching=_dynamic_rescale_batch,
-    jvp=tangent_of_operand_0,
-)
+dynamic_rescale_p = define_identity_primitive("dynamic_rescale", _dynamic_rescale_batch)
 
 
 # `rescale_factor_p(data; norm, epsilon, shift, axes)`: the power of two `2^(shift - e)` and
@@ -210,11 +199,10 @@ def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float, shift: int) -
     return rebalance_by(x, factor, mark_pow2(inverse))
 
 
-@registry.register_scaled_op(
+@register_scaling_op(
     dynamic_rescale_p,
-    promote=False,
-    family="scaling",
-    remark="a new power-of-two scale per tensor or block, from the data's norm",
+    "a new power-of-two scale per tensor or block, from the data's norm",
+    always_scaled=False,
 )
 def scaled_dynamic_rescale(
     x: Any, *, norm: str, epsilon: float, layout: tuple[int, ...] | None, shift: int = 0
@@ -255,22 +243,10 @@ def _match_layout_batch(primitive: Any, args: Any, dims: Any) -> Any:
     return primitive.bind(x, like), 0
 
 
-match_layout_p = define_primitive(
-    "match_layout",
-    identity_on_operand_0,
-    identity_on_operand_0,
-    batching=_match_layout_batch,
-    jvp=tangent_of_operand_0,
-)
+match_layout_p = define_identity_primitive("match_layout", _match_layout_batch)
 
 
-@registry.register_scaled_op(
-    match_layout_p,
-    always_scaled=True,
-    promote=False,
-    family="scaling",
-    remark="re-block to another array's scale layout",
-)
+@register_scaling_op(match_layout_p, "re-block to another array's scale layout")
 def scaled_match_layout(x: Any, like: Any) -> Any:
     if not isinstance(x, ScaledArray):
         if not is_floating(x):
@@ -407,39 +383,41 @@ def dynamic_rescale_l2(
     return rescale_tree(tree, "l2", epsilon, scale_shape)
 
 
-def _grad_variant(rescale_fn: Callable[..., Any], doc: str) -> Callable[..., Any]:
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-    def identity(x: Any, epsilon: float, scale_shape: ScaleShape) -> Any:
-        return x
-
-    def fwd(x: Any, epsilon: float, scale_shape: ScaleShape) -> tuple[Any, None]:
-        return x, None
-
-    def bwd(epsilon: float, scale_shape: ScaleShape, _: None, ct: Any) -> tuple[Any]:
-        return (rescale_fn(ct, epsilon, scale_shape=scale_shape),)
-
-    identity.defvjp(fwd, bwd)
-
-    def grad_rescale(
-        tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
-    ) -> Any:
-        if isinstance(scale_shape, list):
-            scale_shape = tuple(scale_shape)  # hashable (a static argument)
-        epsilon = _check_epsilon(epsilon)
-        return jax.tree_util.tree_map(
-            lambda x: identity(x, epsilon, scale_shape) if _is_floating_array(x) else x,
-            tree,
-            is_leaf=is_scaled_leaf,
-        )
-
-    grad_rescale.__doc__ = doc
-    return grad_rescale
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _rescale_gradient(x: Any, norm: str, epsilon: float, scale_shape: ScaleShape) -> Any:
+    """`x`, whose gradient is rescaled by `norm`'s :func:`dynamic_rescale_max` family."""
+    return x
 
 
-dynamic_rescale_max_grad = _grad_variant(
-    dynamic_rescale_max,
-    """Identity on the forward pass; dynamic_rescale_max of the gradient on the backward pass
-    (same `epsilon` and `scale_shape`).
+def _rescale_gradient_fwd(x: Any, norm: str, epsilon: float, scale_shape: ScaleShape) -> Any:
+    return x, None
+
+
+def _rescale_gradient_bwd(
+    norm: str, epsilon: float, scale_shape: ScaleShape, _: None, ct: Any
+) -> tuple[Any]:
+    return (rescale_tree(ct, norm, epsilon, scale_shape),)
+
+
+_rescale_gradient.defvjp(_rescale_gradient_fwd, _rescale_gradient_bwd)
+
+
+def _gradients_rescaled(tree: Any, norm: str, epsilon: float, scale_shape: ScaleShape) -> Any:
+    if isinstance(scale_shape, list):
+        scale_shape = tuple(scale_shape)  # hashable (a static argument)
+    epsilon = _check_epsilon(epsilon)
+    return jax.tree_util.tree_map(
+        lambda x: _rescale_gradient(x, norm, epsilon, scale_shape) if _is_floating_array(x) else x,
+        tree,
+        is_leaf=is_scaled_leaf,
+    )
+
+
+def dynamic_rescale_max_grad(
+    tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
+) -> Any:
+    """Identity on the forward pass; :func:`dynamic_rescale_max` of the gradient on the
+    backward pass (same `epsilon` and `scale_shape`).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -450,37 +428,41 @@ dynamic_rescale_max_grad = _grad_variant(
         ...     return jnp.sum(jsa.ops.dynamic_rescale_max_grad(w) * x)
         >>> jsa.autoscale(jax.grad(loss))(w, x)
         ScaledArray(data=Array([0.5, 1. ], dtype=float16), scale=Array(0.5, dtype=float32))
-    """,
-)
-dynamic_rescale_l1_grad = _grad_variant(
-    dynamic_rescale_l1,
-    """Identity on the forward pass; dynamic_rescale_l1 of the gradient on the backward pass
-    (same `epsilon` and `scale_shape`).
+    """
+    return _gradients_rescaled(tree, "max", epsilon, scale_shape)
+
+
+def dynamic_rescale_l1_grad(
+    tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
+) -> Any:
+    """Like :func:`dynamic_rescale_max_grad`, with :func:`dynamic_rescale_l1`.
 
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jax_scaled_arithmetics as jsa
         >>> w = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16))
         >>> x = jsa.as_scaled_array(jnp.array([0.25, 0.5], jnp.float16))
-        >>> def loss(w, x):  # d loss / d w is x: data [0.25, 0.5], scale 1, rescaled
+        >>> def loss(w, x):  # d loss / d w is x, rescaled by its mean absolute value
         ...     return jnp.sum(jsa.ops.dynamic_rescale_l1_grad(w) * x)
-        >>> jsa.autoscale(jax.grad(loss))(w, x)
-        ScaledArray(data=Array([1., 2.], dtype=float16), scale=Array(0.25, dtype=float32))
-    """,
-)
-dynamic_rescale_l2_grad = _grad_variant(
-    dynamic_rescale_l2,
-    """Identity on the forward pass; dynamic_rescale_l2 of the gradient on the backward pass
-    (same `epsilon` and `scale_shape`).
+        >>> jsa.autoscale(jax.grad(loss))(w, x).scale
+        Array(0.25, dtype=float32)
+    """
+    return _gradients_rescaled(tree, "l1", epsilon, scale_shape)
+
+
+def dynamic_rescale_l2_grad(
+    tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
+) -> Any:
+    """Like :func:`dynamic_rescale_max_grad`, with :func:`dynamic_rescale_l2`.
 
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jax_scaled_arithmetics as jsa
         >>> w = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16))
         >>> x = jsa.as_scaled_array(jnp.array([0.25, 0.5], jnp.float16))
-        >>> def loss(w, x):  # d loss / d w is x: data [0.25, 0.5], scale 1, rescaled
+        >>> def loss(w, x):  # d loss / d w is x, rescaled by its root mean square
         ...     return jnp.sum(jsa.ops.dynamic_rescale_l2_grad(w) * x)
-        >>> jsa.autoscale(jax.grad(loss))(w, x)
-        ScaledArray(data=Array([1., 2.], dtype=float16), scale=Array(0.25, dtype=float32))
-    """,
-)
+        >>> jsa.autoscale(jax.grad(loss))(w, x).scale
+        Array(0.25, dtype=float32)
+    """
+    return _gradients_rescaled(tree, "l2", epsilon, scale_shape)

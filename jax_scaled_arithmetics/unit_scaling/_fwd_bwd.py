@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, get_args
 
 import jax
 import jax.numpy as jnp
@@ -22,18 +22,16 @@ import numpy as np
 
 from ..core.types import Array
 
-Constraint: TypeAlias = (
-    Literal[
-        "gmean",
-        "hmean",
-        "amean",
-        "to_output_scale",
-        "to_grad_input_scale",
-        "to_left_grad_scale",
-        "to_right_grad_scale",
-    ]
-    | None
-)
+_ConstraintName: TypeAlias = Literal[
+    "gmean",
+    "hmean",
+    "amean",
+    "to_output_scale",
+    "to_grad_input_scale",
+    "to_left_grad_scale",
+    "to_right_grad_scale",
+]
+Constraint: TypeAlias = _ConstraintName | None
 """How an op ties its output factor to the grad factors of its activation operands.
 
 - `None`: unconstrained, every factor as computed (unit output and unit gradients).
@@ -59,15 +57,7 @@ Examples:
     (4, 8)
 """
 
-CONSTRAINTS: tuple[str, ...] = (
-    "gmean",
-    "hmean",
-    "amean",
-    "to_output_scale",
-    "to_grad_input_scale",
-    "to_left_grad_scale",
-    "to_right_grad_scale",
-)
+CONSTRAINTS: tuple[str, ...] = get_args(_ConstraintName)
 
 __all__ = [
     "CONSTRAINTS",
