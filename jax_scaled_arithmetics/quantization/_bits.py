@@ -168,10 +168,6 @@ def scale_abs_bits(abs_bits: jax.Array, exp: jax.Array) -> jax.Array:
     return compose(q, qexp)
 
 
-def random_bits(key: Any, shape: tuple[int, ...]) -> jax.Array:
-    return jax.random.bits(key, shape, jnp.uint32)
-
-
 def straight_through(quantize: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """`quantize(x, key, *settings)` as ``ste(settings, x, key)``, whose gradient is
     straight-through (the identity in `x`).

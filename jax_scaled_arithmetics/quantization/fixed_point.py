@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _deprecation
+from ..core import prng
 from . import _bits
 from ._bits import Rounding
 
@@ -60,7 +61,7 @@ def _fixed_point_f32(
 def _fixed_point_jit(
     x: jax.Array, key: Any, word_bits: int, frac_bits: int, rounding: str, clamp: bool
 ) -> jax.Array:
-    rbits = _bits.random_bits(key, x.shape) if rounding == "stochastic" else None
+    rbits = prng.random_bits(key, x.shape) if rounding == "stochastic" else None
     return _fixed_point_f32(x, word_bits, frac_bits, rounding, clamp, rbits).astype(x.dtype)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..core import prng
 from . import _bits
 from ._bits import Rounding
 from .formats import FloatFormat, PositFormat, get_format
@@ -104,7 +105,7 @@ def quantize_float32(
 def _float_quantize_jit(
     x: jax.Array, key: Any, fmt: FloatFormat, rounding: str, saturate: bool
 ) -> jax.Array:
-    rbits = _bits.random_bits(key, x.shape) if rounding == "stochastic" else None
+    rbits = prng.random_bits(key, x.shape) if rounding == "stochastic" else None
     return quantize_float32(x, fmt, rounding, saturate, rbits).astype(x.dtype)
 
 

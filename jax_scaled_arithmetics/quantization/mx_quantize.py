@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..core import prng
 from . import _bits, nvfp4
 from ._bits import Rounding
 from ._mx_common import E8M0_BIAS, E8M0_NAN, block_dequantize_impl, e8m0_from_codes, floor_log2
@@ -291,7 +292,7 @@ def _encode_blocks(
         shared = jnp.minimum(shared + over.astype(shared.dtype), E8M0_BIAS)
     shared = jnp.where(special, 0, shared)
 
-    rbits = _bits.random_bits(key, blocks.shape) if mode == "stochastic" else None
+    rbits = prng.random_bits(key, blocks.shape) if mode == "stochastic" else None
     r = quantize_abs_bits(a, offset - shared, fmt, mode, rbits)
     r = jnp.minimum(r, _bits.u32(_bits.float_bits(fmt.max)))  # saturate
     if fmt.nan_encoding == "fnuz":  # no negative zero

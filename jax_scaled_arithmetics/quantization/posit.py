@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..core import prng
 from . import _bits
 from ._bits import Rounding, shl, shr, u32
 from .formats import PositFormat
@@ -112,7 +113,7 @@ def _decode_f32(codes: jax.Array, nbits: int, es: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("nbits", "es", "rounding"))
 def _encode_jit(x: jax.Array, key: Any, nbits: int, es: int, rounding: str) -> jax.Array:
-    rbits = _bits.random_bits(key, x.shape) if rounding == "stochastic" else None
+    rbits = prng.random_bits(key, x.shape) if rounding == "stochastic" else None
     return _encode_f32(x.astype(jnp.float32), nbits, es, rounding, rbits)
 
 

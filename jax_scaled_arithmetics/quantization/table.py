@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core import prng
 from . import _bits
 
 TableRounding = Literal["nearest", "geomean", "stochastic"]
@@ -215,7 +216,7 @@ def _indices(
     xs = _scaled(_bits.to_bits(x), shift)
     los, his = _scaled(lo_bits, shift), _scaled(hi_bits, shift)
     p = (xs - los) / (his - los)
-    u = (_bits.random_bits(key, x.shape) >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+    u = (prng.random_bits(key, x.shape) >> 8).astype(jnp.float32) * np.float32(2.0**-24)
     index = lower + (u < p).astype(jnp.int32)
     index = jnp.where(xk < keys[0], 0, index)
     return jnp.where(xk >= keys[n - 1], n - 1, index)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core import prng
 from ..core.types import Array
 from ._fwd_bwd import Constraint, apply_constraint, multiply, scaled_call
 from ._ops_common import SEED as _SEED
@@ -112,7 +113,7 @@ def _attention(
         scores = jnp.where(keep, scores, jnp.full_like(scores, jnp.finfo(scores.dtype).min))
     weights = jax.nn.softmax(scores, axis=-1)
     if dropout_p > 0.0 and key is not None:
-        kept = jax.random.bernoulli(key, 1.0 - dropout_p, weights.shape)
+        kept = prng.bernoulli(key, 1.0 - dropout_p, weights.shape)
         weights = jnp.where(kept, multiply(weights, 1.0 / (1.0 - dropout_p)), 0.0)
     return jnp.einsum("...qk,...kd->...qd", weights, v)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
+from ..core import prng
 from ..core.types import Array
 from ._fwd_bwd import multiply
 from ._ops_common import require_float as _require_float
@@ -42,5 +42,5 @@ def dropout(x: Array, rate: float, key: Array, *, deterministic: bool = False) -
     if deterministic or rate == 0.0:
         return x
     x = jnp.asarray(x)
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    keep = prng.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, multiply(x, 1.0 / math.sqrt(1.0 - rate)), jnp.zeros_like(x))

@@ -508,10 +508,11 @@ def conv2d(
     `conv1d`, the kernel's spatial size being height x width.
 
     Examples:
-        >>> import jax
+        >>> import numpy as np
         >>> import jax_scaled_arithmetics.unit_scaling as U
-        >>> x = jax.random.normal(jax.random.key(0), (4, 16, 16, 16))
-        >>> k = jax.random.normal(jax.random.key(1), (3, 3, 16, 16))
+        >>> rng = np.random.default_rng(0)
+        >>> x = rng.normal(size=(4, 16, 16, 16)).astype(np.float32)
+        >>> k = rng.normal(size=(3, 3, 16, 16)).astype(np.float32)
         >>> round(float(U.conv2d(x, k).std()), 1)
         1.0
     """
