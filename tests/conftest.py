@@ -16,6 +16,7 @@ numbers, are the ones a compile gives.
 
 import os
 import shutil
+from collections import defaultdict
 from pathlib import Path
 
 import jax
@@ -75,3 +76,50 @@ def _strict_autoscale():
     """Every test runs with the rule output check on."""
     with default_config(jsa.AutoScaleConfig(check=True)):
         yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The default run takes each parameter value of a test function at least once; the
+    other combinations of its parameters get the `slow` mark and run in the slow step.
+
+    A function parametrized over dtypes x jit x scales runs every dtype, every jit mode and
+    every scale by default, not their whole product (every rule still meets float32,
+    float16 and bfloat16, jitted and eager). Before the cases are marked slow here, a test's
+    own `slow` marks apply; `@pytest.mark.every_case` keeps a function's whole product in
+    the default run; `JSA_TEST_EVERY_CASE=1`, or a node id with parameters on the command
+    line, turns the selection off."""
+    if os.environ.get("JSA_TEST_EVERY_CASE", "") == "1" or any("[" in str(a) for a in config.args):
+        return
+    groups = defaultdict(list)
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or any(item.get_closest_marker(m) for m in ("slow", "every_case")):
+            continue
+        function = (item.path, item.cls, getattr(item, "originalname", item.name))
+        pairs = {(name, _value_key(value)) for name, value in callspec.params.items()}
+        groups[function].append((item, pairs))
+    for cases in groups.values():
+        for item in _beyond_each_choice(cases):
+            item.add_marker(pytest.mark.slow)
+
+
+def _beyond_each_choice(cases):
+    """The cases left over once a greedy cover (in collection order on ties) has taken each
+    (parameter, value) pair of `cases` at least once."""
+    uncovered = set().union(*(pairs for _, pairs in cases))
+    remaining = list(cases)
+    while uncovered:
+        best = max(remaining, key=lambda case: len(case[1] & uncovered))
+        uncovered -= best[1]
+        remaining.remove(best)
+    return [item for item, _ in remaining]
+
+
+def _value_key(value):
+    """A parameter value as a set element (its repr when it is not hashable)."""
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", repr(value))
+    return ("value", type(value), value)
