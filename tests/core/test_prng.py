@@ -34,7 +34,7 @@ def test_both_forms_draw_the_same_values():
     """The flat form (XLA:CPU) and the shaped form (other backends) agree, so a program's
     random draws do not depend on where it runs."""
     key = jax.random.key(5)
-    for shape in [(2, 3, 4, 5, 6), (8, 2, 5, 3)]:
+    for shape in [(3, 5, 7, 2)]:
         bits = lambda k, s: jax.random.bits(k, s, jnp.uint32)  # noqa: E731
         np.testing.assert_array_equal(prng.flat_draw(bits, key, shape), bits(key, shape))
         uniform = lambda k, s: jax.random.uniform(k, s)  # noqa: E731

@@ -568,6 +568,8 @@ def test_elementwise_matches_plain(case, dtype):
     grid_check(case, dtype)
 
 
+# Every case: the batched fixture computes all of a dtype's cases in one program.
+@pytest.mark.every_case
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("case", ELEMENTWISE_CASES, ids=case_id)
 def test_elementwise_matches_plain_under_jit(case, elementwise_jit):
@@ -586,6 +588,8 @@ def test_elementwise_different_scales_per_operand(case, dtype):
     mixed_check(case, dtype)
 
 
+# Every case: the batched fixture computes all of a dtype's cases in one program.
+@pytest.mark.every_case
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("case", GRAD_CASES, ids=case_id)
 def test_elementwise_grad(case, elementwise_grads):

@@ -236,6 +236,8 @@ def test_transcendental_matches_plain(case, dtype):
     grid_check(case, dtype)
 
 
+# Every case: the batched fixture computes all of a dtype's cases in one program.
+@pytest.mark.every_case
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("case", TRANSCENDENTAL_CASES, ids=case_id)
 def test_transcendental_matches_plain_under_jit(case, transcendental_jit):
@@ -254,6 +256,8 @@ def test_transcendental_different_scales_per_operand(case, dtype):
     mixed_check(case, dtype)
 
 
+# Every case: the batched fixture computes all of a dtype's cases in one program.
+@pytest.mark.every_case
 @pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("case", GRAD_CASES, ids=case_id)
 def test_transcendental_grad(case, transcendental_grads):
