@@ -336,9 +336,7 @@ def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float, seed: 
     if name == "scaled-fp16" or name in SCALE_LAYOUTS:
         train_loss = loss
         if name in SCALE_LAYOUTS:
-            train_loss = jsa.ops.simulate_fp8(
-                loss, rescale=True, scale_layout=SCALE_LAYOUTS[name]
-            )
+            train_loss = jsa.ops.simulate_fp8(loss, rescale=True, scale_layout=SCALE_LAYOUTS[name])
         opt = jsa_optax.scale_optimizer(_adam(lr), state_dtype=jnp.float16)
         params = _to_scaled_fp16(params32)
         return Mode(
