@@ -88,7 +88,8 @@ def pytest_collection_modifyitems(config, items):
     float16 and bfloat16, jitted and eager). Before the cases are marked slow here, a test's
     own `slow` marks apply; `@pytest.mark.every_case` keeps a function's whole product in
     the default run; `JSA_TEST_EVERY_CASE=1`, or a node id with parameters on the command
-    line, turns the selection off."""
+    line, turns the selection off. `@pytest.mark.one_case` (a test that compiles a whole
+    training step or model, several seconds each case) keeps only its first case."""
     if os.environ.get("JSA_TEST_EVERY_CASE", "") == "1" or any("[" in str(a) for a in config.args):
         return
     groups = defaultdict(list)
@@ -100,7 +101,11 @@ def pytest_collection_modifyitems(config, items):
         pairs = {(name, _value_key(value)) for name, value in callspec.params.items()}
         groups[function].append((item, pairs))
     for cases in groups.values():
-        for item in _beyond_each_choice(cases):
+        if cases[0][0].get_closest_marker("one_case"):
+            beyond = [item for item, _ in cases[1:]]
+        else:
+            beyond = _beyond_each_choice(cases)
+        for item in beyond:
             item.add_marker(pytest.mark.slow)
 
 

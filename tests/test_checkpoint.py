@@ -223,6 +223,7 @@ def test_lazy_public_module_and_registration():
     assert fs.is_serializable(jsa.quantization.MXArray)
 
 
+@pytest.mark.slow
 def test_core_does_not_import_flax_and_checkpoint_works_without_it():
     code = (
         "import sys\n"
@@ -392,6 +393,7 @@ for v in range(1, 10**6):
 # Each kill a process of its own (~4 s to start): one in the default run, three in the slow
 # step.
 @pytest.mark.parametrize("kills", [1, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.one_case
 def test_killed_save_leaves_a_whole_checkpoint(tmp_path, kills):
     """A process saving versions 1, 2, 3, ... is killed at random times: the checkpoint is
     always one whole version (the last one saved, or the one being saved)."""
@@ -435,6 +437,7 @@ def test_restore_of_a_missing_checkpoint_or_of_another_directory(tmp_path):
 # --- MXArray with Flax, and registration without importing jsa.checkpoint ----------------
 
 
+@pytest.mark.slow
 def test_flax_round_trip_of_mx_arrays():
     from jax_scaled_arithmetics.quantization import block_quantize
 
@@ -489,6 +492,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flax_first", [True, False], ids=["flax-first", "jsa-first"])
 def test_flax_registration_needs_only_the_package(flax_first):
     imports = ["import jax_scaled_arithmetics as jsa", "import flax.serialization"]

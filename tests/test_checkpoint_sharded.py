@@ -225,6 +225,7 @@ print(y["w"].data.sharding == one and y["w"].scale.sharding == one)
 """
 
 
+@pytest.mark.slow
 def test_restore_in_a_process_with_fewer_devices(tmp_path):
     """A checkpoint saved from 4 devices restores in a 1-device process given shardings;
     without them, the error says so."""

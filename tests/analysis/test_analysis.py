@@ -242,6 +242,7 @@ def _without_counts(line: str) -> str:
     return line
 
 
+@pytest.mark.slow
 def test_doc_snippet_runs_and_its_output_is_current(tmp_path, monkeypatch, capsys):
     text = DOC.read_text()
     (block,) = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)

@@ -225,6 +225,7 @@ def _block_layout_case(fn_name, dtype, layout):
 _block_layout_references = {name: jax.jit(fn) for name, fn in FUNCTIONS.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fn_name, dtype, layout, jit",
     helpers.eager_and_jit(
@@ -241,6 +242,7 @@ def test_autoscale_matches_plain_on_block_layouts(fn_name, dtype, layout, jit):
     assert_close(scaled_fn(*args), ref, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_autoscale_matches_plain_on_block_layouts_jitted(layout):
     """The default run's pairwise cover of test_autoscale_matches_plain_on_block_layouts,
@@ -294,6 +296,7 @@ def test_row_scales_keep_rows_that_one_float16_scale_loses():
 W_LAYOUTS = [(1, 1), (1, N), (2, 1), (2, N)]
 
 
+@pytest.mark.slow
 def test_dot_general_block_layouts():
     """Per tensor / row / MX blocks of x and column / MX blocks of w (every pair, in one
     program): the product is exact in float32 (power-of-two scales), and the output keeps
@@ -333,6 +336,7 @@ GRADIENT_DEFAULT = {("row", np.float32), ("mx32", np.float16)}
         for case in GRADIENT_CASES
     ],
 )
+@pytest.mark.one_case
 def test_gradients_through_block_scaled_inputs(layout, dtype):
     x_plain, w_plain, b_plain = _inputs("linear_relu")
 
@@ -417,6 +421,7 @@ def _tile_loss_grads_and_product(x, w):
 _tile_reference = jax.jit(_tile_loss_grads_and_product)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "pair, dtype, jit",
     helpers.eager_and_jit(
@@ -499,6 +504,7 @@ STACKED_REFERENCES = {name: jax.jit(jax.grad(fn)) for name, fn in STACKED_FUNCTI
         ),
     ),
 )
+@pytest.mark.slow
 def test_stacked_layer_scales_with_gradients(fn_name, dtype, jit):
     """Stacked layers with one scale each, `(L, 1, 1)`, layers 2^18 apart: value and
     gradient (which keeps the per-layer layout) match the plain ones per layer."""

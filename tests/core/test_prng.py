@@ -41,6 +41,7 @@ def test_both_forms_draw_the_same_values():
         np.testing.assert_array_equal(prng.flat_draw(uniform, key, shape), uniform(key, shape))
 
 
+@pytest.mark.slow
 def test_vmap_over_keys_and_legacy_keys():
     keys = jax.random.split(jax.random.key(6), 3)
     shape = (2, 3, 4, 5)

@@ -33,7 +33,23 @@ def _rules_restored():
     registry._RULES.update(rules)
 
 
-@pytest.mark.parametrize("module_name", _modules())
+# Modules whose examples compile whole training steps or sharded programs (3-9 s each, cold,
+# on a 2-core machine): their examples run in the slow step.
+_HEAVY = {
+    "jax_scaled_arithmetics.sharding",
+    "jax_scaled_arithmetics.unit_scaling._linear",
+    "jax_scaled_arithmetics.unit_scaling._attention",
+    "jax_scaled_arithmetics.unit_scaling._optim",
+    "jax_scaled_arithmetics.quantization.mx_quantize",
+    "jax_scaled_arithmetics.quantization.nvfp4",
+    "jax_scaled_arithmetics.optax.quantized",
+}
+
+
+@pytest.mark.parametrize(
+    "module_name",
+    [pytest.param(name, marks=pytest.mark.slow) if name in _HEAVY else name for name in _modules()],
+)
 def test_docstring_examples_run(module_name, _rules_restored):
     module = importlib.import_module(module_name)
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

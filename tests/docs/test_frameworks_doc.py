@@ -19,6 +19,7 @@ def test_one_snippet_per_framework():
     assert len(BLOCKS) == len(NAMES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(NAMES)), ids=NAMES)
 def test_snippet_runs_and_trains(index, capsys):
     namespace: dict = {}

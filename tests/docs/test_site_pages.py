@@ -7,6 +7,7 @@ import pathlib
 import re
 
 import jax
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -49,6 +50,7 @@ def test_the_home_page_example_runs():
     assert float(y.scale) == 2.0 * float(x.scale)  # the power of two 2 goes into the scale
 
 
+@pytest.mark.slow
 def test_the_distributed_page_examples_run_on_a_mesh(capsys):
     text = (ROOT / "docs" / "distributed.md").read_text()
     sharded, fsdp = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)

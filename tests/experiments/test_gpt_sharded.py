@@ -86,6 +86,7 @@ def test_parse_collectives_reads_types_and_bytes():
     ]
 
 
+@pytest.mark.slow
 def test_optimizer_state_is_sharded_like_the_parameters():
     model = CONFIG.model(65)
     params32 = sharded.single._init_params(jax.random.PRNGKey(0), model)  # noqa: SLF001

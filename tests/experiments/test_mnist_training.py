@@ -87,6 +87,7 @@ def test_plain_fp16_adam_is_unstable(results):
     assert plain.accuracy < fp32.accuracy - 0.5
 
 
+@pytest.mark.slow
 def test_fp16_adam_diagnostics(mnist):
     images, labels = mnist
     params = train_mlp.init_mlp(train_mlp.jax.random.PRNGKey(0), [784, *CONFIG["hidden"], 10])

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
 import numpy as np
+import pytest
 
 from tests.integration.checks import check_forward_backward
 
@@ -41,10 +42,12 @@ ACTIVATIONS = {
 }
 
 
+@pytest.mark.slow
 def test_jax_nn_activations():
     check_forward_backward(lambda x: {k: f(x) for k, f in ACTIVATIONS.items()}, X, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_jax_nn_normalisations_and_attention():
     labels = jnp.asarray([1, 0, 5, 3])
 
@@ -64,6 +67,7 @@ def test_jax_nn_normalisations_and_attention():
     check_forward_backward(fn, params, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_jax_nn_causal_attention():
     mask = jnp.tril(jnp.ones((5, 5), bool))[None, None]
 
@@ -78,6 +82,7 @@ def test_jax_nn_causal_attention():
     check_forward_backward(fn, tuple(qkv), rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_jax_numpy_math_indexing_and_updates():
     idx = jnp.asarray([2, 0, 3])
 
@@ -104,6 +109,7 @@ def test_jax_numpy_math_indexing_and_updates():
     check_forward_backward(fn, {"x": X, "pos": POS, "w": w}, rtol=3e-5)
 
 
+@pytest.mark.slow
 def test_jax_scipy_special():
     def fn(p):
         x, pos, unit = p["x"], p["pos"], p["unit"]
@@ -127,6 +133,7 @@ def test_jax_scipy_special():
     check_forward_backward(fn, {"x": X, "pos": POS, "unit": UNIT}, rtol=5e-5)
 
 
+@pytest.mark.slow
 def test_lax_control_flow_program():
     def fn(p):
         w, xs = p["w"], p["xs"]

@@ -53,6 +53,7 @@ def _linen_case(module, inputs):
     return (lambda p: module.apply(p, inputs)), variables
 
 
+@pytest.mark.slow
 def test_flax_linen_conv_pool_layernorm_dense():
     x = RNG.normal(size=(2, 8, 8, 3)).astype(np.float32)
     fn, params = _linen_case(ConvNet(), x)
@@ -78,6 +79,7 @@ class NNXStack(nnx.Module):
         return self.out(x)
 
 
+@pytest.mark.slow
 def test_flax_nnx_linear_stack():
     model = NNXStack(nnx.Rngs(0))
     graphdef, state = nnx.split(model)  # `state` is a pytree: its arrays become ScaledArrays
@@ -85,6 +87,7 @@ def test_flax_nnx_linear_stack():
     check_forward_backward(lambda st: nnx.merge(graphdef, st)(x), state, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_equinox_mlp():
     mlp = eqx.nn.MLP(5, 3, width_size=8, depth=2, activation=jax.nn.gelu, key=jax.random.PRNGKey(2))
     params, static = eqx.partition(mlp, eqx.is_inexact_array)
@@ -109,6 +112,7 @@ OPTIMIZERS = {
         for n in sorted(OPTIMIZERS)
     ],
 )
+@pytest.mark.one_case
 def test_optax_training_step(name):
     """One step (loss, grads, update) in one autoscaled function; params and grads scaled."""
     model = nn.Dense(3)

@@ -184,6 +184,7 @@ TOL = {
     ],
     ids=str,
 )
+@pytest.mark.one_case
 def test_one_scale_per_layer_sgd_step(problem, dtype):
     scaled, got, expected, step = run_step(problem, dtype, per_layer)
     kernel = unwrap(scaled)["blocks"]["linear"]["kernel"]
@@ -215,6 +216,7 @@ def test_one_scale_per_layer_sgd_step(problem, dtype):
     assert step._cache_size() == compiled
 
 
+@pytest.mark.slow
 def test_one_scale_for_all_layers_loses_the_small_layers_in_float16(problem):
     """The float16 step with one scale for the whole stacked leaf: the small layers' data
     are float16 subnormals, so their parameters lose the precision that per-layer scales
@@ -239,6 +241,7 @@ def test_one_scale_for_all_layers_loses_the_small_layers_in_float16(problem):
 @pytest.mark.parametrize(
     "state_dtype", [np.float16, pytest.param(ml_dtypes.bfloat16, marks=pytest.mark.slow)], ids=str
 )
+@pytest.mark.one_case
 def test_scaled_adam_keeps_one_scale_per_layer_in_its_moments(problem, state_dtype):
     """Adam through `jsa.optax.scale_optimizer` on the per-layer-scaled float16 model: the
     moments of a stacked leaf are stored with its parameter's block scale (one per layer,
@@ -272,6 +275,7 @@ def test_scaled_adam_keeps_one_scale_per_layer_in_its_moments(problem, state_dty
     assert step._cache_size() == compiled
 
 
+@pytest.mark.slow
 def test_scaled_adam_over_steps_with_bfloat16_moments(problem):
     """Four Adam steps, float16 parameters with per-layer scales, bfloat16 moments: every
     layer's update stays within 5e-2 of float32 Adam's run from the same values (measured

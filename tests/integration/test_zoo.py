@@ -148,6 +148,7 @@ def _variables(state):
     return jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+@pytest.mark.slow
 def test_nnx_state_keeps_its_variables():
     """The whole state (`nnx.Param`s and the rotary tables, a custom `nnx.Variable` type) and
     the `nnx.Param` part of a split: each Variable keeps its type, and the converted state
@@ -248,6 +249,7 @@ def _gradients(programs, model, dtype):
     # tests/integration/test_libraries.py; the slow step runs all three.
     [m if m == "nnx" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS],
 )
+@pytest.mark.one_case
 def test_float16_gradients_match_float32(programs, model):
     """Every gradient leaf within 2e-2 of float32's (relative to its largest entry), at the
     same parameter values. Measured (largest over the leaves): linen 3.3e-3, NNX 3.8e-4,
@@ -445,6 +447,7 @@ def test_training_steps_match_float32(programs, model, opt):
     # would compile another, and Equinox's is slow (see PROGRAM_MODELS).
     [m if m == "nnx" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS],
 )
+@pytest.mark.one_case
 def test_plain_adam_on_float16_data_is_refused(programs, model):
     """Plain `optax.adam` on float16 ScaledArrays would divide by `sqrt(nu) + eps` with
     `eps` rounded to 0 in float16 (NaN parameters): the step, and the optimizer's update on

@@ -152,6 +152,7 @@ def _scaled(x, shape, dtype):
     return as_scaled_array_jit(x, scale_shape=shape, dtype=dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, dtype, jit",
     dtype_jit_params({layout: (layout,) for layout in CONV_LAYOUTS}, eager=EAGER_CONV),
@@ -185,6 +186,7 @@ def test_conv_block_layouts(layout, dtype, jit):
         ),
     ],
 )
+@pytest.mark.slow
 def test_conv_groups_and_dimension_numbers(groups, dimension_numbers, x_shape, w_shape, out_shape):
     lhs_spec, rhs_spec, _ = dimension_numbers
     rng = np.random.default_rng(3)
@@ -419,6 +421,7 @@ def test_while_keeps_small_rows_in_float16():
     assert err(tensor).max() > 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, dtype", [("row", np.float16), ("mx32", np.float32)], ids=["row-f16", "mx32-f32"]
 )

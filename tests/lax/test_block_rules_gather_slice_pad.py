@@ -163,6 +163,7 @@ def _embedding_loss(table, w, ids):
     return jnp.sum((jnp.take(table, ids, axis=0) @ w) ** 2)
 
 
+@pytest.mark.slow
 def test_embedding_model_with_per_row_float16_table():
     """A tiny model (embed, matmul, squared loss) with a per-row-scaled float16 table: the
     lookup is per token `(B, T, 1)`, and the table's gradient (a scatter-add of per-token
@@ -217,6 +218,7 @@ def _scatter_add_drop(t, u, i):
     return t.at[i[0]].add(-u, mode="drop")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fn, out_shape, dtype, jit",
     dtype_jit_params(

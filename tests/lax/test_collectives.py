@@ -463,6 +463,7 @@ def test_sums_of_data_at_the_top_of_float16_do_not_overflow(kind, groups):
     # test_collective_matches_plain_over_wide_scales[psum_unchecked-...]).
     [True, pytest.param(False, marks=pytest.mark.slow)],
 )
+@pytest.mark.one_case
 def test_layer_norm_of_per_device_values_in_shard_map_has_finite_gradients(check_vma):
     """Inside `shard_map` the constants used with per-device values (layer norm's epsilon)
     are made to vary first: they stay known constants (a scale of their own), and promoted

@@ -203,6 +203,7 @@ def test_table_covers_every_higher_order_rule():
     assert registered - covered == {"shard_map", "custom_lin"}
 
 
+@pytest.mark.slow
 def test_control_flow_without_jit():
     """Eagerly (rule by rule), every function at once: one run, many primitives."""
 
@@ -307,6 +308,7 @@ def test_scan_stacked_outputs_with_varying_and_constant_scales():
         for reverse in (False, True)
     ],
 )
+@pytest.mark.one_case
 def test_scan_over_stacked_per_layer_scales(dtype, reverse):
     """Layers 2^30 apart, stacked with one scale per layer `(L, 1, 1)`: each iteration sees
     its own layer's scale (float16 could not hold them at one scale), forward and backward,

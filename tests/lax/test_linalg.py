@@ -151,6 +151,7 @@ def test_linalg_table_jit(case, dtype, scale):
 GRAD_DEFAULT = ("matmul", "ragged_dot")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
     gradient_params(CASES, GRAD_DEFAULT),

@@ -297,6 +297,7 @@ def _logabsdet(m):
     return jnp.linalg.slogdet(m)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,scale", PACKED_LU_CASES)
 def test_lu_based_functions(dtype, scale):
     use_jit = scale != 1.0  # eager at scale 1, jit at the extreme scales
@@ -415,6 +416,7 @@ def _grad_scales(default):
     return [pytest.param(s, id=_ids([s])[0], marks=_slow_unless(s == default)) for s in GRAD_SCALES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", _grad_scales(2.0**-20))
 def test_grad_solve(scale):
     check_grad_matches(jnp.linalg.solve, [_general(), _rhs()], F32, scale, rtol=1e-3)
@@ -425,6 +427,7 @@ def test_grad_cholesky(scale):
     check_grad_matches(jnp.linalg.cholesky, [_spd()], F32, scale, rtol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", _grad_scales(2.0**-20))
 def test_grad_eigh_and_svd(scale):
     check_grad_matches(jnp.linalg.eigvalsh, [_spd()], F32, scale, rtol=1e-3)

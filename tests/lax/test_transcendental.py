@@ -355,6 +355,7 @@ def test_dynamic_scale_ignores_inf_and_nan_outputs():
     assert np.isinf(represented(out)[2]) and np.isnan(represented(out)[3])
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("eager")
 def test_random_gamma_grad_composite():
     """`lax.random_gamma_grad` is not a primitive: a composite with while loops.

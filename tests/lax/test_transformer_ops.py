@@ -120,6 +120,7 @@ EAGER_OPS = ("layer_norm",)
         for use_jit in (False, True)
     ],
 )
+@pytest.mark.one_case
 def test_forward_and_backward_scales_follow_the_data(name, use_jit):
     fn, shapes, scales = OPS[name]
     rng = _rng(name)
@@ -161,6 +162,7 @@ def test_forward_and_backward_scales_follow_the_data(name, use_jit):
     [pytest.param(False, marks=pytest.mark.slow), True],
     ids=["eager", "jit"],
 )
+@pytest.mark.one_case
 def test_scanned_layer_norm_grad_with_small_variance(use_jit):
     """`jax.grad` through float16 layer norms run by `lax.scan` over stacked parameters,
     on activations whose variance (2^-12) is far above eps (a float16 GPT at initialisation).

@@ -150,6 +150,7 @@ def mx_operands() -> tuple[np.ndarray, list]:
     return x, quantize_all(jnp.asarray(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MX_NAMES)
 def test_mx_operands_match_reference_exactly(name):
     """The MX operands of `mx_matmul` (`block_fake_quantize` along the contracting axis)."""
@@ -159,6 +160,7 @@ def test_mx_operands_match_reference_exactly(name):
     np.testing.assert_array_equal(np.asarray(out, np.float64), ref_mx(x, fmt, 32, 1))
 
 
+@pytest.mark.slow
 def test_finite_inputs_give_finite_outputs_at_the_extremes():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 32)) * np.array([[1e38], [1e-30], [1.0], [0.0]])
@@ -178,6 +180,7 @@ def test_finite_inputs_give_finite_outputs_at_the_extremes():
 # run too, compiled once. The recipes under jit (and grad) are in the default run through
 # test_inside_autoscale_with_scaled_arrays, equal to the calls outside jit checked here;
 # the slow step runs every recipe under jit too.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,use_jit", eager_and_jit(["tensor", "row", "mx"], lambda k: True, lambda k: False)
 )
@@ -212,6 +215,7 @@ def test_second_call_does_not_recompile():
         for n in MX_NAMES
     ],
 )
+@pytest.mark.one_case
 def test_mx_formats_match_reference(name):
     """Every MX element format, forward and backward (E5M2 gradients; N=24 and M=10 are
     padded to one block of 32 in the backward pass)."""
@@ -304,6 +308,7 @@ def test_rowwise_beats_tensorwise_when_rows_differ_by_2_pow_10():
 # vmap of the custom_vjp is the same for every recipe; the batching of MX's block
 # quantisation: tests/quantization/test_quantization_block.py::test_pytree_jit_and_vmap.
 @pytest.mark.parametrize("kind", ["row", pytest.param("mx", marks=pytest.mark.slow)])
+@pytest.mark.one_case
 def test_vmap_over_a_leading_axis(kind):
     x, _, _ = data(7, (3, 4, 32))
     # slices of the shapes of test_inside_autoscale_with_scaled_arrays (compiled once)
@@ -329,6 +334,7 @@ def test_vmap_over_a_leading_axis(kind):
         pytest.param("mx", jnp.float16, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.one_case
 def test_dtypes(kind, dtype):
     """Outputs in x's dtype, gradients in their primals'; values those of the float32
     recipe (tested above, same shapes) on the same (exactly converted) inputs, rounded
@@ -360,6 +366,7 @@ def scaled_data(kind):
 # gradients are checked against the reference in test_forward_and_gradients_match_reference,
 # and MX's scaled interpretation in the default run's test_called_on_scaled_arrays_outside_jit.
 @pytest.mark.parametrize("kind", ["row", pytest.param("mx", marks=pytest.mark.slow)])
+@pytest.mark.one_case
 def test_inside_autoscale_with_scaled_arrays(kind):
     """Called inside `jsa.autoscale` on ScaledArrays under jit: the plain call's values,
     and its gradients (of the data: those of the value times the scale), from one program
@@ -388,6 +395,7 @@ def test_inside_autoscale_with_scaled_arrays(kind):
 # (its scaled interpretation, forward; row-wise's under jit with gradients:
 # test_inside_autoscale_with_scaled_arrays), row-wise in the slow step.
 @pytest.mark.parametrize("kind", [pytest.param("row", marks=pytest.mark.slow), "mx"])
+@pytest.mark.one_case
 def test_called_on_scaled_arrays_outside_jit(kind):
     """Called on ScaledArrays directly (outside autoscale and jit): the plain call's
     values."""
@@ -443,6 +451,7 @@ SCALE_ROUNDING_X = np.array([[1.0, 2.0, 3.0, 7.0], [0.001, 0.002, 0.003, 0.004]]
 SCALE_ROUNDING_KW = {"format": "mxfp4_e2m1", "block_size": 2}
 
 
+@pytest.mark.slow
 def test_mx_scale_rounding_up():
     """`scale_rounding="up"`: every MX operand quantised with the rounded-up block scales
     (no saturation); the OCP rule saturates 7 -> 6 here, "up" keeps it (3.5 ties to 4 at

@@ -123,6 +123,7 @@ def _assert_matches(actual, expected):
     ],
     ids=lambda d: jnp.dtype(d).name,
 )
+@pytest.mark.one_case
 def test_accumulate_matches_one_batch(dtype):
     params, x, y = _problem(dtype)
     one = _one_batch(params, x, y)
@@ -166,6 +167,7 @@ def _linear_problem(dtype, big=None):
 _linear_one_batch = jax.jit(jsa.autoscale(jax.grad(_linear_loss)))
 
 
+@pytest.mark.slow
 def test_eager_and_values():
     """Outside `jit` and `autoscale` (it wraps itself); `has_value` stacks the losses."""
     params, x, y = _linear_problem(jnp.float16)
@@ -274,6 +276,7 @@ def _step(opt, apply, grad):
 _MULTI_IDENTITY = jsa.optax.multi_steps(optax.identity(), K)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("big", [None, 1], ids=["even", "large_second"])
 @pytest.mark.parametrize("dtype", _BF16_DEFAULT, ids=lambda d: jnp.dtype(d).name)
 def test_multi_steps_emits_the_one_batch_gradient(dtype, big):
@@ -315,6 +318,7 @@ def _assert_close_to_ulp(actual, expected, ulp):
         pytest.param(lambda: optax.sgd(0.1), id="sgd", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.one_case
 def test_multi_steps_parameters(inner):
     """After the k-th mini-step the parameters (bfloat16) and the inner state (Adam's
     moments) are the one-batch step's, one bfloat16 ulp apart at most (of the tensor's

@@ -86,6 +86,7 @@ SLOW_CASES = {("adamw", "bfloat16"), ("lion", "float16"), ("sgd-momentum", "bflo
         for name in sorted(OPTIMIZERS)
     ],
 )
+@pytest.mark.one_case
 def test_plain_optax_in_an_autoscaled_step(name, dtype):
     tx = OPTIMIZERS[name]()
     if dtype == np.float16 and name in DIVIDING:

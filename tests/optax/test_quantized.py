@@ -105,6 +105,7 @@ def test_state_leaves_stay_on_the_grid(name):
             np.testing.assert_allclose(a, b, rtol=0.05, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_state_dict_picks_fields():
     params = _params()
     opt = jsa.optax.quantize(
@@ -205,6 +206,7 @@ def test_key_arguments():
         _stochastic_opt(True).init(params)
 
 
+@pytest.mark.slow
 def test_jit_does_not_recompile_and_vmap_over_seeds():
     """One parameter leaf (two compile twice the program; test_same_seed_... has two)."""
     params, grads = {"w": _params()["w"]}, {"w": _grads()["w"]}
@@ -269,6 +271,7 @@ def test_scaled_leaves_quantize_their_data():
     np.testing.assert_array_equal(plain, 0.0)
 
 
+@pytest.mark.slow
 def test_scaled_parameters_and_state():
     """`quantize` around `scale_optimizer`, all in one autoscaled step, with stochastic weights."""
     # The inputs built under one `jax.jit` (eagerly, each operation is a compile).
@@ -316,6 +319,7 @@ def test_scaled_parameters_and_state():
 # --- chained with clipping ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["quantize(chain)", "chain(clip, quantize)"])
 def test_chained_with_clip_and_adam(order):
     params = _params()

@@ -68,6 +68,7 @@ def _float_leaves(tree):
     return [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_trains(name):
     params, x, y = _problem()
@@ -183,6 +184,7 @@ def _scaled_state():
     return {"params": params, "opt_state": state}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*sorted(RECIPES), "scaled"])
 def test_checkpoints_round_trip(name, tmp_path):
     if name == "scaled":

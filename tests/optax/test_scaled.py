@@ -133,6 +133,7 @@ def test_init_stores_scaled_float16(name):
         for n in sorted(OPTIMIZERS)
     ],
 )
+@pytest.mark.one_case
 def test_update_matches_float32_optax(name):
     """Same gradients in: scaled FP16 state and plain float32 optax agree for a few steps.
 
@@ -178,6 +179,7 @@ def test_update_matches_float32_optax(name):
     # test_update_matches_float32_optax; the step in one function, with Adam.
     [n if n == "adam" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(OPTIMIZERS)],
 )
+@pytest.mark.one_case
 def test_full_step_in_one_autoscale_function(name):
     """Forward, backward and optimizer inside one `@jax.jit @jsa.autoscale` function."""
     params, x, y = _problem()
@@ -361,6 +363,7 @@ def _adam_step(return_updates: bool, touch_updates: bool = False):
     return opt, step
 
 
+@pytest.mark.slow
 def test_apply_updates_adds_the_update_of_the_same_step_before_its_store():
     """Inside one autoscaled step, `apply_updates` adds `scale_optimizer`'s update as its
     float32 value: the new parameter is rounded once (within half a float16 ulp of float32

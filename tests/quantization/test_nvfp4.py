@@ -150,6 +150,7 @@ def _tiled(x: np.ndarray, r: int, c: int) -> np.ndarray:
     return x.reshape(m // r, r, n // c, c).swapaxes(1, 2).reshape(m // r, n // c, r * c)
 
 
+@pytest.mark.slow
 def test_2d_blocks_match_reference_and_commute_with_transposition():
     w = inputs(4)[:64].reshape(64, 32)  # 4 x 2 tiles of 16 x 16
     q = nvfp4_quantize(jnp.asarray(w), block_size=(16, 16))

@@ -160,6 +160,7 @@ def test_round_trip_error_bounds(name):
     ).all()
 
 
+@pytest.mark.slow
 def test_axis_and_batch_dimensions():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 64, 3)).astype(np.float32)

@@ -94,6 +94,7 @@ def f32_probes(fmt) -> np.ndarray:
     return probe_values(fmt)
 
 
+@pytest.mark.slow
 def test_nearest_bit_exact_vs_ml_dtypes():
     """All values, ties, around ties, out of range, specials and 100k random float32s."""
     x = np.concatenate([f32_probes(f) for f in FORMATS.values()] + [random_values(100_000, 1)])
@@ -142,6 +143,7 @@ def _grid_configs(formats, part):
     ],
     ids=str,
 )
+@pytest.mark.one_case
 def test_matches_grid_reference(dtype, part):
     """Presets and custom formats against a grid search: both roundings, saturation."""
     formats = GRID_FORMATS if dtype == np.float32 else [f for f in GRID_FORMATS if f.bits <= 8]

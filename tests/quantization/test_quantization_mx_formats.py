@@ -73,6 +73,7 @@ def test_unknown_mx_name_lists_the_names():
         for axis in (0, 1)
     ],
 )
+@pytest.mark.one_case
 def test_block_fake_quantize_is_dequantize_of_quantize(name, axis):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((40, 48)) * np.exp2(rng.uniform(-20, 20, (40, 1)))
@@ -151,6 +152,7 @@ EXTREMES = ("none", "subnormal", "huge")
         for extreme in EXTREMES
     ],
 )
+@pytest.mark.slow
 def test_block_fake_quantize_bit_exact_over_float32_range(name, extreme):
     """Nearest rounding takes a float32 path (scale, round, unscale) where it is exact and
     the integer path elsewhere: bit for bit the round trip, both scale roundings, both axes."""
@@ -174,6 +176,7 @@ def _tiled(x: np.ndarray, r: int, c: int) -> np.ndarray:
 # The tiles are blocks of 1,024 whatever the scale rounding (both roundings of 1-D blocks:
 # test_block_fake_quantize_bit_exact_over_float32_range): "up" in the slow step.
 @pytest.mark.parametrize("scale_rounding", ["floor", pytest.param("up", marks=pytest.mark.slow)])
+@pytest.mark.one_case
 def test_2d_blocks_are_one_scale_per_tile_and_commute_with_transposition(scale_rounding):
     """`block_size=(32, 32)`: each 32 x 32 tile is one block (the 1-D quantisation of the
     tile's 1,024 values), so a weight and its transpose quantise identically."""

@@ -59,6 +59,7 @@ def reference_values(nbits, es):
 # --- decoding ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_code_decodes_to_softposit_value(golden):
     """Every code of every SoftPosit format, by the library and by `decode_numpy`."""
     for (nbits, es), name in zip(GOLDEN_FORMATS, NAMES, strict=True):

@@ -168,6 +168,7 @@ def test_hints():
     assert_same_bits(np.asarray(table_quantize(x, t, hints=hints)), expected.astype(np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["posit8_es0", "subnormal8"])
 def test_stochastic_unbiased_and_between_neighbours(name):
     table = TABLES[name].astype(np.float32)

@@ -524,6 +524,7 @@ def test_matmul_linear_conv_factors():
     assert_scaled(gx, 20.25**-0.5)
 
 
+@pytest.mark.slow
 def test_elementwise_values_and_gradients_are_plain_times_factors():
     x, gate = normal(0, (64, 32)), normal(1, (64, 32))
     for unit, plain, name in (
@@ -619,6 +620,7 @@ def test_a_model_written_with_default_ops_is_unit_scale_of_the_plain_model(reado
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(jnp.abs(b).max()))
 
 
+@pytest.mark.slow
 def test_attention_is_plain_attention_times_factors():
     q, k, v = normal(0, (2, 16, 8)), normal(1, (2, 24, 8)), normal(2, (2, 24, 4))
     mask = jax.random.bernoulli(jax.random.key(5), 0.8, (16, 24)).at[:, 0].set(True)
@@ -646,6 +648,7 @@ def test_attention_is_plain_attention_times_factors():
     )
 
 
+@pytest.mark.slow
 def test_norm_embedding_and_loss_gradients_are_plain_times_factors():
     x, w, b = normal(0, (2, 8, 16)), normal(1, (16,)), normal(2, (16,))
 
@@ -815,6 +818,7 @@ def test_every_op_keeps_float16_and_bfloat16():
             assert out.dtype == dtype and all(g.dtype == dtype for g in grads), (name, dtype)
 
 
+@pytest.mark.slow
 def test_low_precision_values_follow_float32():
     """float16 / bfloat16 results match float32 ones to the format's precision; the large
     backward factors (cross_entropy's N sqrt(V) = 2^15 sqrt(8)) neither overflow nor flush."""
@@ -851,6 +855,7 @@ def test_low_precision_values_follow_float32():
                 np.testing.assert_allclose(b64, a64, atol=rtol * scale, err_msg=str(dtypes[d]))
 
 
+@pytest.mark.slow
 def test_jit_matches_eager_and_does_not_recompile():
     cases = _small_cases()
     for name in ("dot_general", "softmax"):

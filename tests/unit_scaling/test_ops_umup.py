@@ -285,6 +285,7 @@ MULT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op, mult, dtype, jit", pairwise_params(MULT_CASES))
 def test_mult_ops_are_plain_times_factors(op, mult, dtype, jit):
     unit, plain, shapes, fwd, grads = _mult_case(op, mult)
@@ -589,6 +590,7 @@ def test_cross_entropy_mean_counts_at_run_time():
     assert np.isnan(value) and np.all(g == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, jit", pairwise_params([(jnp.float16, 1), (jnp.bfloat16, 0)]))
 def test_cross_entropy_low_precision(dtype, jit):
     logits = normal(0, (64, 10), dtype)

@@ -198,6 +198,7 @@ def test_unit_multipliers_give_optax_adam(jit):
 
 # Eager: independent weight decay runs eagerly in test_weight_decay_mask.
 @pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.one_case
 def test_independent_weight_decay_constant_lr(jit):
     """Each step decays p by weight_decay * p, whatever the learning rate and multiplier."""
     wd = 0.1
@@ -324,6 +325,7 @@ def _flax_specs_from_paths(params):
     ],
     ids=["tree-False", "tree-True", "callable-False", "callable-True"],
 )
+@pytest.mark.one_case
 def test_flax_dense_model(specs, jit):
     model, params, x = _flax_mlp()
     multipliers = U.optim.lr_scales(specs, params)
@@ -502,6 +504,7 @@ def _scaled_problem():
     [False, pytest.param(True, marks=pytest.mark.slow)],
     ids=["autoscale", "scale_optimizer"],
 )
+@pytest.mark.one_case
 def test_scaled_arrays_under_autoscale(wrapped):
     """ScaledArray parameters in `jsa.autoscale` (the optimizer plain, or its state scaled by
     `jsa.optax.scale_optimizer` in float32): the values of plain float32 parameters."""
@@ -539,6 +542,7 @@ def test_scaled_arrays_under_autoscale(wrapped):
     )
 
 
+@pytest.mark.slow
 def test_float16_scaled_state():
     """The default `scale_optimizer` (float16 state data): close to float32 optax."""
     params, specs, loss = _scaled_problem()

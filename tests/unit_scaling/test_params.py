@@ -144,6 +144,7 @@ def test_flax_linen_modules():
     assert specs["Dense_1"]["kernel"] == ParamSpec("output", 4 * D)
 
 
+@pytest.mark.slow
 def test_specs_drive_u_optim_adam_through_a_unit_scaled_training_step():
     params = U.unit_init(_init(0))
     params.pop("step"), params.pop("unused")

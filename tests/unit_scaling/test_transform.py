@@ -160,6 +160,7 @@ def test_transformed_model_equals_the_model_written_with_unit_scaled_ops(inputs)
     _close(ours_grads, manual_grads)
 
 
+@pytest.mark.slow
 def test_final_layer_is_unconstrained_and_the_mean_scales_the_forward_only(inputs):
     x, params = inputs
     grads = jax.grad(U.unit_scale(loss), argnums=(0, 1))(x, params)
@@ -389,6 +390,7 @@ def test_bad_input_errors(inputs):
 # --- nesting ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nests_with_jit_both_orders(inputs):
     x, params = inputs
     reference = U.unit_scale(loss)
@@ -429,6 +431,7 @@ def test_grad_outside_the_transform(inputs, jit):
     assert set(aux) == {"logits_std"}
 
 
+@pytest.mark.slow
 def test_a_traced_gradient_is_refused_naming_the_order_to_use(inputs):
     """A function whose program computes a gradient (`jax.grad` or `jax.value_and_grad` of
     a loss, a training step, `jax.vjp`) has lost which backward equation belongs to which
@@ -474,6 +477,7 @@ def test_a_jitted_transform_is_looked_through(inputs):
         )
 
 
+@pytest.mark.slow
 def test_nests_with_vmap_both_orders(inputs):
     """`jax.vmap(U.unit_scale(f))` and `U.unit_scale(jax.vmap(f))` give the same values and
     gradients: the weights the vmap shares between examples get the gradient factor of all
@@ -546,6 +550,7 @@ def test_nests_with_nested_vmaps_of_a_loss_in_every_order(inputs):
         pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.one_case
 def test_nests_with_autoscale_both_orders(inputs, dtype):
     x, params = inputs
     scale = 2.0**-20
@@ -648,6 +653,7 @@ def test_without_residual_adds_the_readout_is_the_unconstrained_tail(inputs):
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, marks=pytest.mark.slow), jnp.bfloat16])
+@pytest.mark.one_case
 def test_low_precision_inputs_keep_their_dtype(inputs, dtype):
     x, params = inputs
     low = jax.tree_util.tree_map(lambda v: v.astype(dtype), (x, params))
