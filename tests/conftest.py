@@ -101,12 +101,17 @@ def pytest_collection_modifyitems(config, items):
         pairs = {(name, _value_key(value)) for name, value in callspec.params.items()}
         groups[function].append((item, pairs))
     for cases in groups.values():
-        if cases[0][0].get_closest_marker("one_case"):
-            beyond = [item for item, _ in cases[1:]]
-        else:
-            beyond = _beyond_each_choice(cases)
-        for item in beyond:
+        one_case = cases[0][0].get_closest_marker("one_case") is not None
+        for item in _left_for_the_slow_step(cases, one_case):
             item.add_marker(pytest.mark.slow)
+
+
+def _left_for_the_slow_step(cases, one_case):
+    """The cases of one test function that the default run leaves out: all but the first
+    with `one_case`, else those beyond each value once (`_beyond_each_choice`)."""
+    if one_case:
+        return [item for item, _ in cases[1:]]
+    return _beyond_each_choice(cases)
 
 
 def _beyond_each_choice(cases):

@@ -1,9 +1,10 @@
 """The default run's selection of parametrized cases (tests/conftest.py): every value of
-every parameter at least once, the other cases marked `slow`."""
+every parameter at least once (or, for `one_case` tests, the first case), the other cases
+marked `slow`."""
 
 import itertools
 
-from tests.conftest import _beyond_each_choice, _value_key
+from tests.conftest import _beyond_each_choice, _left_for_the_slow_step, _value_key
 
 
 def _cases(**axes):
@@ -31,3 +32,11 @@ def test_unhashable_values_and_single_axes_keep_every_case():
 def test_equal_values_of_different_types_are_different_values():
     cases = _cases(x=[1, 1.0, True])
     assert _beyond_each_choice(cases) == []
+
+
+def test_one_case_keeps_the_first_case_only():
+    cases = _cases(dtype=["float32", "float16"], jit=[False, True])
+    left = _left_for_the_slow_step(cases, one_case=True)
+    assert left == [values for values, _ in cases[1:]]
+    assert _left_for_the_slow_step(cases, one_case=False) == _beyond_each_choice(cases)
+    assert len(_beyond_each_choice(cases)) == 2

@@ -333,7 +333,7 @@ def test_fsdp_gradients_match_one_device():
 # test_collectives_under_autoscale_move_the_data_and_match_plain; the recipe with bfloat16
 # parameters in the slow step.
 @pytest.mark.parametrize("dtype", [jnp.float16, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_fsdp_under_autoscale_with_fp8_gathers_and_bf16_reductions(dtype):
     params = _mlp_params()
     x = _inputs()
@@ -439,7 +439,7 @@ def _simulate_fp8_loss(p, x):
     ],
     ids=["simulate_fp8", "rowwise"],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_fsdp_composes_with_fp8_matmul_recipes(fp8_loss):
     """`jsa.ops.simulate_fp8` / `rowwise_fp8_matmul` on the gathered parameters, inside the
     shard_map, under autoscale."""

@@ -117,6 +117,7 @@ def mlp_loss(w1, w2, x):
     return jnp.sum((h @ w2) ** 2)
 
 
+@pytest.mark.slow
 def test_forward_and_backward_pass_of_grad():
     rng = np.random.default_rng(0)
     w1 = jsa.as_scaled_array(jnp.asarray(rng.normal(size=(4, 8)), jnp.float16))

@@ -20,6 +20,7 @@ class Mlp(nn.Module):
         return nn.Dense(4, dtype=self.dtype)(nn.gelu(x))
 
 
+@pytest.mark.slow
 def test_flax_dense_with_float32_parameters_is_reported_with_its_source_line():
     x = jnp.ones((2, 4), jnp.float16)
     variables = Mlp().init(jax.random.PRNGKey(0), x)  # param_dtype float32, dtype None

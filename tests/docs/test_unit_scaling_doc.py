@@ -40,6 +40,7 @@ def printed():
     return {key: value.strip() for key, value in lines.items()}
 
 
+@pytest.mark.slow
 def test_examples_run_and_show_unit_scale(printed):
     assert 8.0 < float(printed["plain std"]) < 11.0
     assert 0.9 < float(printed["unit-scaled std"]) < 1.1
@@ -52,6 +53,7 @@ def test_examples_run_and_show_unit_scale(printed):
     assert len(fp8) == 2 and 1.0 < float(fp8[1]) < 10.0
 
 
+@pytest.mark.slow
 def test_optim_example(printed):
     """The u-muP optimizer section: the multipliers of the rules, a loss that falls, and the
     same optimizer with a float16 scaled state."""

@@ -56,7 +56,7 @@ def _leaves(tree):
     [np.float16, pytest.param(ml_dtypes.bfloat16, marks=pytest.mark.slow)],
     ids=["float16", "bfloat16"],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_gradients_match_float32(problem, dtype):
     """Every gradient tensor within 2e-2 (max abs error / max abs) of the float32 gradient
     at the same parameter values, with at most 1% of its significant entries flushed to zero.

@@ -184,7 +184,7 @@ TOL = {
     ],
     ids=str,
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_one_scale_per_layer_sgd_step(problem, dtype):
     scaled, got, expected, step = run_step(problem, dtype, per_layer)
     kernel = unwrap(scaled)["blocks"]["linear"]["kernel"]
@@ -241,7 +241,7 @@ def test_one_scale_for_all_layers_loses_the_small_layers_in_float16(problem):
 @pytest.mark.parametrize(
     "state_dtype", [np.float16, pytest.param(ml_dtypes.bfloat16, marks=pytest.mark.slow)], ids=str
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_scaled_adam_keeps_one_scale_per_layer_in_its_moments(problem, state_dtype):
     """Adam through `jsa.optax.scale_optimizer` on the per-layer-scaled float16 model: the
     moments of a stacked leaf are stored with its parameter's block scale (one per layer,

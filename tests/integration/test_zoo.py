@@ -249,7 +249,7 @@ def _gradients(programs, model, dtype):
     # tests/integration/test_libraries.py; the slow step runs all three.
     [m if m == "nnx" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_float16_gradients_match_float32(programs, model):
     """Every gradient leaf within 2e-2 of float32's (relative to its largest entry), at the
     same parameter values. Measured (largest over the leaves): linen 3.3e-3, NNX 3.8e-4,
@@ -447,7 +447,7 @@ def test_training_steps_match_float32(programs, model, opt):
     # would compile another, and Equinox's is slow (see PROGRAM_MODELS).
     [m if m == "nnx" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_plain_adam_on_float16_data_is_refused(programs, model):
     """Plain `optax.adam` on float16 ScaledArrays would divide by `sqrt(nu) + eps` with
     `eps` rounded to 0 in float16 (NaN parameters): the step, and the optimizer's update on

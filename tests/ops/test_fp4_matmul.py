@@ -122,7 +122,7 @@ _DEFAULT_RECIPE_CASES = {
         for c in _RECIPE_CASES
     ],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_each_matmul_is_the_recipe_step(
     recipe, scale_rounding, hadamard, stochastic, weight_blocks
 ):

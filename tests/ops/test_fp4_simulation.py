@@ -64,7 +64,7 @@ def by_hand(keep, key=KEY, **options):
     ],
     ids=["first_and_last", "none", "predicate"],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_value_and_gradients_are_the_recipe_on_the_chosen_matmuls(high_precision, keep):
     simulated = jsa.ops.simulate_fp4(loss, high_precision=high_precision)
     value, grads = jax.jit(jax.value_and_grad(lambda p, k: simulated(X, p, key=k)))(PARAMS, KEY)
@@ -186,7 +186,7 @@ def test_bad_uses_are_refused():
         pytest.param("fp4_tensor", marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_composes_with_autoscale(recipe):
     """Under `jsa.autoscale` with float16 ScaledArray inputs: ScaledArray gradients close to
     the float32 program's on the same values (float16 roundings elsewhere flip some 4-bit

@@ -308,7 +308,7 @@ def test_rowwise_beats_tensorwise_when_rows_differ_by_2_pow_10():
 # vmap of the custom_vjp is the same for every recipe; the batching of MX's block
 # quantisation: tests/quantization/test_quantization_block.py::test_pytree_jit_and_vmap.
 @pytest.mark.parametrize("kind", ["row", pytest.param("mx", marks=pytest.mark.slow)])
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_vmap_over_a_leading_axis(kind):
     x, _, _ = data(7, (3, 4, 32))
     # slices of the shapes of test_inside_autoscale_with_scaled_arrays (compiled once)

@@ -123,7 +123,7 @@ def _assert_matches(actual, expected):
     ],
     ids=lambda d: jnp.dtype(d).name,
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_accumulate_matches_one_batch(dtype):
     params, x, y = _problem(dtype)
     one = _one_batch(params, x, y)
@@ -318,7 +318,7 @@ def _assert_close_to_ulp(actual, expected, ulp):
         pytest.param(lambda: optax.sgd(0.1), id="sgd", marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_multi_steps_parameters(inner):
     """After the k-th mini-step the parameters (bfloat16) and the inner state (Adam's
     moments) are the one-batch step's, one bfloat16 ulp apart at most (of the tensor's

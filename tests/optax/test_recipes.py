@@ -79,6 +79,7 @@ def test_recipe_trains(name):
 
 
 @pytest.mark.parametrize("name", ["bf16_stochastic", "bf16_kahan"])
+@pytest.mark.one_case
 def test_bf16_recipes_store_bfloat16(name):
     recipe, params, state, _ = _train(name)
     assert all(p.dtype == jnp.bfloat16 for p in _float_leaves(params))
@@ -92,6 +93,7 @@ def test_bf16_recipes_store_bfloat16(name):
         assert jsa.optax.state_nbytes(state) == 6 * n + 4 + 8
 
 
+@pytest.mark.slow
 def test_ibm8_like_stores_its_formats():
     recipe, params, state, _ = _train("ibm8_like")
     for p in _float_leaves(params):

@@ -176,7 +176,7 @@ def _tiled(x: np.ndarray, r: int, c: int) -> np.ndarray:
 # The tiles are blocks of 1,024 whatever the scale rounding (both roundings of 1-D blocks:
 # test_block_fake_quantize_bit_exact_over_float32_range): "up" in the slow step.
 @pytest.mark.parametrize("scale_rounding", ["floor", pytest.param("up", marks=pytest.mark.slow)])
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_2d_blocks_are_one_scale_per_tile_and_commute_with_transposition(scale_rounding):
     """`block_size=(32, 32)`: each 32 x 32 tile is one block (the 1-D quantisation of the
     tile's 1,024 values), so a weight and its transpose quantise identically."""

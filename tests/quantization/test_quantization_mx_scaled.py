@@ -175,6 +175,7 @@ def test_pad_and_jit():
         lambda name: name in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"),
     ),
 )
+@pytest.mark.one_case
 def test_view_inside_autoscale_matmul(name, use_jit):
     rng = np.random.default_rng(6)
     a = rng.standard_normal((8, 64)) * np.exp2(rng.integers(-20, 20, (8, 2)).repeat(32, 1))

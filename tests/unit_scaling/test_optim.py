@@ -325,7 +325,7 @@ def _flax_specs_from_paths(params):
     ],
     ids=["tree-False", "tree-True", "callable-False", "callable-True"],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_flax_dense_model(specs, jit):
     model, params, x = _flax_mlp()
     multipliers = U.optim.lr_scales(specs, params)
@@ -504,7 +504,7 @@ def _scaled_problem():
     [False, pytest.param(True, marks=pytest.mark.slow)],
     ids=["autoscale", "scale_optimizer"],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_scaled_arrays_under_autoscale(wrapped):
     """ScaledArray parameters in `jsa.autoscale` (the optimizer plain, or its state scaled by
     `jsa.optax.scale_optimizer` in float32): the values of plain float32 parameters."""

@@ -174,6 +174,7 @@ def test_final_layer_is_unconstrained_and_the_mean_scales_the_forward_only(input
     assert 0.1 < float(jnp.std(grads[1]["wout"])) < 10.0
 
 
+@pytest.mark.slow
 def test_unit_scaled_model_keeps_activations_and_gradients_near_unit(inputs):
     x, params = inputs
     out, vjp = jax.vjp(U.unit_scale(model), x, params)
@@ -550,7 +551,7 @@ def test_nests_with_nested_vmaps_of_a_loss_in_every_order(inputs):
         pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_nests_with_autoscale_both_orders(inputs, dtype):
     x, params = inputs
     scale = 2.0**-20
@@ -653,7 +654,7 @@ def test_without_residual_adds_the_readout_is_the_unconstrained_tail(inputs):
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, marks=pytest.mark.slow), jnp.bfloat16])
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_low_precision_inputs_keep_their_dtype(inputs, dtype):
     x, params = inputs
     low = jax.tree_util.tree_map(lambda v: v.astype(dtype), (x, params))
