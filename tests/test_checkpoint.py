@@ -393,7 +393,7 @@ for v in range(1, 10**6):
 # Each kill a process of its own (~4 s to start): one in the default run, three in the slow
 # step.
 @pytest.mark.parametrize("kills", [1, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_killed_save_leaves_a_whole_checkpoint(tmp_path, kills):
     """A process saving versions 1, 2, 3, ... is killed at random times: the checkpoint is
     always one whole version (the last one saved, or the one being saved)."""

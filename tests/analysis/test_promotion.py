@@ -34,6 +34,7 @@ def test_flax_dense_with_float32_parameters_is_reported_with_its_source_line():
     assert "float16->float32" in str(report)
 
 
+@pytest.mark.slow
 def test_a_model_configured_for_float16_reports_nothing():
     x = jnp.ones((2, 4), jnp.float16)
     model = Mlp(dtype=jnp.float16)

@@ -112,7 +112,7 @@ OPTIMIZERS = {
         for n in sorted(OPTIMIZERS)
     ],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_optax_training_step(name):
     """One step (loss, grads, update) in one autoscaled function; params and grads scaled."""
     model = nn.Dense(3)

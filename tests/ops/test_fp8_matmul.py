@@ -196,6 +196,7 @@ def test_forward_and_gradients_match_reference(kind, use_jit):
     assert_close(dw, dw_ref)
 
 
+@pytest.mark.slow
 def test_second_call_does_not_recompile():
     x, w, _ = data(3)
     for kind in RECIPES:
@@ -334,7 +335,7 @@ def test_vmap_over_a_leading_axis(kind):
         pytest.param("mx", jnp.float16, marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_dtypes(kind, dtype):
     """Outputs in x's dtype, gradients in their primals'; values those of the float32
     recipe (tested above, same shapes) on the same (exactly converted) inputs, rounded
@@ -366,7 +367,7 @@ def scaled_data(kind):
 # gradients are checked against the reference in test_forward_and_gradients_match_reference,
 # and MX's scaled interpretation in the default run's test_called_on_scaled_arrays_outside_jit.
 @pytest.mark.parametrize("kind", ["row", pytest.param("mx", marks=pytest.mark.slow)])
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_inside_autoscale_with_scaled_arrays(kind):
     """Called inside `jsa.autoscale` on ScaledArrays under jit: the plain call's values,
     and its gradients (of the data: those of the value times the scale), from one program
@@ -395,7 +396,7 @@ def test_inside_autoscale_with_scaled_arrays(kind):
 # (its scaled interpretation, forward; row-wise's under jit with gradients:
 # test_inside_autoscale_with_scaled_arrays), row-wise in the slow step.
 @pytest.mark.parametrize("kind", [pytest.param("row", marks=pytest.mark.slow), "mx"])
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_called_on_scaled_arrays_outside_jit(kind):
     """Called on ScaledArrays directly (outside autoscale and jit): the plain call's
     values."""

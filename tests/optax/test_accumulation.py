@@ -142,6 +142,7 @@ _BF16_DEFAULT = [pytest.param(jnp.float16, marks=pytest.mark.slow), jnp.bfloat16
 
 @pytest.mark.parametrize("big", [0, 2], ids=["first", "third"])
 @pytest.mark.parametrize("dtype", _BF16_DEFAULT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.slow
 def test_one_large_microbatch(dtype, big):
     """One microbatch's gradient 2**10 larger: the scale is its (over all four), not the
     last microbatch's."""
@@ -181,6 +182,7 @@ def test_eager_and_values():
     np.testing.assert_allclose(np.mean(_value(values)), _value(loss), rtol=2.0**-9)
 
 
+@pytest.mark.slow
 def test_sum():
     """`mean=False`: the sum of the microbatch gradients, the gradient of the summed loss."""
     params, x, y = _linear_problem(jnp.bfloat16)
@@ -289,6 +291,7 @@ def test_multi_steps_emits_the_one_batch_gradient(dtype, big):
         assert acc.dtype == jnp.float32 and not np.any(_value(acc))
 
 
+@pytest.mark.slow
 def test_scale_optimizer_of_multi_steps():
     """`scale_optimizer(optax.MultiSteps(...))` also emits the one-batch scales (its
     accumulator in the scaled state's dtype, float16: a looser tolerance). On the linear

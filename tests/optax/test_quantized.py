@@ -79,6 +79,7 @@ GRID_SPECS = {
         for n in sorted(GRID_SPECS)
     ],
 )
+@pytest.mark.slow
 def test_state_leaves_stay_on_the_grid(name):
     """One parameter leaf (half the program of two; the per-leaf keys are
     test_same_seed_same_run_and_steps_draw_new_keys's)."""

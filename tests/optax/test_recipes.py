@@ -79,7 +79,7 @@ def test_recipe_trains(name):
 
 
 @pytest.mark.parametrize("name", ["bf16_stochastic", "bf16_kahan"])
-@pytest.mark.one_case
+@pytest.mark.slow
 def test_bf16_recipes_store_bfloat16(name):
     recipe, params, state, _ = _train(name)
     assert all(p.dtype == jnp.bfloat16 for p in _float_leaves(params))

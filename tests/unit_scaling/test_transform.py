@@ -144,6 +144,7 @@ def test_finds_the_residual_adds_of_a_pre_norm_block_and_leaves_other_adds(input
     assert "dot_general" in tail_prims and "rsqrt" in tail_prims
 
 
+@pytest.mark.slow
 def test_transformed_model_equals_the_model_written_with_unit_scaled_ops(inputs):
     x, params = inputs
     cotangent = normal(2, (SEQ, VOCAB))
@@ -191,6 +192,7 @@ def test_unit_scaled_model_keeps_activations_and_gradients_near_unit(inputs):
     assert min(plain.values()) < 0.01 and max(plain.values()) > 3.0, plain
 
 
+@pytest.mark.slow
 def test_fixed_tau_is_used_for_every_residual_add(inputs):
     x, params = inputs
     ours = U.unit_scale(model, tau=0.5)
@@ -229,6 +231,7 @@ def test_tau_rules_weigh_each_branch_by_its_index_and_kind(inputs):
     )
 
 
+@pytest.mark.slow
 def test_a_bias_enters_its_matmul_s_scaled_product(inputs):
     x, params = inputs
     # Non-zero biases (after training): each is multiplied by its matmul's forward factor
