@@ -110,6 +110,7 @@ def _unit_grads(params):
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.one_case
 def test_init_stores_scaled_float16(name):
     params, _, _ = _problem()
     opt = jsa_optax.scale_optimizer(OPTIMIZERS[name]())
@@ -215,8 +216,9 @@ def test_full_step_in_one_autoscale_function(name):
     assert all(isinstance(p, jsa.ScaledArray) and p.dtype == jnp.float16 for p in _leaves(s_params))
 
 
-# The wrapping is the optimizer's: Adam in the default run, momentum in the slow step.
-@pytest.mark.parametrize("name", [pytest.param("momentum", marks=pytest.mark.slow), "adam"])
+# The wrapping is the optimizer's; each compiles a whole scaled step (~4 s): slow step.
+@pytest.mark.parametrize("name", ["momentum", "adam"])
+@pytest.mark.slow
 def test_outside_autoscale_matches_inside(name):
     """`update` and `apply_updates` wrap themselves in autoscale when given ScaledArrays."""
     params, _, _ = _problem()

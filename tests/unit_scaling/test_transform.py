@@ -206,6 +206,7 @@ def _stack(x, p, layers=3):
     return x
 
 
+@pytest.mark.slow
 def test_tau_rules_weigh_each_branch_by_its_index_and_kind(inputs):
     x, params = inputs
     seen = []
@@ -266,6 +267,7 @@ def test_a_stream_given_as_input_is_a_skip_not_a_bias(inputs):
     _close(U.unit_scale(residual_block)(x, w), x / math.sqrt(1.0 + tau**2))
 
 
+@pytest.mark.slow
 def test_umup_readout_divides_the_logits_by_the_square_root_of_the_fan_in_again(inputs):
     x, params = inputs
     unit, umup = (U.unit_scale(model, readout=r)(x, params) for r in ("unit", "umup"))
@@ -278,6 +280,7 @@ def test_umup_readout_divides_the_logits_by_the_square_root_of_the_fan_in_again(
     _close(g_umup, g_unit)
 
 
+@pytest.mark.slow
 def test_unit_attention_gmean_and_running_mean_give_the_model_written_so(inputs):
     x, params = inputs
     ours = U.unit_scale(model, tau="running_mean", constraint="gmean", attention="unit")
