@@ -19,7 +19,10 @@ if TYPE_CHECKING:
     from ..core.datatype import ScaledArray
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False: equal only to itself. Arrays have no single truth value, so a field-wise `==`
+# raises (Python 3.13's dataclass `__eq__` compares field by field; earlier ones compared
+# tuples, which passed only for the very same arrays).
+@dataclasses.dataclass(frozen=True, eq=False)
 class MXArray:
     """A block scaled array: ``value = data * scale`` per block along one axis.
 

@@ -47,7 +47,10 @@ _E4M3 = jnp.dtype(ml_dtypes.float8_e4m3fn)
 _E2M1 = jnp.dtype(ml_dtypes.float4_e2m1fn)
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False: equal only to itself. Arrays have no single truth value, so a field-wise `==`
+# raises (Python 3.13's dataclass `__eq__` compares field by field; earlier ones compared
+# tuples, which passed only for the very same arrays).
+@dataclasses.dataclass(frozen=True, eq=False)
 class NVFP4Array:
     """An NVFP4-quantised array: ``value = data * (scale * tensor_scale)`` per block.
 

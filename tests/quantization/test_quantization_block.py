@@ -203,7 +203,16 @@ def test_pytree_jit_and_vmap():
     mx = block_quantize(x, "float4_e2m1fn")
     leaves, treedef = jax.tree_util.tree_flatten(mx)
     assert len(leaves) == 2 and leaves[0] is mx.data and leaves[1] is mx.scale
-    assert jax.tree_util.tree_unflatten(treedef, leaves) == mx
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert rebuilt.data is mx.data and rebuilt.scale is mx.scale
+    assert (rebuilt.format, rebuilt.block_size, rebuilt.axis, rebuilt.length) == (
+        mx.format,
+        mx.block_size,
+        mx.axis,
+        mx.length,
+    )
+    # Equal only to itself (no field-wise `==` of arrays, which has no single truth value).
+    assert mx == mx and rebuilt != mx and len({mx, rebuilt}) == 2
     expected = np.asarray(block_dequantize(mx))
 
     jitted = jax.jit(lambda v: block_quantize(v, "float4_e2m1fn"))(x)
