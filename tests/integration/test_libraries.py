@@ -79,8 +79,7 @@ class NNXStack(nnx.Module):
         return self.out(x)
 
 
-@pytest.mark.slow
-def test_flax_nnx_linear_stack():
+def test_flax_nnx_linear_stack():  # the default run's library model (the others: slow)
     model = NNXStack(nnx.Rngs(0))
     graphdef, state = nnx.split(model)  # `state` is a pytree: its arrays become ScaledArrays
     x = RNG.normal(size=(4, 6)).astype(np.float32)

@@ -23,8 +23,8 @@ def _cg_solve(a, v):
     return jax.scipy.sparse.linalg.cg(lambda x: a @ x, v, tol=1e-6)[0]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("solver", [_diag_solve, _cg_solve], ids=["diag", "cg"])
+@pytest.mark.one_case
 def test_custom_linear_solve_forward_and_implicit_gradients(solver):
     """The solve is kept (cg's while loop has no reverse-mode): gradients are implicit."""
     a = RNG.normal(size=(3, 3)).astype(np.float32)
