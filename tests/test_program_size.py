@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from pathlib import Path
 
 import jax
@@ -174,23 +173,11 @@ def _hlo_instructions(compiled) -> int:
     return sum(" = " in line for line in compiled.as_text().splitlines())
 
 
-_NOT_KERNELS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
-
-
 def _kernels(compiled) -> int:
-    """Kernels of an optimized HLO module: its ENTRY instructions other than parameters,
-    constants, tuples and bitcasts (each a fusion, a library call or a loop of its own;
-    `benchmarks/program_size.py` counts the same)."""
-    kernels, inside = 0, False
-    for line in compiled.as_text().splitlines():
-        if line.startswith("ENTRY"):
-            inside = True
-        elif inside and line.startswith("}"):
-            break
-        elif inside and " = " in line:
-            operation = re.search(r"(?:^|\s)([a-z][a-z0-9_-]*)\(", line.split(" = ", 1)[1])
-            kernels += operation is not None and operation.group(1) not in _NOT_KERNELS
-    return kernels
+    """Kernels of an optimized HLO module, counted as `benchmarks/program_size.py` counts
+    them (its ENTRY instructions other than parameters, constants, tuples and bitcasts)."""
+    benchmark = load_script("program_size", "benchmarks/program_size.py")
+    return benchmark.hlo_counts(compiled.as_text())[0]
 
 
 def test_a_scalar_every_leaf_reads_is_computed_once():
