@@ -25,6 +25,8 @@ from .core.datatype import as_scaled_array as as_scaled_array
 from .core.datatype import asarray as asarray
 from .core.datatype import is_scaled_leaf as is_scaled_leaf
 from .core.datatype import scaled_array as scaled_array
+from .core.delayed import ScaleHistory as ScaleHistory
+from .core.delayed import delayed_scaling as delayed_scaling
 from .core.interpreter import autoscale as autoscale
 from .core.interpreter import scalify as scalify
 from .core.registry import coverage as coverage
@@ -52,6 +54,7 @@ __all__ = [
     "AutoScaleConfig",
     "analysis",
     "Pow2RoundMode",
+    "ScaleHistory",
     "ScalePolicy",
     "ScaledArray",
     "as_scaled_array",
@@ -59,6 +62,7 @@ __all__ = [
     "autoscale",
     "checkpoint",
     "coverage",
+    "delayed_scaling",
     "is_scaled_leaf",
     "lax",
     "mp",

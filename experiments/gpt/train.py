@@ -37,6 +37,13 @@ Modes:
                      `jsa.ops.simulate_fp8(U.unit_scale(loss_fn))`, float32 Adam, no loss scaling
                      and no dynamic rescaling. Its own learning rate (`--mode-lr`).
 
+Delayed-scaling modes (`--mode delayed` runs fp32, scaled-fp16, scaled-fp8 and these):
+    scaled-fp16-delayed, scaled-fp8-delayed
+                     scaled-fp16 / scaled-fp8 with the step under `jsa.delayed_scaling`:
+                     each top-level sum and contraction at the largest of its 16 previous
+                     dynamic scales; the scale history is carried beside the Adam state,
+                     made by the first (dynamic) step.
+
 4-bit modes (`--mode fp4` runs fp32 and all of them): float32 parameters and Adam, the loss
 wrapped in `jsa.ops.simulate_fp4(loss_fn, ...)` (the linear layers' three matmuls with 4-bit
 operands; the key of step i is `fold_in(key(seed + 1), i)`):
@@ -111,6 +118,9 @@ FP8_MODES = (
     "unit-scaled-fp8",
 )
 """The modes of `--mode all`."""
+DELAYED_MODES = ("scaled-fp16-delayed", "scaled-fp8-delayed")
+"""scaled-fp16 and scaled-fp8 with `jsa.delayed_scaling` (`--mode delayed` runs fp32, both
+dynamic modes and these)."""
 FP4_RECIPES: dict[str, dict[str, Any]] = {
     "nvfp4": {},
     "nvfp4-no-hadamard": {"hadamard": False},
@@ -127,7 +137,7 @@ FP4_RECIPES: dict[str, dict[str, Any]] = {
     },
 }
 """The `jsa.ops.simulate_fp4` arguments of each 4-bit mode (`--mode fp4`: fp32 and these)."""
-MODES = FP8_MODES + tuple(FP4_RECIPES)
+MODES = FP8_MODES + DELAYED_MODES + tuple(FP4_RECIPES)
 SCALE_LAYOUTS: dict[str, str | int] = {
     "scaled-fp8": "tensor",
     "scaled-fp8-rowwise": "axis",
@@ -302,6 +312,31 @@ def _scaled_step(loss: Callable[..., Any], opt: optax.GradientTransformation) ->
     return jax.jit(jsa.autoscale(step))
 
 
+def _delayed_step(
+    loss: Callable[..., Any], opt: optax.GradientTransformation
+) -> Callable[..., Any]:
+    """`_scaled_step` under `jsa.delayed_scaling`: the state is `(optimizer state, scale
+    history)`; the first step (history None) is the dynamic step that makes the history."""
+
+    def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return jsa_optax.apply_updates(params, updates), state, value
+
+    delayed = jsa.delayed_scaling(step)
+    first, later = jax.jit(delayed.init), jax.jit(delayed)
+
+    def run(params: Any, state: Any, x: Any, y: Any) -> Any:
+        opt_state, history = state
+        if history is None:
+            (params, opt_state, value), history = first(params, opt_state, x, y)
+        else:
+            (params, opt_state, value), history = later(history, params, opt_state, x, y)
+        return params, (opt_state, history), value
+
+    return run
+
+
 def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float, seed: int = 0) -> Mode:
     """The state and functions of mode `name`, from the float32 parameters `params32`
     (`seed`: of the 4-bit modes' random bits)."""
@@ -333,18 +368,21 @@ def setup_mode(name: str, params32: Any, model: gpt.GPTConfig, lr: float, seed: 
             float32_loss,
             float32_loss if name == "fp32" else jax.jit(train_loss),
         )
-    if name == "scaled-fp16" or name in SCALE_LAYOUTS:
+    delayed = name in DELAYED_MODES
+    base = name.removesuffix("-delayed")
+    if base == "scaled-fp16" or base in SCALE_LAYOUTS:
         train_loss = loss
-        if name in SCALE_LAYOUTS:
-            train_loss = jsa.ops.simulate_fp8(loss, rescale=True, scale_layout=SCALE_LAYOUTS[name])
+        if base in SCALE_LAYOUTS:
+            train_loss = jsa.ops.simulate_fp8(loss, rescale=True, scale_layout=SCALE_LAYOUTS[base])
         opt = jsa_optax.scale_optimizer(_adam(lr), state_dtype=jnp.float16)
         params = _to_scaled_fp16(params32)
+        opt_state = jax.jit(opt.init)(params)
         return Mode(
             name,
             lr,
             params,
-            jax.jit(opt.init)(params),
-            _scaled_step(train_loss, opt),
+            (opt_state, None) if delayed else opt_state,
+            _delayed_step(train_loss, opt) if delayed else _scaled_step(train_loss, opt),
             lambda p: jsa.asarray(p, jnp.float32),
             float32_loss,
             jax.jit(jsa.autoscale(train_loss)),
@@ -579,10 +617,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--mode",
-        choices=(*MODES, "all", "fp4"),
+        choices=(*MODES, "all", "fp4", "delayed"),
         nargs="+",
         default=["all"],
-        help="one or more modes; all: the FP8 and scaled modes, fp4: fp32 and the 4-bit modes",
+        help="one or more modes; all: the FP8 and scaled modes, fp4: fp32 and the 4-bit modes, "
+        "delayed: fp32, scaled-fp16, scaled-fp8 and their delayed_scaling modes",
     )
     parser.add_argument("--n-layer", type=int, default=defaults.n_layer, help="depth")
     parser.add_argument("--n-head", type=int, default=defaults.n_head, help="attention heads")
@@ -633,7 +672,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     )
     mode_lr = _parse_mode_lr(args.mode_lr)
     text = datasets.tinyshakespeare(args.data_dir)
-    groups = {"all": FP8_MODES, "fp4": ("fp32", *FP4_RECIPES)}
+    groups = {
+        "all": FP8_MODES,
+        "fp4": ("fp32", *FP4_RECIPES),
+        "delayed": ("fp32", "scaled-fp16", "scaled-fp8", *DELAYED_MODES),
+    }
     modes = tuple(dict.fromkeys(m for name in args.mode for m in groups.get(name, (name,))))
     if args.step_cost:
         costs = step_cost(modes, text, config)

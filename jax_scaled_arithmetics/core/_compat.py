@@ -177,6 +177,18 @@ def unspecified_sharding() -> Any:
     return sharding_impls.UNSPECIFIED
 
 
+def jit_places_nothing(params: dict[str, Any]) -> bool:
+    """Whether a jit equation's parameters give no sharding or layout for any argument or
+    output (inlining it then changes nothing XLA is told)."""
+    unspecified = unspecified_sharding()
+    for name in ("in_shardings", "out_shardings"):
+        if any(s is not unspecified for s in params.get(name, ())):
+            return False
+    return all(
+        layout is None for name in ("in_layouts", "out_layouts") for layout in params.get(name, ())
+    )
+
+
 def default_per_arg_value(param_name: str) -> Any:
     """The value a jit per-argument parameter takes for an added scale argument."""
     if param_name in ("in_shardings", "out_shardings"):
@@ -220,6 +232,14 @@ def is_symbolic_zero(x: Any) -> bool:
 def typeof(x: Any) -> Any:
     """The abstract value (aval) of an array or tracer."""
     return jax.typeof(x)
+
+
+def current_trace() -> Any:
+    """The trace that values computed now belong to (the evaluation trace outside any
+    transform; a new one inside each `make_jaxpr` / `jit` / `scan` body being traced)."""
+    from jax._src import core as _core
+
+    return _core.trace_ctx.trace
 
 
 def is_tracer(x: Any) -> bool:

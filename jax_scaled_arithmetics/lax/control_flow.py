@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core import _compat, block_scales, registry
+from ..core import _compat, block_scales, delayed, registry
 from ..core.config import get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.promotion import promote_to_scaled
@@ -83,6 +83,10 @@ def _expand_per_value(values: Sequence[Any], specs: Sequence[Any], name: str) ->
 )
 def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
     known = operand_constants()
+    if delayed.recording() and _compat.jit_places_nothing(params):
+        # Inlined, so that its sums and contractions are sites of the delayed_scaling
+        # step being traced (in a jit of its own they would be traced apart from it).
+        return registry.interpret_closed_jaxpr(jaxpr, args, known)
     new_jaxpr, consts, in_specs, out_specs = trace_scaled_jaxpr(jaxpr, args, known)
     leaves, _ = flatten_compact(args)
     new_params = dict(params)

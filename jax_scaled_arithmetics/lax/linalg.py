@@ -46,7 +46,7 @@ def represent_accumulation(acc: Any, factors: Any, dtype: Any, fan_in: int) -> S
     configured policy's output scale (see the module docstring)."""
     if get_autoscale_config().policy == ScalePolicy.STATIC:
         return represent(acc, factors, dtype, extra=float(fan_in_factor(fan_in)))
-    return represent_dynamic(acc, factors, dtype)
+    return represent_dynamic(acc, factors, dtype, delayable=True)
 
 
 def _scaled_contraction(

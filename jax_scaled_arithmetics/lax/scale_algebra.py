@@ -31,6 +31,7 @@ from jax import lax
 from ..core import _compat
 from ..core.config import Pow2RoundMode, get_autoscale_config
 from ..core.datatype import ScaledArray
+from ..core.delayed import site_recorder
 from ..core.dtypes import compute_dtype
 from ..core.pow2 import static_pow2
 from ..core.scale_arithmetic import (
@@ -381,7 +382,20 @@ def scale_sqrt(scale: Any, round_up: bool = False) -> Any:
     return mark_pow2(scale_root_p.bind(as_f32(scale), degree=2, round_up=round_up))
 
 
-def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> ScaledArray:
+def _clamped_dynamic_scale(acc: Array, static: float) -> Array:
+    """The dynamic scale of `acc * static` for a static factor beyond float32's range: the
+    power of two of `acc`'s largest magnitude times the factor, in two float32 halves,
+    clamped to `[SCALE_MIN, SCALE_MAX]` as the dynamic scale is."""
+    half = float(2.0 ** np.clip(np.floor(np.log2(abs(static)) / 2), -126, 126))
+    rest = float(np.clip(abs(static) / half, 2.0**-126, 2.0**126))
+    of_acc = dynamic_scale_p.bind(acc, np.float32(1.0))[0]
+    product = of_acc * np.float32(half) * np.float32(rest)
+    return lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
+
+
+def represent_dynamic(
+    acc: Array, factors: Sequence[Factor], dtype: Any, *, delayable: bool = False
+) -> ScaledArray:
     """`acc * prod(scale ** power)` as a ScaledArray whose scale follows the value.
 
     The output scale `t` is the power of two of the value's largest finite magnitude
@@ -390,6 +404,11 @@ def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> Scal
     overflow elementwise, and tiny values keep their precision (the value itself is never
     formed). `t` depends on the data only, not on the input scales: the scalar work that
     XLA fuses into each kernel does not grow along the program.
+
+    `delayable`: a site of `jsa.delayed_scaling` (a sum or contraction) when one is being
+    traced here: `t` is recorded for the next step's history, and the output takes the
+    site's held scale from the earlier steps instead (the data then does not wait for its
+    own reduction).
     """
     cdtype = compute_dtype(acc.dtype)
     acc = acc.astype(cdtype)
@@ -407,9 +426,14 @@ def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> Scal
         if power < 0:
             term = scale_div(np.float32(1.0), term)
         product = term if product is None else scale_mul(product, term)
+    recorder = site_recorder() if delayable else None
+    description = f"{np.dtype(dtype).name}{list(np.shape(acc))}"
     if not (static == 0.0 or SCALE_MIN <= abs(static) <= SCALE_MAX):
         # A static product beyond float32's range (huge or tiny constant scales): formed
-        # without overflow by the static path, which moves the excess into the data.
+        # without overflow by the static path, which moves the excess into the data. Still
+        # a site (the sites of a program do not depend on its scales' values).
+        if recorder is not None:
+            recorder.record(_clamped_dynamic_scale(acc, static), description)
         return represent(acc, factors, dtype)
     if product is None:
         product = np.float32(static)
@@ -417,6 +441,11 @@ def represent_dynamic(acc: Array, factors: Sequence[Factor], dtype: Any) -> Scal
         product = scale_mul(product, np.float32(static))
     scale, ratio = dynamic_scale_p.bind(*_compat.match_varying(acc, product))
     mark_pow2(scale)
+    if recorder is not None:
+        held = recorder.record(scale, description)
+        if held is not None:
+            scale, inverse = mark_pow2(held[0]), mark_pow2(held[1])
+            ratio = scale_mul(product, inverse)
     if is_pow2(product):
         mark_pow2(ratio)
     return ScaledArray((acc * ratio.astype(cdtype)).astype(dtype), scale)

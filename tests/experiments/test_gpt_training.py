@@ -198,3 +198,16 @@ def test_main_reads_data_dir_and_checks_it(tmp_path, monkeypatch):
     expected = data.TINYSHAKESPEARE.sha256
     with pytest.raises(data.ChecksumError, match=f"not the genuine .*expected SHA-256 {expected}"):
         train_gpt.main(["--data-dir", str(tmp_path), "--mode", "fp32", "--steps", "1"])
+
+
+@pytest.mark.slow
+def test_delayed_modes_start_with_the_dynamic_step_and_stay_close(runs):
+    """The delayed modes' first step is the dynamic step that makes the history (the same
+    loss to the bit); the later steps, at held scales, stay within the mode's precision."""
+    logs, _ = runs
+    for mode in train_gpt.DELAYED_MODES:
+        dynamic = logs[mode.removesuffix("-delayed")]
+        assert logs[mode]["train_loss"][0] == dynamic["train_loss"][0], mode
+        np.testing.assert_allclose(
+            logs[mode]["train_loss"], dynamic["train_loss"], atol=0.05, err_msg=mode
+        )

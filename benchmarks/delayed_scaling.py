@@ -1,0 +1,125 @@
+"""Kernels, compile time and step time of `jsa.delayed_scaling` against the dynamic step.
+
+For each case of `benchmarks/program_size.py` named with `--cases` (default: the 2-block
+char GPT's Adam step and the three zoo training steps, float16 data with
+`scale_optimizer(adam)` where program_size says so), three variants of one training step:
+
+- plain: `jax.jit(step)` on float32 arrays;
+- dynamic: `jax.jit(jsa.autoscale(step))`, every sum and contraction at its own dynamic
+  scale (`ScalePolicy.DYNAMIC`);
+- delayed: `jax.jit(jsa.delayed_scaling(step))`, its top-level sums and contractions at the
+  scales of a history made by `step.init` (`--history` steps long).
+
+Measured: the sites of the delayed step (sums and contractions with a history), the compiled
+program's kernels and instructions (program_size's `hlo_counts` of the optimized HLO), the
+lower + compile time, and the median step time of the three compiled steps run in turn
+(`--iters` rounds after a warm-up). One process: compare the ratios of one run.
+
+Run:
+    python benchmarks/delayed_scaling.py [--cases gpt2-adam,zoo-linen] [--iters 20]
+        [--history 16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import jax_scaled_arithmetics as jsa
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CASES = ("gpt2-adam", "zoo-linen", "zoo-nnx", "zoo-equinox")
+
+
+def _program_size() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "program_size", ROOT / "benchmarks" / "program_size.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["program_size"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiled(fun: Any, args: tuple[Any, ...]) -> tuple[Any, float, int, int]:
+    start = time.perf_counter()
+    compiled = jax.jit(fun).lower(*args).compile()
+    seconds = time.perf_counter() - start
+    kernels, instructions = PS.hlo_counts(compiled.as_text())
+    return compiled, seconds, kernels, instructions
+
+
+def _median_times(steps: dict[str, tuple[Any, tuple[Any, ...]]], iters: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(iters + 3):
+        for name, (compiled, args) in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            if round_ >= 3:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def measure(case_name: str, history_length: int, iters: int) -> dict[str, Any]:
+    builder, dtype = PS.CASES[case_name]
+    case = builder(jnp.dtype(dtype))
+    step = case.scaled_step or case.plain_step
+    delayed = jsa.delayed_scaling(step, history_length=history_length)
+    _, history = jax.jit(delayed.init)(*case.scaled_args)
+    variants = {
+        "plain": (case.plain_step, case.plain_args),
+        "dynamic": (jsa.autoscale(step), case.scaled_args),
+        "delayed": (delayed, (history, *case.scaled_args)),
+    }
+    row: dict[str, Any] = {"case": case_name, "dtype": dtype, "sites": len(history.sites)}
+    runnable = {}
+    for name, (fun, args) in variants.items():
+        compiled, seconds, kernels, instructions = _compiled(fun, args)
+        row[name] = {"compile_s": seconds, "kernels": kernels, "instructions": instructions}
+        runnable[name] = (compiled, args)
+    for name, seconds in _median_times(runnable, iters).items():
+        row[name]["step_ms"] = 1e3 * seconds
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--history", type=int, default=16)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    print(f"# {platform.node()} {platform.machine()}, JAX {jax.__version__}, {jax.devices()[0]}")
+    header = f"{'case':<12} {'sites':>5} {'variant':<8} {'kernels':>7} {'x plain':>7}"
+    print(header + f" {'compile s':>9} {'step ms':>8} {'x plain':>7}")
+    rows = []
+    for case_name in args.cases.split(","):
+        row = measure(case_name, args.history, args.iters)
+        rows.append(row)
+        plain = row["plain"]
+        for variant in ("plain", "dynamic", "delayed"):
+            v = row[variant]
+            print(
+                f"{case_name:<12} {row['sites']:>5} {variant:<8} {v['kernels']:>7} "
+                f"{v['kernels'] / plain['kernels']:>7.2f} {v['compile_s']:>9.2f} "
+                f"{v['step_ms']:>8.2f} {v['step_ms'] / plain['step_ms']:>7.2f}"
+            )
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+PS = _program_size()
+
+if __name__ == "__main__":
+    main()

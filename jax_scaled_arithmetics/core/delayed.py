@@ -1,0 +1,249 @@
+"""Delayed scaling: sums and contractions take their output scale from earlier steps.
+
+Under `ScalePolicy.DYNAMIC` the output scale of every sum and contraction is the power of
+two of that output's largest finite magnitude: the data waits for a reduction over the
+whole output. :func:`delayed_scaling` takes the scale from a history of the scales the
+same sum or contraction had at the previous steps instead (Transformer Engine's
+`DelayedScaling` recipe, with power-of-two scales), so the output's data does not wait
+for its own reduction; the reduction still runs, for the next step's history, off the
+data's path. The history is an explicit value (:class:`ScaleHistory`) that the step takes
+and returns, carried in the training state like an optimizer state.
+
+Each sum and contraction that the step's program runs at its top level is a *site*,
+numbered in program order. Those inside a loop (`scan`, `while`), a conditional (`cond`),
+a checkpointed function (`jax.checkpoint`), a custom derivative or a `jit` with shardings
+keep the dynamic scale (their bodies are traced apart from the step). A `jit` without
+shardings is inlined, so its sites count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat
+from .interpreter import autoscale
+from .scale_arithmetic import SCALE_MAX, SCALE_MIN, materialize_impl
+
+__all__ = ["ScaleHistory", "delayed_scaling", "recording", "site_recorder"]
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScaleHistory:
+    """The output scales of a step's sums and contractions at its last steps.
+
+    Attributes:
+        scales: one float32 array `[length]` per site, newest step first: the site's
+            dynamic scale (the power of two of its output's largest finite magnitude) at
+            each step. An array per site, not one `[sites, length]` matrix: each site's
+            kernels then read arrays of their own, alike from site to site, which XLA
+            compiles once (a slice per site of one matrix makes every kernel distinct).
+        sites: one description per site (the output's dtype and shape), in program
+            order; static (part of a compiled program's key), and checked at every call so
+            that a history is never read by a program it was not made for.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> step = jsa.delayed_scaling(lambda a: jnp.sum(a * a), history_length=4)
+        >>> _, history = step.init(jsa.as_scaled_array(jnp.array([3.0, 4.0], jnp.float16)))
+        >>> history.sites  # one sum: its output's dtype and shape
+        ('float32[]',)
+        >>> history.as_matrix()  # 25 is at scale 16, four steps long
+        Array([[16., 16., 16., 16.]], dtype=float32)
+    """
+
+    scales: tuple[Any, ...]
+    sites: tuple[str, ...]
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+        return tuple(self.scales), self.sites
+
+    @classmethod
+    def tree_unflatten(cls, sites: tuple[str, ...], children: Sequence[Any]) -> ScaleHistory:
+        return cls(tuple(children), sites)
+
+    def as_matrix(self) -> Any:
+        """The scales as one float32 `[sites, length]` array (for reading, plotting)."""
+        if not self.scales:
+            return jnp.zeros((0, 0), jnp.float32)
+        return jnp.stack([jnp.asarray(s, jnp.float32) for s in self.scales])
+
+
+class _SiteRecorder:
+    """The sites of one call's trace: the held scales it reads, the scales it measures."""
+
+    def __init__(self, history: ScaleHistory | None, margin: int) -> None:
+        self.trace = _compat.current_trace()
+        self.history = history
+        self.margin = np.float32(2.0**margin)
+        self.measured: list[Any] = []
+        self.descriptions: list[str] = []
+
+    def covers(self) -> bool:
+        """Whether a value computed now belongs to the recorded call's own trace (not to
+        the body of a loop, conditional or checkpoint traced within it)."""
+        return _compat.current_trace() is self.trace
+
+    def record(self, measured: Any, description: str) -> tuple[Any, Any] | None:
+        """Record a site's measured scale; its held scale and that scale's reciprocal, or
+        None when making a history."""
+        index = len(self.measured)
+        self.measured.append(measured)
+        self.descriptions.append(description)
+        if self.history is None:
+            return None
+        sites = self.history.sites
+        if index >= len(sites) or sites[index] != description:
+            found = sites[index] if index < len(sites) else "no site"
+            raise ValueError(
+                f"This ScaleHistory was made for another program: site {index} is a sum or "
+                f"contraction of {description} here, {found} in the history ({len(sites)} "
+                f"sites). Make a history for this step with its `init`."
+            )
+        held = jnp.max(jnp.asarray(self.history.scales[index], jnp.float32)) * self.margin
+        held = jnp.clip(held, np.float32(SCALE_MIN), np.float32(SCALE_MAX))
+        # Materialised (`materialize_impl`): fused into each reader, the arithmetic would be
+        # compiled into every kernel that reads the held scale. The reciprocal is exact
+        # (a power of two).
+        return materialize_impl(held, scalars=True), materialize_impl(
+            np.float32(1.0) / held, scalars=True
+        )
+
+    def next_history(self, history: ScaleHistory) -> ScaleHistory:
+        """`history` with this call's scales as its newest step (the oldest dropped)."""
+        if len(self.measured) != len(history.sites):
+            raise ValueError(
+                f"This ScaleHistory was made for another program: {len(history.sites)} sums "
+                f"and contractions in the history, {len(self.measured)} in this step. Make a "
+                f"history for this step with its `init`."
+            )
+        scales = tuple(
+            jnp.concatenate([jnp.reshape(jnp.asarray(m, jnp.float32), (1,)), older[:-1]])
+            for m, older in zip(self.measured, history.scales, strict=True)
+        )
+        return ScaleHistory(scales, history.sites)
+
+    def first_history(self, length: int) -> ScaleHistory:
+        """A history of `length` steps, each this call's scales."""
+        scales = tuple(jnp.full((length,), m, jnp.float32) for m in self.measured)
+        return ScaleHistory(scales, tuple(self.descriptions))
+
+
+class _Recording(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_SiteRecorder] = []
+
+
+_RECORDING = _Recording()
+
+
+def site_recorder() -> _SiteRecorder | None:
+    """The recorder of the `delayed_scaling` call being traced, when a value computed now
+    is one of its sites (its own trace); else None (no such call, or inside a body)."""
+    if not _RECORDING.stack:
+        return None
+    recorder = _RECORDING.stack[-1]
+    return recorder if recorder.covers() else None
+
+
+def recording() -> bool:
+    """Whether a `delayed_scaling` call is being traced in the current trace."""
+    return site_recorder() is not None
+
+
+@contextlib.contextmanager
+def _recorded(recorder: _SiteRecorder) -> Iterator[_SiteRecorder]:
+    _RECORDING.stack.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDING.stack.pop()
+
+
+def delayed_scaling(
+    fun: Callable[..., Any],
+    *,
+    history_length: int = 16,
+    margin: int = 0,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+) -> Callable[..., Any]:
+    """`autoscale(fun)` whose sums and contractions take their output scales from a history.
+
+    The returned `step(history, *args, **kwargs)` returns `(fun's outputs, new history)`:
+    each sum and contraction at the top level of `fun`'s program takes the largest scale
+    of its `history_length` previous steps, times `2**margin`, as its output scale, and
+    its current dynamic scale goes into the new history. `step.init(*args, **kwargs)` runs
+    the first step with dynamic scales and returns `(outputs, history)`, the history
+    filled with that step's scales.
+
+    A held scale is a power of two at or below an earlier output's largest magnitude, so
+    the data's largest magnitude is below `2 * growth / 2**margin`, where `growth` is how
+    much larger the output is now than at its largest in the history: float16 data
+    overflows only where an output grows by `2**15` (bfloat16: `2**127`) within
+    `history_length` steps. Outputs that shrink lose precision at the bottom of the data
+    format instead (a float16 output 2**10 times smaller than in its history keeps 10
+    bits fewer below its subnormals). Sums and contractions inside loops, conditionals,
+    checkpointed functions, custom derivatives and `jit`s with shardings keep dynamic
+    scales; a `jit` without shardings is inlined.
+
+    Args:
+        fun: the step to transform, as for :func:`autoscale`.
+        history_length: how many previous steps' scales each site keeps (at least 1).
+        margin: a power of two of headroom (0: none; negative: less range, more
+            precision).
+        static_argnums, static_argnames: as for :func:`autoscale`.
+
+    Raises:
+        ValueError: `history_length` below 1, or a history made for another program
+            (other sums and contractions, shapes or dtypes).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_scaled_arithmetics as jsa
+        >>> step = jsa.delayed_scaling(lambda w, x: w @ x)
+        >>> w = jsa.as_scaled_array(jnp.full((2, 2), 3.0, jnp.float16))
+        >>> x = jsa.as_scaled_array(jnp.array([1.0, 1.0], jnp.float16))
+        >>> y, history = step.init(w, x)  # dynamic: 6 is data 1.5 at scale 4
+        >>> history.sites, history.scales[0][:4]  # one site, its scale at every step
+        (('float16[2]',), Array([4., 4., 4., 4.], dtype=float32))
+        >>> y, history = jax.jit(step)(history, w, 2 * x)  # 12 at the held scale 4: data 3
+        >>> y
+        ScaledArray(data=Array([3., 3.], dtype=float16), scale=Array(4., dtype=float32))
+        >>> history.scales[0][:3]  # the new step's own scale, then the older ones
+        Array([8., 4., 4.], dtype=float32)
+    """
+    if not isinstance(history_length, int) or history_length < 1:
+        raise ValueError(f"history_length must be an int of at least 1, got {history_length!r}.")
+    if not isinstance(margin, int):
+        raise TypeError(f"margin must be an int (a power of two), got {margin!r}.")
+    scaled = autoscale(fun, static_argnums=static_argnums, static_argnames=static_argnames)
+
+    @functools.wraps(fun)
+    def step(history: ScaleHistory, *args: Any, **kwargs: Any) -> tuple[Any, ScaleHistory]:
+        if not isinstance(history, ScaleHistory):
+            raise TypeError(
+                f"The first argument of a delayed_scaling step is its ScaleHistory (from "
+                f"`step.init`), got {type(history).__name__}."
+            )
+        with _recorded(_SiteRecorder(history, margin)) as recorder:
+            out = scaled(*args, **kwargs)
+            return out, recorder.next_history(history)
+
+    def init(*args: Any, **kwargs: Any) -> tuple[Any, ScaleHistory]:
+        with _recorded(_SiteRecorder(None, margin)) as recorder:
+            out = scaled(*args, **kwargs)
+        return out, recorder.first_history(history_length)
+
+    step.init = init  # type: ignore[attr-defined]
+    return step

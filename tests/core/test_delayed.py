@@ -1,0 +1,231 @@
+"""`jsa.delayed_scaling`: sums and contractions at scales held from earlier steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics import optax as jsa_optax
+from tests.helpers import FLOAT_DTYPES, RTOL, WIDE_SCALES, assert_close, make_scaled, represented
+
+# The gradient step multiplies input scales pairwise: beyond 2^+-30 its products leave
+# float32's range, where the dynamic step (test_interpreter) keeps only zeros or edges,
+# and a history of them says nothing about the next step.
+STEP_SCALES = tuple(s for s in WIDE_SCALES if 2.0**-30 <= s <= 2.0**30)
+
+
+def mlp_loss(params, x):
+    h = jax.nn.relu(x @ params["w1"] + params["b1"][None, :])
+    return jnp.mean(jnp.square(h @ params["w2"]))
+
+
+def mlp_inputs(dtype, scale):
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": make_scaled(rng.normal(size=(8, 16)) / 4, dtype, 0.5),
+        "b1": make_scaled(rng.normal(size=(16,)), dtype, scale),
+        "w2": make_scaled(rng.normal(size=(16, 4)) / 4, dtype, 0.25),
+    }
+    return params, make_scaled(rng.normal(size=(5, 8)), dtype, scale)
+
+
+def grad_step(params, x):
+    loss, grads = jax.value_and_grad(mlp_loss)(params, x)
+    return loss, grads
+
+
+def _maybe_jit(fun, jit):
+    return jax.jit(fun) if jit else fun
+
+
+def _scale_values(tree):
+    return [
+        float(leaf.scale)
+        for leaf in jax.tree_util.tree_leaves(tree, is_leaf=jsa.is_scaled_leaf)
+        if isinstance(leaf, jsa.ScaledArray)
+    ]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("scale", WIDE_SCALES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_init_is_the_dynamic_step_and_its_scales_fill_the_history(dtype, scale, jit):
+    params, x = mlp_inputs(dtype, scale)
+    step = jsa.delayed_scaling(grad_step, history_length=3)
+    out, history = _maybe_jit(step.init, jit)(params, x)
+    dynamic = _maybe_jit(jsa.autoscale(grad_step), jit)(params, x)
+    for got, want in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(dynamic)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    scales = np.asarray(history.as_matrix())
+    assert scales.shape == (len(history.sites), 3) and len(history.sites) >= 6
+    np.testing.assert_array_equal(scales, scales[:, :1].repeat(3, axis=1))
+    # Powers of two: the dynamic scales themselves.
+    assert np.all(np.exp2(np.round(np.log2(scales))) == scales)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("scale", STEP_SCALES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_steps_match_the_plain_function_at_the_held_scales(dtype, scale, jit):
+    """Each step's values are the dynamic step's, the outputs of sums and contractions at
+    the held scales, and the history rolls."""
+    params, x = mlp_inputs(dtype, scale)
+    step = jsa.delayed_scaling(grad_step, history_length=2)
+    _, history = jax.jit(step.init)(params, x)
+    # The next batch is 8 times larger: every held scale is 8 times too small, but data
+    # stays far from float16's largest value.
+    x2 = jsa.scaled_array(x.data, x.scale * 8)
+    (loss, grads), new = _maybe_jit(step, jit)(history, params, x2)
+    # The dynamic step's values (themselves the plain function's: test_interpreter), which
+    # float32 does not hold at every scale here.
+    want_loss, want_grads = jax.jit(jsa.autoscale(grad_step))(params, x2)
+    assert_close(loss, represented(want_loss), RTOL[dtype] * 4)
+    for name in grads:
+        assert_close(grads[name], represented(want_grads[name]), RTOL[dtype] * 8, RTOL[dtype])
+        assert np.all(np.isfinite(np.asarray(grads[name].data, np.float32)))
+    held = np.asarray(history.as_matrix())[:, 0]
+    _, dynamic = jax.jit(step.init)(params, x2)
+    np.testing.assert_array_equal(
+        np.asarray(new.as_matrix())[:, 0], np.asarray(dynamic.as_matrix())[:, 0]
+    )
+    np.testing.assert_array_equal(np.asarray(new.as_matrix())[:, 1], held)
+    assert new.sites == history.sites
+
+
+@pytest.mark.parametrize("margin", [-1, 0, 2])
+def test_the_held_scale_is_the_largest_in_the_history_times_two_to_the_margin(margin):
+    step = jsa.delayed_scaling(lambda w, v: w @ v, history_length=3, margin=margin)
+    w = jsa.as_scaled_array(jnp.full((2, 2), 3.0, jnp.float16))
+    v = jsa.as_scaled_array(jnp.ones((2,), jnp.float16))
+    history = jsa.ScaleHistory((jnp.array([2.0, 16.0, 4.0], jnp.float32),), ("float16[2]",))
+    y, new = jax.jit(step)(history, w, v)
+    assert float(y.scale) == 16.0 * 2.0**margin
+    np.testing.assert_array_equal(represented(y), [6.0, 6.0])
+    np.testing.assert_array_equal(np.asarray(new.as_matrix()), [[4.0, 2.0, 16.0]])
+
+
+def test_gradients_flow_through_a_delayed_step_as_through_autoscale():
+    """`jax.grad` outside the transform: the gradient of the represented loss."""
+    params, x = mlp_inputs(np.dtype(np.float32), 1.0)
+    step = jsa.delayed_scaling(mlp_loss)
+    _, history = step.init(params, x)
+
+    def loss_of_values(p):
+        loss, _ = step(history, p, x)
+        return jnp.asarray(represented_jnp(loss), jnp.float32)
+
+    grads = jax.grad(loss_of_values)(params)
+    reference = jax.grad(lambda p: represented_jnp(jsa.autoscale(mlp_loss)(p, x)))(params)
+    for name in params:
+        np.testing.assert_allclose(
+            np.asarray(grads[name].data), np.asarray(reference[name].data), rtol=1e-5, atol=1e-7
+        )
+
+
+def represented_jnp(x):
+    return x.data.astype(jnp.float32) * x.scale if isinstance(x, jsa.ScaledArray) else x
+
+
+def test_a_scaled_adam_step_trains_with_the_history_in_its_state():
+    """The history carried beside the optimizer state, as users carry it: the losses of a
+    few Adam steps match the dynamic run's, and the parameters stay finite. (Adam moves
+    each parameter by about its learning rate: from parameters of 2^-20 a step would grow
+    outputs by 2^13 and more, beyond what a history can hold: see `delayed_scaling`.)"""
+    params, x = mlp_inputs(np.dtype(np.float16), 2.0**-6)
+    opt = jsa_optax.scale_optimizer(optax.adam(1e-2), state_dtype=jnp.float16)
+
+    def train_step(p, s, batch):
+        loss, grads = jax.value_and_grad(mlp_loss)(p, batch)
+        updates, s = opt.update(grads, s, p)
+        return jsa_optax.apply_updates(p, updates), s, loss
+
+    delayed = jsa.delayed_scaling(train_step)
+    dynamic = jax.jit(jsa.autoscale(train_step))
+    state = jax.jit(opt.init)(params)
+    (p1, s1, _), history = jax.jit(delayed.init)(params, state, x)
+    p2, s2, _ = dynamic(params, state, x)
+    step = jax.jit(delayed)
+    for _ in range(3):
+        (p1, s1, loss1), history = step(history, p1, s1, x)
+        p2, s2, loss2 = dynamic(p2, s2, x)
+        np.testing.assert_allclose(represented(loss1), represented(loss2), rtol=2e-2)
+    for leaf in jax.tree_util.tree_leaves(p1):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float32)))
+
+
+def test_sites_are_the_top_level_sums_and_contractions():
+    """A jit without shardings is inlined (its sites count); a scan body and a cond branch
+    keep dynamic scales (they are traced apart); the static policy has no sites."""
+    w = jsa.as_scaled_array(jnp.eye(4, dtype=jnp.float16) * 3)
+    v = jsa.as_scaled_array(jnp.ones((4,), jnp.float16))
+
+    def f(w, v):
+        h = jax.jit(lambda a, b: a @ b)(w, v)
+        h = jax.lax.scan(lambda c, _: (w @ c, None), h, None, length=2)[0]
+        h = jax.lax.cond(h[0] > 0, lambda c: w @ c, lambda c: c, h)
+        return jnp.sum(h)
+
+    _, history = jsa.delayed_scaling(f).init(w, v)
+    assert history.sites == ("float16[4]", "float32[]")  # jnp.sum accumulates float16 in float32
+    # The loop and branch outputs are right at their own dynamic scales.
+    (out, new) = jax.jit(jsa.delayed_scaling(f))(history, w, v)
+    assert_close(out, np.float32(4 * 81.0), 1e-3)
+    with jsa.AutoScaleConfig(policy=jsa.ScalePolicy.STATIC):
+        _, static_history = jsa.delayed_scaling(f).init(w, v)
+    assert static_history.sites == () and static_history.scales == ()
+
+
+def test_a_history_of_another_program_is_refused_naming_the_fix():
+    step = jsa.delayed_scaling(lambda w, v: w @ v)
+    w = jsa.as_scaled_array(jnp.ones((3, 3), jnp.float16))
+    _, history = step.init(w, jnp.ones((3,), jnp.float16))
+    with pytest.raises(
+        ValueError,
+        match=r"site 0 is a sum or contraction of float16\[3, 3\] "
+        r"here, float16\[3\] in the history.*`init`",
+    ):
+        step(history, w, jnp.ones((3, 3), jnp.float16))
+    two = jsa.delayed_scaling(lambda w, v: w @ (w @ v))
+    with pytest.raises(
+        ValueError,
+        match=r"site 1 is a sum or contraction of float16\[3\] here, "
+        r"no site in the history \(1 sites\)",
+    ):
+        two(history, w, jnp.ones((3,), jnp.float16))
+    _, two_sites = two.init(w, jnp.ones((3,), jnp.float16))
+    with pytest.raises(ValueError, match=r"2 sums and contractions in the history, 1 in this"):
+        step(two_sites, w, jnp.ones((3,), jnp.float16))
+    with pytest.raises(
+        TypeError, match="first argument of a delayed_scaling step is its ScaleHistory"
+    ):
+        step(w, w, w)
+    with pytest.raises(ValueError, match="history_length must be an int of at least 1"):
+        jsa.delayed_scaling(lambda a: a, history_length=0)
+    with pytest.raises(TypeError, match="margin must be an int"):
+        jsa.delayed_scaling(lambda a: a, margin=0.5)
+
+
+def test_history_is_a_pytree_with_static_sites():
+    history = jsa.ScaleHistory(
+        (jnp.ones((4,), jnp.float32), jnp.full((4,), 2.0, jnp.float32)), ("float32[]", "float16[3]")
+    )
+    leaves, treedef = jax.tree_util.tree_flatten(history)
+    assert len(leaves) == 2 and history.as_matrix().shape == (2, 4)
+    doubled = jax.tree_util.tree_map(lambda a: 2 * a, history)
+    assert doubled.sites == history.sites
+    np.testing.assert_array_equal(np.asarray(doubled.as_matrix()), [[2.0] * 4, [4.0] * 4])
+    assert jax.tree_util.tree_unflatten(treedef, leaves).sites == history.sites
+
+
+def test_data_stays_finite_while_outputs_grow_less_than_float16_range():
+    """Held scales from a step 2^12 times smaller: float16 data up to 2^13, finite; the
+    values are still the plain ones."""
+    step = jsa.delayed_scaling(lambda w, v: w @ v)
+    w = jsa.as_scaled_array(jnp.full((4, 4), 1.5, jnp.float16))
+    _, history = step.init(w, jsa.as_scaled_array(jnp.ones((4,), jnp.float16)))
+    v = jsa.scaled_array(jnp.ones((4,), jnp.float16), np.float32(2.0**12))
+    y, _ = jax.jit(step)(history, w, v)
+    assert np.all(np.isfinite(np.asarray(y.data, np.float32)))
+    np.testing.assert_array_equal(represented(y), np.full(4, 6.0 * 2.0**12))
