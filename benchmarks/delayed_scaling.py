@@ -71,8 +71,12 @@ def _median_times(steps: dict[str, tuple[Any, tuple[Any, ...]]], iters: int) -> 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def measure(case_name: str, history_length: int, iters: int) -> dict[str, Any]:
-    builder, dtype = PS.CASES[case_name]
+def measure(
+    case_name: str, history_length: int, iters: int, dtype: str | None = None
+) -> dict[str, Any]:
+    """One case's three variants (`dtype`: the scaled data's, default the case's own)."""
+    builder, default_dtype = PS.CASES[case_name]
+    dtype = dtype or default_dtype
     case = builder(jnp.dtype(dtype))
     step = case.scaled_step or case.plain_step
     delayed = jsa.delayed_scaling(step, history_length=history_length)
