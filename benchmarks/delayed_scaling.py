@@ -23,7 +23,6 @@ Run:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -38,18 +37,12 @@ import jax.numpy as jnp
 import jax_scaled_arithmetics as jsa
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:  # run as a script or loaded by path
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import program_size as PS  # noqa: E402
+
 DEFAULT_CASES = ("gpt2-adam", "zoo-linen", "zoo-nnx", "zoo-equinox")
-
-
-def _program_size() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "program_size", ROOT / "benchmarks" / "program_size.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["program_size"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _compiled(fun: Any, args: tuple[Any, ...]) -> tuple[Any, float, int, int]:
@@ -60,7 +53,8 @@ def _compiled(fun: Any, args: tuple[Any, ...]) -> tuple[Any, float, int, int]:
     return compiled, seconds, kernels, instructions
 
 
-def _median_times(steps: dict[str, tuple[Any, tuple[Any, ...]]], iters: int) -> dict[str, float]:
+def median_times(steps: dict[str, tuple[Any, tuple[Any, ...]]], iters: int) -> dict[str, float]:
+    """Median seconds of each compiled step, run in turn (`iters` rounds after 3 warm-up)."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for round_ in range(iters + 3):
         for name, (compiled, args) in steps.items():
@@ -92,7 +86,7 @@ def measure(
         compiled, seconds, kernels, instructions = _compiled(fun, args)
         row[name] = {"compile_s": seconds, "kernels": kernels, "instructions": instructions}
         runnable[name] = (compiled, args)
-    for name, seconds in _median_times(runnable, iters).items():
+    for name, seconds in median_times(runnable, iters).items():
         row[name]["step_ms"] = 1e3 * seconds
     return row
 
@@ -122,8 +116,6 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
 
-
-PS = _program_size()
 
 if __name__ == "__main__":
     main()

@@ -30,8 +30,8 @@ import argparse
 import json
 import platform
 import re
-import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,11 @@ import numpy as np
 import jax_scaled_arithmetics as jsa
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:  # run as a script or loaded by path
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import delayed_scaling  # noqa: E402
+
 STEP_CASES = (
     ("zoo-linen", "float16"),
     ("zoo-nnx", "float16"),
@@ -57,26 +62,11 @@ STEP_CASES = (
 SMOKE_STEP_CASES = (("zoo-linen", "float16"),)
 
 
-def _delayed_scaling_module() -> Any:
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location(
-        "delayed_scaling", ROOT / "benchmarks" / "delayed_scaling.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["delayed_scaling"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def step_rows(cases: Any, iters: int) -> list[dict[str, Any]]:
-    bench = _delayed_scaling_module()
     rows = []
     for case, dtype in cases:
         try:
-            rows.append(bench.measure(case, 16, iters, dtype=dtype))
+            rows.append(delayed_scaling.measure(case, 16, iters, dtype=dtype))
         except Exception as error:  # noqa: BLE001  (one failing case does not end the run)
             rows.append({"case": case, "dtype": dtype, "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(rows[-1]), flush=True)
@@ -155,7 +145,7 @@ def gemm_rows(width: int, tokens: int, blocks: int, iters: int) -> list[dict[str
         compiled = lowered.compile()
         compile_s = time.perf_counter() - start
         hlo = compiled.as_text()
-        kernels, instructions = bench_hlo_counts(hlo)
+        kernels, instructions = delayed_scaling.PS.hlo_counts(hlo)
         dots, fp8_dots = _fp8_dots(lowered.as_text())
         gemms, fp8_gemms = _gemm_calls(hlo)
         rows.append(
@@ -171,25 +161,14 @@ def gemm_rows(width: int, tokens: int, blocks: int, iters: int) -> list[dict[str
             }
         )
         compiled_steps[name] = (compiled, args)
-    times: dict[str, list[float]] = {name: [] for name in compiled_steps}
-    for round_ in range(iters + 2):
-        for name, (compiled, args) in compiled_steps.items():
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            if round_ >= 2:
-                times[name].append(time.perf_counter() - start)
+    medians = delayed_scaling.median_times(compiled_steps, iters)
     flops = 2 * 3 * 2 * tokens * width * 4 * width * blocks  # 2 matmuls, fwd + 2 bwd each
     for row in rows:
-        seconds = statistics.median(times[row["variant"]])
+        seconds = medians[row["variant"]]
         row["step_ms"] = 1e3 * seconds
         row["tflops"] = flops / seconds / 1e12
         print(json.dumps(row), flush=True)
     return rows
-
-
-def bench_hlo_counts(text: str) -> tuple[int, int]:
-    counts: tuple[int, int] = _delayed_scaling_module().PS.hlo_counts(text)
-    return counts
 
 
 def _git_commit() -> str:
