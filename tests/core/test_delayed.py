@@ -229,3 +229,22 @@ def test_data_stays_finite_while_outputs_grow_less_than_float16_range():
     y, _ = jax.jit(step)(history, w, v)
     assert np.all(np.isfinite(np.asarray(y.data, np.float32)))
     np.testing.assert_array_equal(represented(y), np.full(4, 6.0 * 2.0**12))
+
+
+@pytest.mark.slow
+def test_a_history_is_saved_and_restored_with_the_training_state(tmp_path):
+    """`jsa.checkpoint` keeps a ScaleHistory bit-exact with its sites, and the restored
+    history continues the run as the one in memory does."""
+    step = jsa.delayed_scaling(lambda w, v: w @ v, history_length=4)
+    w = jsa.as_scaled_array(jnp.full((2, 2), 3.0, jnp.float16))
+    v = jsa.as_scaled_array(jnp.ones((2,), jnp.float16))
+    _, history = step.init(w, v)
+    _, history = step(history, w, 2 * v)
+    jsa.checkpoint.save(tmp_path / "ckpt", {"w": w, "history": history})
+    template = jax.eval_shape(lambda: {"w": w, "history": history})
+    restored = jsa.checkpoint.restore(tmp_path / "ckpt", template)["history"]
+    assert isinstance(restored, jsa.ScaleHistory) and restored.sites == history.sites
+    np.testing.assert_array_equal(np.asarray(restored.as_matrix()), [[8.0, 4.0, 4.0, 4.0]])
+    (y1, h1), (y2, h2) = step(history, w, 4 * v), step(restored, w, 4 * v)
+    np.testing.assert_array_equal(np.asarray(y1.data), np.asarray(y2.data))
+    np.testing.assert_array_equal(np.asarray(h1.as_matrix()), np.asarray(h2.as_matrix()))
