@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
-from .interpreter import autoscale
+from .interpreter import autoscale, tracing_a_scaled_function
 from .scale_arithmetic import SCALE_MAX, SCALE_MIN, materialize_impl
 
 __all__ = ["ScaleHistory", "delayed_scaling", "recording", "site_recorder"]
@@ -205,8 +205,9 @@ def delayed_scaling(
         static_argnums, static_argnames: as for :func:`autoscale`.
 
     Raises:
-        ValueError: `history_length` below 1, or a history made for another program
-            (other sums and contractions, shapes or dtypes).
+        ValueError: `history_length` below 1, a history made for another program
+            (other sums and contractions, shapes or dtypes), or the step called inside
+            `jsa.autoscale`.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -229,6 +230,15 @@ def delayed_scaling(
         raise TypeError(f"margin must be an int (a power of two), got {margin!r}.")
     scaled = autoscale(fun, static_argnums=static_argnums, static_argnames=static_argnames)
 
+    def refuse_inside_autoscale() -> None:
+        # Inside an autoscaled function, `scaled` is `fun` itself, traced before any rule
+        # runs: no site would be recorded.
+        if tracing_a_scaled_function():
+            raise ValueError(
+                "A delayed_scaling step was called inside jsa.autoscale; call it outside "
+                "(it runs `fun` under autoscale itself)."
+            )
+
     @functools.wraps(fun)
     def step(history: ScaleHistory, *args: Any, **kwargs: Any) -> tuple[Any, ScaleHistory]:
         if not isinstance(history, ScaleHistory):
@@ -236,11 +246,13 @@ def delayed_scaling(
                 f"The first argument of a delayed_scaling step is its ScaleHistory (from "
                 f"`step.init`), got {type(history).__name__}."
             )
+        refuse_inside_autoscale()
         with _recorded(_SiteRecorder(history, margin)) as recorder:
             out = scaled(*args, **kwargs)
             return out, recorder.next_history(history)
 
     def init(*args: Any, **kwargs: Any) -> tuple[Any, ScaleHistory]:
+        refuse_inside_autoscale()
         with _recorded(_SiteRecorder(None, margin)) as recorder:
             out = scaled(*args, **kwargs)
         return out, recorder.first_history(history_length)

@@ -42,6 +42,7 @@ __all__ = [
     "operand_constants",
     "observe_equations",
     "trace_notes",
+    "tracing_a_scaled_function",
 ]
 
 
@@ -535,4 +536,11 @@ def autoscale(
 
 scalify = autoscale
 
-set_operator_transform(autoscale, lambda: _STATE.tracing_depth > 0)
+
+def tracing_a_scaled_function() -> bool:
+    """Whether `autoscale` is tracing a user's function now (an inner `autoscale` is then
+    the identity)."""
+    return _STATE.tracing_depth > 0
+
+
+set_operator_transform(autoscale, tracing_a_scaled_function)

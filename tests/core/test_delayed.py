@@ -201,6 +201,8 @@ def test_a_history_of_another_program_is_refused_naming_the_fix():
         TypeError, match="first argument of a delayed_scaling step is its ScaleHistory"
     ):
         step(w, w, w)
+    with pytest.raises(ValueError, match="called inside jsa.autoscale; call it outside"):
+        jsa.autoscale(lambda a: step.init(a, a))(w)
     with pytest.raises(ValueError, match="history_length must be an int of at least 1"):
         jsa.delayed_scaling(lambda a: a, history_length=0)
     with pytest.raises(TypeError, match="margin must be an int"):
