@@ -191,9 +191,10 @@ def delayed_scaling(
     the data's largest magnitude is below `2 * growth / 2**margin`, where `growth` is how
     much larger the output is now than at its largest in the history: float16 data
     overflows only where an output grows by `2**15` (bfloat16: `2**127`) within
-    `history_length` steps. Outputs that shrink lose precision at the bottom of the data
-    format instead (a float16 output 2**10 times smaller than in its history keeps 10
-    bits fewer below its subnormals). Sums and contractions inside loops, conditionals,
+    `history_length` steps. Outputs that shrink use less of the data format's range
+    instead (an output 2**10 times smaller than its largest in the history has float16
+    data below 2**-9, so its small entries reach float16's subnormals 10 binades
+    sooner). Sums and contractions inside loops, conditionals,
     checkpointed functions, custom derivatives and `jit`s with shardings keep dynamic
     scales; a `jit` without shardings is inlined.
 
