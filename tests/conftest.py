@@ -12,6 +12,16 @@ programs case after case, and the two xdist workers compile the same programs: t
 keyed by the program, the compile options and the JAX version, compiles each once. Even
 cold (CI's fresh clone) it cuts about a quarter of the run; the executables, and so the
 numbers, are the ones a compile gives.
+
+The default run compiles with XLA:CPU's code generation unoptimised
+(`--xla_backend_optimization_level=0`, appended to `XLA_FLAGS`): its programs are small and
+run once or a few times, so LLVM's optimisation was most of their compile time (the run
+took 6:50 -> 4:40 on JAX 0.12, 7:58 -> 6:40 on 0.10.0, cold). The HLO passes, fusion and
+numerics contracts are XLA's usual ones; only the machine code, and with it float32
+contraction and summation order, may differ in the last bits. Runs that select the `slow`
+tests (whole models, training runs, every combination of the rule tables) keep XLA's
+defaults, so CI covers both. `JSA_TEST_XLA_OPT=default` or `=quick` chooses explicitly; a
+level already in `XLA_FLAGS` wins.
 """
 
 import os
@@ -48,8 +58,10 @@ _CACHE_LIMIT = 2 << 30  # bytes: a larger cache is emptied when a run starts
 
 
 def pytest_configure(config):
-    """Controller process only: send each test file to one xdist worker, and empty the
+    """Choose XLA's code generation (before any computation starts the backend); then, in
+    the controller process only, send each test file to one xdist worker and empty the
     compilation cache when it outgrew its limit."""
+    _choose_xla_optimization(config)
     _one_worker_per_file(config)
     directory = jax.config.jax_compilation_cache_dir
     if directory is None or hasattr(config, "workerinput") or not os.path.isdir(directory):
@@ -57,6 +69,23 @@ def pytest_configure(config):
     size = sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
     if size > _CACHE_LIMIT:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+_QUICK_XLA_FLAG = "--xla_backend_optimization_level=0"
+
+
+def _choose_xla_optimization(config):
+    """Unoptimised XLA:CPU code generation for the default run (module docstring). The
+    xdist workers inherit the controller's environment and find the flag already set."""
+    choice = os.environ.get("JSA_TEST_XLA_OPT", "").lower()
+    if choice not in ("", "quick", "default"):
+        raise pytest.UsageError(f"JSA_TEST_XLA_OPT must be 'quick' or 'default', not {choice!r}")
+    if not choice:
+        markexpr = config.option.markexpr or ""
+        choice = "default" if "slow" in markexpr.replace("not slow", "") else "quick"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if choice == "quick" and "--xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_QUICK_XLA_FLAG}".strip()
 
 
 def _one_worker_per_file(config):

@@ -94,7 +94,9 @@ def test_vmap_per_example_scales_come_out_at_the_largest():
 
 def test_vmap_under_grad_and_in_pytrees():
     params = {"w": jsa.as_scaled_array(jnp.full((4, 2), 0.5)), "b": jnp.zeros(2)}
-    xs = jsa.as_scaled_array(jnp.arange(12.0).reshape(3, 4))
+    # tanh's arguments stay below 2: at 11 and 19 (inputs arange(12)) 1 - tanh^2 is below
+    # float32's resolution, and what both sides computed for it was tanh's rounding error.
+    xs = jsa.as_scaled_array(jnp.arange(12.0).reshape(3, 4) / 12.0)
 
     def loss(params, x):
         return jnp.sum(jnp.tanh(x @ params["w"] + params["b"]))
