@@ -321,6 +321,21 @@ def _at_data_rank(data: Array, scale: Array) -> Array:
     return scale.reshape(block_scales.block_layout(np.shape(data), np.shape(scale)))
 
 
+def _to_jax_array(x: Any, dtype: DTypeLike | None = None) -> Any:
+    """`jnp.asarray(x, dtype)`, with a NumPy array or scalar of a dtype JAX keeps moved by
+    `jax.device_put`: `jnp.asarray` stages it through a primitive that XLA compiles once
+    per shape and dtype (JAX 0.10.2 to 0.12), a compiled program per new shape in eager
+    code. Same array either way (dtype, not weakly typed, uncommitted)."""
+    if (
+        dtype is None
+        and isinstance(x, (np.ndarray, np.generic))
+        and not isinstance(x, np.ma.MaskedArray)
+        and jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype
+    ):
+        return jax.device_put(x)
+    return jnp.asarray(x, dtype=dtype)
+
+
 def scaled_array(
     data: Array, scale: Array, dtype: DTypeLike | None = None, npapi: Any = None
 ) -> ScaledArray:
@@ -346,11 +361,12 @@ def scaled_array(
         >>> jsa.scaled_array([[1.0, 1.0, 1.0, 1.0]], [[2.0, 8.0]]).to_array()  # 2 blocks
         Array([[2., 2., 8., 8.]], dtype=float32)
     """
-    npapi = jnp if npapi is None else npapi
     if isinstance(scale, float):
         scale = np.float32(scale)
-    data = npapi.asarray(data, dtype=dtype)
-    scale = npapi.asarray(scale)
+    if npapi is None or npapi is jnp:
+        data, scale = _to_jax_array(data, dtype), _to_jax_array(scale)
+    else:
+        data, scale = npapi.asarray(data, dtype=dtype), npapi.asarray(scale)
     if not is_floating(data):
         raise TypeError(f"ScaledArray data must have a floating dtype, got {data.dtype}.")
     _check_scale(data, scale)
@@ -364,7 +380,7 @@ def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: An
         # Python scalars (a dropout rate, an epsilon), None, functions and other objects of a
         # model's tree, and integer or boolean arrays, stay as they are.
         return x
-    arr = jnp.asarray(x)
+    arr = _to_jax_array(x)
     out_dtype = arr.dtype if dtype is None else jnp.dtype(dtype)
     if scale_shape is not None:
         layout = _block_layout_for(arr.shape, scale_shape)
@@ -372,7 +388,7 @@ def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: An
     if scale is None:
         return scaled_array(arr.astype(out_dtype), np.float32(1.0))
     scale_arr = jnp.asarray(scale, dtype=jnp.float32) if isinstance(scale, float) else scale
-    scale_arr = jnp.asarray(scale_arr)
+    scale_arr = _to_jax_array(scale_arr)
     if not is_floating(scale_arr):
         raise TypeError(f"as_scaled_array scale must be floating point, got {scale_arr.dtype}.")
     _check_scale(arr, scale_arr)

@@ -21,6 +21,35 @@ def test_scaled_array_properties(dtype):
     assert "ScaledArray(data=" in repr(x)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_building_from_numpy_compiles_nothing(dtype):
+    """NumPy data and scales are moved to the device as they are: `jnp.asarray` of a NumPy
+    array compiles JAX's `stage` primitive per new shape (JAX 0.10.2 to 0.12), which made
+    every eager ScaledArray of a new shape a compiled program. The arrays are those
+    `jnp.asarray` gives (dtype, not weakly typed)."""
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        built = [
+            jsa.scaled_array(np.full((n, 3), 1.5, dtype), np.float32(2.0**-n)) for n in (17, 18, 19)
+        ] + [jsa.as_scaled_array(np.full((n, 2), 0.5, dtype)) for n in (21, 22)]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []
+    for x, n in zip(built[:3], (17, 18, 19)):
+        assert isinstance(x.data, jax.Array) and x.data.dtype == dtype and x.shape == (n, 3)
+        assert x.scale.dtype == np.float32 and not x.data.weak_type and not x.scale.weak_type
+        np.testing.assert_array_equal(np.asarray(x.to_array(), np.float32), 1.5 * 2.0**-n)
+    assert built[3].data.dtype == dtype and float(built[3].scale) == 1.0
+    # float64 NumPy data (64-bit off) still becomes float32, as with `jnp.asarray`.
+    assert jsa.scaled_array(np.ones(3), 1.0).dtype == jnp.asarray(np.ones(3)).dtype
+
+
 def test_scaled_array_is_a_pytree_with_two_leaves():
     x = jsa.scaled_array([1.0, 2.0], 2.0)
     leaves, treedef = jax.tree_util.tree_flatten(x)
