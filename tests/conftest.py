@@ -15,8 +15,8 @@ numbers, are the ones a compile gives.
 
 The default run compiles with XLA:CPU's code generation unoptimised
 (`--xla_backend_optimization_level=0`, appended to `XLA_FLAGS`): its programs are small and
-run once or a few times, so LLVM's optimisation was most of their compile time (the run
-took 6:50 -> 4:40 on JAX 0.12, 7:58 -> 6:40 on 0.10.0, cold). The HLO passes, fusion and
+run once or a few times, so LLVM's optimisation was much of their compile time (the
+times before and after: docs/benchmarks.md, "The test suite"). The HLO passes, fusion and
 numerics contracts are XLA's usual ones; only the machine code, and with it float32
 contraction and summation order, may differ in the last bits. Runs that select the `slow`
 tests (whole models, training runs, every combination of the rule tables) keep XLA's
