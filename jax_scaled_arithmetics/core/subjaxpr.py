@@ -7,7 +7,7 @@ jaxpr as a new jaxpr over those leaves, and bind the original primitive on it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -100,25 +100,33 @@ def _static_scale(scale: Any) -> float | None:
         return None
 
 
-def flatten_compact(values: Sequence[Any]) -> tuple[list[Any], tuple[CompactSpec, ...]]:
-    """Flatten values into leaves, leaving out static scales and repeated scales."""
+def flatten_compact(
+    values: Sequence[Any], scales_of: Sequence[Any] | None = None
+) -> tuple[list[Any], tuple[CompactSpec, ...]]:
+    """Flatten values into leaves, leaving out static scales and repeated scales.
+
+    A scale that is (the same object as) the scale of the ScaledArray `scales_of[j]`
+    (default: of an earlier value of `values`) is no leaf but `("as", j)`.
+    """
     leaves: list[Any] = []
     specs: list[CompactSpec] = []
-    seen: list[tuple[Any, int]] = []
-    for v in values:
+    for i, v in enumerate(values):
         if not isinstance(v, ScaledArray):
             leaves.append(v)
             specs.append(("plain",))
             continue
         leaves.append(v.data)
         static = _static_scale(v.scale)
-        earlier = next((j for s, j in seen if s is v.scale), None)
+        sources = values[:i] if scales_of is None else scales_of
+        source = next(
+            (j for j, u in enumerate(sources) if isinstance(u, ScaledArray) and u.scale is v.scale),
+            None,
+        )
         if static is not None:
             specs.append(("static", static))
-        elif earlier is not None:
-            specs.append(("as", earlier))
+        elif source is not None:
+            specs.append(("as", source))
         else:
-            seen.append((v.scale, len(specs)))
             leaves.append(v.scale)
             specs.append(("leaf",))
     return leaves, tuple(specs)
@@ -168,40 +176,9 @@ def trace_scaled_jaxpr(
     the j-th argument). `out_scaled`, when given, forces each output to be scaled or not.
     """
     leaves, in_specs = flatten_compact(args)
-    out_specs_box: list[tuple[CompactSpec, ...]] = []
-
-    def flat_fun(*flat: Any) -> list[Any]:
-        values = unflatten_compact(flat, in_specs)
-        outs = registry.interpret_closed_jaxpr(closed_jaxpr, values, known)
-        if out_scaled is not None:
-            outs = [coerce_scaledness(o, s) for o, s in zip(outs, out_scaled)]
-        out_leaves: list[Any] = []
-        out_specs: list[CompactSpec] = []
-        for out in outs:
-            if not isinstance(out, ScaledArray):
-                out_leaves.append(out)
-                out_specs.append(("plain",))
-                continue
-            out_leaves.append(out.data)
-            static = _static_scale(out.scale)
-            source = next(
-                (
-                    j
-                    for j, v in enumerate(values)
-                    if isinstance(v, ScaledArray) and v.scale is out.scale
-                ),
-                None,
-            )
-            if static is not None:
-                out_specs.append(("static", static))
-            elif source is not None:
-                out_specs.append(("as", source))
-            else:
-                out_leaves.append(out.scale)
-                out_specs.append(("leaf",))
-        out_specs_box.append(tuple(out_specs))
-        return out_leaves
-
+    flat_fun, out_specs_box = _interpreted_on_leaves(
+        closed_jaxpr, in_specs, known, out_scaled, compact=True
+    )
     traced = jax.make_jaxpr(flat_fun)(*leaf_avals(leaves))
     new_jaxpr, consts = _compat.hoist_consts(traced)
     return new_jaxpr, consts, in_specs, out_specs_box[-1]
@@ -238,22 +215,46 @@ def trace_scaled_leaves(
     forces an output scaled (True) or unscaled (False), or leaves it (None).
     """
     in_leaves, in_specs = flatten_scaled(abstract_args)
-    out_specs_box: list[tuple[bool, ...]] = []
+    flat_fun, out_specs_box = _interpreted_on_leaves(
+        closed_jaxpr, in_specs, known, out_scaled, compact=False
+    )
+    traced = jax.make_jaxpr(flat_fun)(*in_leaves)
+    return traced, out_specs_box[-1]
+
+
+def _interpreted_on_leaves(
+    closed_jaxpr: _compat.ClosedJaxpr,
+    in_specs: Sequence[Any],
+    known: Sequence[Any] | None,
+    out_scaled: Sequence[bool | None] | None,
+    *,
+    compact: bool,
+) -> tuple[Callable[..., list[Any]], list[Any]]:
+    """The scaled interpretation of `closed_jaxpr` as a function of leaves, and the list
+    that each of its calls appends its output specs to.
+
+    With `compact`, the specs are :func:`flatten_compact`'s (outputs may take the inputs'
+    scales), else :func:`flatten_scaled`'s. `out_scaled[i]` forces output i
+    scaled (True) or unscaled (False), or leaves it (None).
+    """
+    out_specs_box: list[Any] = []
 
     def flat_fun(*flat: Any) -> list[Any]:
-        values = unflatten_scaled(flat, in_specs)
+        if compact:
+            values = unflatten_compact(flat, in_specs)
+        else:
+            values = unflatten_scaled(flat, in_specs)
         outs = registry.interpret_closed_jaxpr(closed_jaxpr, values, known)
         if out_scaled is not None:
             outs = [
                 o if s is None else coerce_scaledness(o, s)
                 for o, s in zip(outs, out_scaled, strict=True)
             ]
-        out_leaves, out_specs = flatten_scaled(outs)
-        out_specs_box.append(out_specs)
-        return out_leaves
+        flat_outs = flatten_compact(outs, scales_of=values) if compact else flatten_scaled(outs)
+        out_specs_box.append(flat_outs[1])
+        return flat_outs[0]
 
-    traced = jax.make_jaxpr(flat_fun)(*in_leaves)
-    return traced, out_specs_box[-1]
+    return flat_fun, out_specs_box
 
 
 def outputs_depending_on(jaxpr: _compat.Jaxpr, inputs_mask: Sequence[bool]) -> list[bool]:

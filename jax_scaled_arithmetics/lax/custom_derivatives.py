@@ -112,6 +112,14 @@ class _ScaledPrimal:
         values = unflatten_scaled(flat, self.in_specs)
         return self.coerce(registry.interpret_closed_jaxpr(self.call_jaxpr, values, self.known))
 
+    def leaves(self, *flat: Any) -> list[Any]:
+        """The primal function on leaves: what the custom-derivative wrapper is built on."""
+        return flatten_scaled(self.values(*flat))[0]
+
+    def call(self, scaled_fun: Any, args: Sequence[Any]) -> list[Any]:
+        """`scaled_fun` (built on :meth:`leaves`) applied to `args`, outputs rebuilt."""
+        return unflatten_scaled(scaled_fun(*flatten_scaled(args)[0]), self.out_specs)
+
 
 @register_higher_order(
     _compat.custom_jvp_call_p,
@@ -126,13 +134,8 @@ def scaled_custom_jvp_call(
 ) -> list[Any]:
     del symbolic_zeros
     primal = _ScaledPrimal(call_jaxpr, args)
-    known, in_specs, out_specs = primal.known, primal.in_specs, primal.out_specs
-    leaves, _ = flatten_scaled(args)
-    primal_values = primal.values
-
-    @jax.custom_jvp
-    def scaled_fun(*flat: Any) -> list[Any]:
-        return flatten_scaled(primal_values(*flat))[0]
+    known, in_specs, primal_values = primal.known, primal.in_specs, primal.values
+    scaled_fun = jax.custom_jvp(primal.leaves)
 
     @scaled_fun.defjvp
     def scaled_fun_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
@@ -158,8 +161,7 @@ def scaled_custom_jvp_call(
                 out_tangent_leaves.extend(_leaf_tangents(primal_out, next(nz_tangents)))
         return flatten_scaled(primal_outs)[0], out_tangent_leaves
 
-    outs = scaled_fun(*leaves)
-    return unflatten_scaled(outs, out_specs)
+    return primal.call(scaled_fun, args)
 
 
 def _instantiate(ct: Any, like: Any) -> Any:
@@ -218,12 +220,7 @@ def scaled_custom_vjp_call(
     del symbolic_zeros
     primal = _ScaledPrimal(call_jaxpr, args)
     known, in_specs, out_specs = primal.known, primal.in_specs, primal.out_specs
-    leaves, _ = flatten_scaled(args)
-    primal_values, _coerce_outs = primal.values, primal.coerce
-
-    @jax.custom_vjp
-    def scaled_fun(*flat: Any) -> list[Any]:
-        return flatten_scaled(primal_values(*flat))[0]
+    scaled_fun = jax.custom_vjp(primal.leaves)
 
     def scaled_fwd(*flat: Any) -> tuple[list[Any], Any]:
         values = unflatten_scaled(flat, in_specs)
@@ -236,7 +233,7 @@ def scaled_custom_vjp_call(
         res_out, primal_outs = outs[:num_res_out], outs[num_res_out:]
         res_iter = iter(res_out)
         residuals = [next(res_iter) if f is None else values[f] for f in input_fwds]
-        primal_outs = _coerce_outs(list(primal_outs))
+        primal_outs = primal.coerce(list(primal_outs))
         return flatten_scaled(primal_outs)[0], (residuals, primal_outs, values)
 
     def scaled_bwd(saved: Any, ct_leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -264,8 +261,7 @@ def scaled_custom_vjp_call(
         return tuple(out)
 
     scaled_fun.defvjp(scaled_fwd, scaled_bwd)
-    outs = scaled_fun(*leaves)
-    return unflatten_scaled(outs, out_specs)
+    return primal.call(scaled_fun, args)
 
 
 def _plain_like(value: Any) -> Any:
