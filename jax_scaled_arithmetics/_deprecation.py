@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["moved_names", "warn_renamed"]
+__all__ = ["RenamedAttribute", "moved_names", "warn_renamed"]
 
 
 def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
@@ -23,6 +23,24 @@ def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
         DeprecationWarning,
         stacklevel=stacklevel,
     )
+
+
+class RenamedAttribute:
+    """A class attribute that reads the attribute `new` of the instance, warning that it is
+    deprecated. `owner` is the class as users write it (`"jsa.quantization.MXArray"`)."""
+
+    def __init__(self, owner: str, new: str) -> None:
+        self.owner, self.new = owner, new
+        self.old = ""
+
+    def __set_name__(self, cls: type, name: str) -> None:
+        self.old = name
+
+    def __get__(self, instance: Any, cls: type | None = None) -> Any:
+        if instance is None:
+            return self
+        warn_renamed(f"{self.owner}.{self.old}", f"{self.owner}.{self.new}")
+        return getattr(instance, self.new)
 
 
 def moved_names(module: str, moved: Mapping[str, tuple[str, str]]) -> Callable[[str], Any]:

@@ -60,13 +60,8 @@ class MXArray:
     axis: int
     length: int
 
-    @property
-    def scales(self) -> jax.Array:
-        """Deprecated: :attr:`scale` (the name every scaled array type uses)."""
-        _deprecation.warn_renamed(
-            "jsa.quantization.MXArray.scales", "jsa.quantization.MXArray.scale"
-        )
-        return self.scale
+    # Deprecated: `scale`, the name every scaled array type uses.
+    scales = _deprecation.RenamedAttribute("jsa.quantization.MXArray", "scale")
 
     @property
     def shape(self) -> tuple[int, ...]:

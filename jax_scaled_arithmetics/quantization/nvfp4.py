@@ -79,13 +79,8 @@ class NVFP4Array:
     block_shape: tuple[int, int]
     axis: int
 
-    @property
-    def block_scales(self) -> jax.Array:
-        """Deprecated: :attr:`scale` (the name every scaled array type uses)."""
-        _deprecation.warn_renamed(
-            "jsa.quantization.NVFP4Array.block_scales", "jsa.quantization.NVFP4Array.scale"
-        )
-        return self.scale
+    # Deprecated: `scale`, the name every scaled array type uses.
+    block_scales = _deprecation.RenamedAttribute("jsa.quantization.NVFP4Array", "scale")
 
     @property
     def shape(self) -> tuple[int, ...]:
