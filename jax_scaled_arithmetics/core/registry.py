@@ -23,7 +23,6 @@ __all__ = [
     "coverage",
     "declared_rules",
     "installed_primitive",
-    "register_optional_scaled_op",
     "register_block_rule",
     "get_block_rule",
     "register_equation_guard",
@@ -83,7 +82,7 @@ _ABSENT_RULES: dict[str, RuleInfo] = {}
 
 
 def register_scaled_op(
-    primitive: Primitive,
+    primitive: Primitive | str,
     rule: ScaledRule | None = None,
     *,
     always_scaled: bool = False,
@@ -97,8 +96,18 @@ def register_scaled_op(
     params passed through unchanged; it returns what the primitive returns,
     with ScaledArrays in place of scaled outputs.
 
+    A primitive that only some supported JAX releases have is given by its name in
+    `core/_compat.PRIMITIVE_RELEASES` (e.g. `"polynomial"`, JAX >= 0.12): where the
+    installed JAX has it, the rule is registered for it; elsewhere the rule is only
+    declared (`declared_rules()` lists it, with its family and remark), so that the
+    operator listing is the same on every release.
+
     Raises:
-        ValueError: the primitive already has a rule.
+        ValueError: the primitive already has a rule, or a name is not in
+            `PRIMITIVE_RELEASES`.
+        TypeError: `primitive` is neither a JAX primitive nor a name.
+        RuntimeError: the release table and the installed JAX disagree about a named
+            primitive.
 
     Examples:
         >>> import jax
@@ -109,18 +118,25 @@ def register_scaled_op(
         ... def scaled_twice(x, **params):
         ...     return jsa.ScaledArray(x.data, x.scale * 2)
     """
+    name = primitive if isinstance(primitive, str) else None
+    if name is not None:
+        installed = installed_primitive(name)
+        if installed is None:
+            return _declare_absent(name, rule, always_scaled, promote, family, remark)
+        primitive = installed
     if not isinstance(primitive, _compat.Primitive):
         raise TypeError(f"register_scaled_op expects a JAX primitive, got {primitive!r}.")
+    prim = primitive
 
     def register(fn: ScaledRule) -> ScaledRule:
-        record = _RULES.get(primitive)
+        record = _RULES.get(prim)
         if record is not None and record.rule is not _no_rule:
             raise ValueError(
-                f"A scaled rule is already registered for primitive '{primitive.name}' "
+                f"A scaled rule is already registered for primitive '{prim.name}' "
                 f"({record.rule.__qualname__})."
             )
-        _RULES[primitive] = dataclasses.replace(
-            record or RuleInfo(primitive, _no_rule),
+        _RULES[prim] = dataclasses.replace(
+            record or RuleInfo(prim, _no_rule),
             rule=fn,
             always_scaled=always_scaled,
             promote=promote,
@@ -134,36 +150,20 @@ def register_scaled_op(
     return register
 
 
-def register_optional_scaled_op(
+def _declare_absent(
     name: str,
-    rule: ScaledRule | None = None,
-    *,
-    always_scaled: bool = False,
-    promote: bool = True,
-    family: str = "",
-    remark: str = "",
+    rule: ScaledRule | None,
+    always_scaled: bool,
+    promote: bool,
+    family: str,
+    remark: str,
 ) -> Any:
-    """`register_scaled_op` for a primitive that only some supported JAX releases have, named
-    as in `core/_compat.PRIMITIVE_RELEASES` (e.g. `"polynomial"`, JAX >= 0.12); usable as a
-    decorator.
-
-    Where the installed JAX has the primitive, the rule is registered for it. Elsewhere it is
-    only declared: `declared_rules()` lists it (with its family and remark), so that the
-    operator listing is the same on every release.
-
-    Raises:
-        ValueError: `name` is not in `PRIMITIVE_RELEASES`.
-        RuntimeError: the release table and the installed JAX disagree about the primitive.
-    """
-    kwargs: dict[str, Any] = dict(
-        always_scaled=always_scaled, promote=promote, family=family, remark=remark
-    )
-    prim = installed_primitive(name)
-    if prim is not None:
-        return register_scaled_op(prim, rule, **kwargs)
+    """Declare the rule of `name`, a primitive the installed JAX does not have."""
 
     def declare(fn: ScaledRule) -> ScaledRule:
-        _ABSENT_RULES[name] = RuleInfo(None, fn, **kwargs)
+        _ABSENT_RULES[name] = RuleInfo(
+            None, fn, always_scaled=always_scaled, promote=promote, family=family, remark=remark
+        )
         return fn
 
     return declare(rule) if rule is not None else declare
@@ -180,8 +180,9 @@ def installed_primitive(name: str) -> Primitive | None:
     """
     if name not in _compat.PRIMITIVE_RELEASES:
         raise ValueError(
-            f"'{name}' is not in core/_compat.PRIMITIVE_RELEASES: register the rule of a "
-            f"primitive every supported JAX release has with `register_scaled_op`."
+            f"'{name}' is not in core/_compat.PRIMITIVE_RELEASES (the primitives only some "
+            f"supported JAX releases have): give a primitive every release has as itself, "
+            f"e.g. `register_scaled_op(jax.lax.add_p, ...)`, not by its name."
         )
     prim = _compat.optional_primitive(f"{name}_p")
     expected = _compat.has_primitive(name)

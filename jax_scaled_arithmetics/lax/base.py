@@ -163,20 +163,12 @@ def _as_scaled(x: Any) -> ScaledArray:
 
 def _installed(primitive: Any) -> tuple[str, Any]:
     """The name of `primitive` and the primitive itself, for a primitive or the name of one
-    that only some supported JAX releases have (`registry.register_optional_scaled_op`):
+    that only some supported JAX releases have (`registry.register_scaled_op` takes either):
     None where the installed JAX does not have it (the rule is then declared, never
     called)."""
     if isinstance(primitive, str):
         return primitive, registry.installed_primitive(primitive)
     return primitive.name, primitive
-
-
-def _register(primitive: Any, rule: Any, **kwargs: Any) -> None:
-    """`registry.register_scaled_op`, or `register_optional_scaled_op` for a name."""
-    if isinstance(primitive, str):
-        registry.register_optional_scaled_op(primitive, rule, **kwargs)
-    else:
-        registry.register_scaled_op(primitive, rule, **kwargs)
 
 
 def register_linear(
@@ -200,7 +192,7 @@ def register_linear(
         return ScaledArray(out, x.scale)
 
     rule.__name__ = f"scaled_{name}"
-    _register(primitive, rule, family="linear", remark=remark)
+    registry.register_scaled_op(primitive, rule, family="linear", remark=remark)
 
 
 def select_whole_cases(which: Any, cases: Sequence[Any], **params: Any) -> ScaledArray | None:
@@ -261,7 +253,7 @@ def register_common_scale(
 ) -> None:
     """Register `common_scale_rule(primitive, scaled_operands)` as the primitive's rule."""
     rule = common_scale_rule(primitive, scaled_operands)
-    _register(primitive, rule, family="common scale", remark=remark)
+    registry.register_scaled_op(primitive, rule, family="common scale", remark=remark)
 
 
 def register_unscaled_unary(
@@ -525,7 +517,7 @@ def register_unscaled_elementwise(
 
     rule.__name__ = f"scaled_{name}"
     family = f"unscaled ({output_scale.replace('_', ' ')} scale)"
-    _register(primitive, rule, family=family, remark=remark)
+    registry.register_scaled_op(primitive, rule, family=family, remark=remark)
 
 
 def materialized_values(args: Sequence[Any], dtype: Any = None) -> list[Any]:

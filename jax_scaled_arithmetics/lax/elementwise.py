@@ -426,7 +426,7 @@ def _horner(x: Array, *coeffs: Array) -> Array:
     return acc
 
 
-@registry.register_optional_scaled_op(
+@registry.register_scaled_op(
     "polynomial",
     promote=False,
     family="expanded",

@@ -80,7 +80,7 @@ scaled_log = registry.register_scaled_op(
     remark="log(value), or log(data) + log(scale) out of float32 range",
 )
 # From JAX 0.11 (`jnp.log2` was `log(x) / log(2)` before).
-registry.register_optional_scaled_op(
+registry.register_scaled_op(
     "log2",
     _log_rule("log2", registry.installed_primitive("log2"), jnp.log2),
     family="log",

@@ -98,7 +98,7 @@ def test_primitive_releases_of_this_jax(name):
 
 def test_optional_rule_registration_checks_the_release_table():
     with pytest.raises(ValueError, match="PRIMITIVE_RELEASES"):
-        registry.register_optional_scaled_op("mul", lambda *a, **p: None)
+        registry.register_scaled_op("mul", lambda *a, **p: None)
     if _compat.has_primitive("polynomial"):
         with pytest.raises(ValueError, match="already registered"):
-            registry.register_optional_scaled_op("polynomial", lambda *a, **p: None)
+            registry.register_scaled_op("polynomial", lambda *a, **p: None)
