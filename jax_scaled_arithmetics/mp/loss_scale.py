@@ -165,8 +165,22 @@ class NoOpLossScale:
         return self
 
 
+class _ScalesByLossScale:
+    """`scale` and `unscale` by the `loss_scale` attribute (static or dynamic)."""
+
+    loss_scale: Array
+
+    def scale(self, tree: Any) -> Any:
+        """Multiply the floating leaves of `tree` by the loss scale."""
+        return _rescale(tree, self.loss_scale, multiply=True)
+
+    def unscale(self, tree: Any) -> Any:
+        """Divide the floating leaves of `tree` by the loss scale."""
+        return _rescale(tree, self.loss_scale, multiply=False)
+
+
 @dataclasses.dataclass(frozen=True)
-class StaticLossScale:
+class StaticLossScale(_ScalesByLossScale):
     """A constant loss scale.
 
     `scale` multiplies every floating leaf of a tree by `loss_scale` (computing
@@ -201,14 +215,6 @@ class StaticLossScale:
     def _static_loss_scale(self) -> _Static:
         return _Static(self.loss_scale)
 
-    def scale(self, tree: Any) -> Any:
-        """Multiply the floating leaves of `tree` by the loss scale."""
-        return _rescale(tree, self.loss_scale, multiply=True)
-
-    def unscale(self, tree: Any) -> Any:
-        """Divide the floating leaves of `tree` by the loss scale."""
-        return _rescale(tree, self.loss_scale, multiply=False)
-
     def adjust(self, grads_finite: Array) -> StaticLossScale:
         """Return `self` (after checking `grads_finite` is a boolean scalar)."""
         _check_bool_scalar(grads_finite, "grads_finite")
@@ -224,7 +230,7 @@ def _one_float32() -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicLossScale:
+class DynamicLossScale(_ScalesByLossScale):
     """A loss scale that grows while gradients stay finite and shrinks when they do not.
 
     `scale` and `unscale` behave as for :class:`StaticLossScale`. `adjust(grads_finite)`
@@ -281,14 +287,6 @@ class DynamicLossScale:
     @functools.cached_property
     def _static_min_loss_scale(self) -> _Static:
         return _Static(self.min_loss_scale)
-
-    def scale(self, tree: Any) -> Any:
-        """Multiply the floating leaves of `tree` by the loss scale."""
-        return _rescale(tree, self.loss_scale, multiply=True)
-
-    def unscale(self, tree: Any) -> Any:
-        """Divide the floating leaves of `tree` by the loss scale."""
-        return _rescale(tree, self.loss_scale, multiply=False)
 
     def adjust(self, grads_finite: Array) -> DynamicLossScale:
         """The next loss scale state, given whether the gradients were all finite.
