@@ -244,11 +244,7 @@ def tensorwise_fp8_matmul(
         forward_format: Format of ``x`` and ``w`` in all three matmuls.
         backward_format: Format of the output gradient.
 
-    Returns:
-        ``(..., N)`` in ``x``'s dtype.
-
-    Raises:
-        ValueError: mismatched shapes, non-floating inputs or an unknown format.
+    Returns ``(..., N)`` in ``x``'s dtype; raises as :func:`rowwise_fp8_matmul`.
 
     Examples:
         >>> import jax.numpy as jnp

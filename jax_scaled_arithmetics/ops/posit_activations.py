@@ -144,18 +144,8 @@ def posit_tanh(x: Any, nbits: int = 8) -> jax.Array:
     * ``nbits=8``: 0.1214 at the 255 posit inputs, 0.1233 over all real inputs.
     * ``nbits=16``: 0.0981, at posit inputs and over all real inputs.
 
-    Gradient: that of the exact tanh (a straight-through estimator).
-
-    Args:
-        x: Float array (up to 32 bits).
-        nbits: Posit width, 4 to 26.
-
-    Returns:
-        An array of the shape and dtype of `x`.
-
-    Raises:
-        ValueError: for `nbits` out of range.
-        TypeError: for non-float inputs.
+    Gradient: that of the exact tanh (a straight-through estimator). Arguments, result
+    and errors as for :func:`posit_sigmoid`.
 
     Examples:
         >>> import jax.numpy as jnp
