@@ -241,7 +241,10 @@ def registered_by(module: Any) -> set[str]:
     recorded: set[str] = set()
 
     def recorder(primitive: Any, rule: Any = None, **kwargs: Any) -> Any:
-        recorded.add(primitive.name)
+        if isinstance(primitive, str):  # a primitive only some releases have, by name
+            primitive = registry.installed_primitive(primitive)
+        if primitive is not None:
+            recorded.add(primitive.name)
         return rule if rule is not None else (lambda fn: fn)
 
     with (
