@@ -32,3 +32,59 @@ def test_delayed_scaling_benchmark_measures_three_variants():
     assert row["sites"] > 0
     for variant in ("plain", "dynamic", "delayed"):
         assert row[variant]["kernels"] > 0 and row[variant]["step_ms"] > 0
+
+
+# An optimized XLA:GPU module as `compiled.as_text()` writes it (fusion bodies left out).
+GPU_HLO = """HloModule jit_step, entry_computation_layout={...}
+
+ENTRY %main.1 (x.1: f32[512,128], w.1: f8e4m3fn[128,64], s.1: f32[]) -> (f32[], f32[512], f32[64,512]) {
+  %x.1 = f32[512,128]{1,0} parameter(0), metadata={op_name="x"}
+  %w.1 = f8e4m3fn[128,64]{1,0} parameter(1), metadata={op_name="w"}
+  %s.1 = f32[] parameter(2), metadata={op_name="s"}
+  %constant.1 = f32[] constant(2)
+  %input_reduce_fusion = f32[256]{0} fusion(%x.1), kind=kInput, calls=%fused_reduce
+  %input_reduce_fusion.1 = f32[] fusion(%input_reduce_fusion), kind=kInput, calls=%fused_reduce.1
+  %loop_and_fusion = s32[] fusion(%input_reduce_fusion.1), kind=kLoop, calls=%fused_and
+  %bitcast.1 = f32[] bitcast(%loop_and_fusion)
+  %loop_multiply_fusion = f32[] fusion(%input_reduce_fusion.1, %s.1), kind=kLoop, calls=%fm
+  %loop_convert_fusion = f8e4m3fn[512,128]{1,0} fusion(%x.1, %loop_multiply_fusion), kind=kLoop, calls=%fc
+  %gemm_fusion_dot = f32[512,64]{1,0} fusion(%loop_convert_fusion, %w.1), kind=kCustom, calls=%g, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %custom-call.1 = (f32[512,128]{1,0}, s8[1024]{0}) custom-call(%x.1, %x.1), custom_call_target="__cublas$gemm"
+  %get-tuple-element.1 = f32[512,128]{1,0} get-tuple-element(%custom-call.1), index=0
+  %input_reduce_fusion.2 = (f32[512]{0}, f32[512,128]{1,0}) fusion(%get-tuple-element.1), kind=kInput, calls=%fr
+  %get-tuple-element.2 = f32[512]{0} get-tuple-element(%input_reduce_fusion.2), index=0
+  %copy.1 = f32[64,512]{0,1} copy(%gemm_fusion_dot)
+  ROOT %tuple.1 = (f32[], f32[512]{0}, f32[64,512]{0,1}) tuple(%bitcast.1, %get-tuple-element.2, %copy.1)
+}
+"""  # noqa: E501
+
+
+def test_gpu_compile_sorts_the_kernels_of_an_xla_gpu_module():
+    gpu_compile = load_script("gpu_compile", "benchmarks/gpu_compile.py")
+    kinds = gpu_compile.kernel_kinds(GPU_HLO)
+    assert kinds == {
+        "reduction to a tensor": 1,
+        "reduction to a scalar": 1,
+        "scalar: step outputs": 1,  # read by the root tuple only, through a bitcast
+        "scalar: read by kernels": 1,
+        "elementwise on tensors": 1,
+        "gemm (fp8)": 1,  # two float8 operands
+        "gemm": 1,  # the cuBLAS call on float32 operands
+        "reduction, several outputs": 1,
+        "copy": 1,
+    }
+    assert sum(kinds.values()) == gpu_compile.PS.hlo_counts(GPU_HLO)[0]
+
+
+def test_gpu_compile_sorts_every_kernel_of_a_compiled_step():
+    """On this machine's backend too: every kernel `hlo_counts` counts has one kind."""
+    gpu_compile = load_script("gpu_compile", "benchmarks/gpu_compile.py")
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jax.numpy.sum(jax.numpy.tanh(x @ w) ** 2))(w)
+
+    w = jax.numpy.ones((32, 16))
+    x = jax.numpy.ones((8, 32))
+    hlo = jax.jit(step).lower(w, x).compile().as_text()
+    kinds = gpu_compile.kernel_kinds(hlo)
+    assert sum(kinds.values()) == gpu_compile.PS.hlo_counts(hlo)[0] > 0
