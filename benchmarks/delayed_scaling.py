@@ -11,7 +11,8 @@ char GPT's Adam step and the three zoo training steps, float16 data with
   scales of a history made by `step.init` (`--history` steps long).
 
 Measured: the sites of the delayed step (sums and contractions with a history), the compiled
-program's kernels and instructions (program_size's `hlo_counts` of the optimized HLO), the
+program's kernels and instructions (program_size's `hlo_counts` of the optimized HLO) and its
+kernels by kind (`kernel_kinds`), the
 lower + compile time, and the median step time of the three compiled steps run in turn
 (`--iters` rounds after a warm-up). One process: compare the ratios of one run.
 
@@ -45,12 +46,13 @@ import program_size as PS  # noqa: E402
 DEFAULT_CASES = ("gpt2-adam", "zoo-linen", "zoo-nnx", "zoo-equinox")
 
 
-def _compiled(fun: Any, args: tuple[Any, ...]) -> tuple[Any, float, int, int]:
+def _compiled(fun: Any, args: tuple[Any, ...]) -> tuple[Any, float, int, int, dict[str, int]]:
     start = time.perf_counter()
     compiled = jax.jit(fun).lower(*args).compile()
     seconds = time.perf_counter() - start
-    kernels, instructions = PS.hlo_counts(compiled.as_text())
-    return compiled, seconds, kernels, instructions
+    hlo = compiled.as_text()
+    kernels, instructions = PS.hlo_counts(hlo)
+    return compiled, seconds, kernels, instructions, dict(PS.kernel_kinds(hlo).most_common())
 
 
 def median_times(steps: dict[str, tuple[Any, tuple[Any, ...]]], iters: int) -> dict[str, float]:
@@ -83,8 +85,13 @@ def measure(
     row: dict[str, Any] = {"case": case_name, "dtype": dtype, "sites": len(history.sites)}
     runnable = {}
     for name, (fun, args) in variants.items():
-        compiled, seconds, kernels, instructions = _compiled(fun, args)
-        row[name] = {"compile_s": seconds, "kernels": kernels, "instructions": instructions}
+        compiled, seconds, kernels, instructions, by_kind = _compiled(fun, args)
+        row[name] = {
+            "compile_s": seconds,
+            "kernels": kernels,
+            "instructions": instructions,
+            "by_kind": by_kind,
+        }
         runnable[name] = (compiled, args)
     for name, seconds in median_times(runnable, iters).items():
         row[name]["step_ms"] = 1e3 * seconds

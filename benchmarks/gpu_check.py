@@ -10,7 +10,8 @@ Parts:
 1. `steps`: plain vs dynamic (`jax.jit(jsa.autoscale(step))`) vs delayed
    (`jsa.delayed_scaling`) training steps, by `benchmarks/delayed_scaling.py`'s `measure`:
    kernels of the compiled program (`program_size.hlo_counts`), lower + compile time and the
-   median step time. Cases: the zoo's Flax linen, NNX and Equinox steps and the 2-block char
+   median step time, and the kernels by kind (`program_size.kernel_kinds`: GEMMs, reductions
+   to a scalar, kernels that write one scalar, ...). Cases: the zoo's Flax linen, NNX and Equinox steps and the 2-block char
    GPT's Adam step, with float16 and bfloat16 data; GPT-2-small's shape with float16 data.
 2. `gemm_bound`: a step whose time is its matmuls: `--blocks` residual MLP blocks
    (`h + gelu(h @ w1) @ w2`, width `--width`, hidden 4x) on `--tokens` tokens, the gradient
@@ -146,6 +147,7 @@ def gemm_rows(width: int, tokens: int, blocks: int, iters: int) -> list[dict[str
         compile_s = time.perf_counter() - start
         hlo = compiled.as_text()
         kernels, instructions = delayed_scaling.PS.hlo_counts(hlo)
+        by_kind = dict(delayed_scaling.PS.kernel_kinds(hlo).most_common())
         dots, fp8_dots = _fp8_dots(lowered.as_text())
         gemms, fp8_gemms = _gemm_calls(hlo)
         rows.append(
@@ -154,6 +156,7 @@ def gemm_rows(width: int, tokens: int, blocks: int, iters: int) -> list[dict[str
                 "compile_s": compile_s,
                 "kernels": kernels,
                 "instructions": instructions,
+                "by_kind": by_kind,
                 "dot_generals": dots,
                 "fp8_dot_generals": fp8_dots,
                 "gemm_calls": gemms,

@@ -13,7 +13,7 @@ compiles to 80 kernels there and here, its scaled step to 298 there and 296 here
 
 Per case of `benchmarks/program_size.py`, three variants of one step: plain (`jax.jit`),
 dynamic (`jsa.autoscale`) and delayed (`jsa.delayed_scaling`). Reported: kernels (the
-`hlo_counts` of program_size) and kernels by kind (`kernel_kinds`): GEMMs (and how many have
+`hlo_counts` of program_size) and kernels by kind (its `kernel_kinds`): GEMMs (and how many have
 two FP8 operands), reductions (to a scalar, to a tensor, with several outputs), elementwise
 kernels on scalars (read only by the step's outputs, or by other kernels), on tensors, and
 the rest by opcode. `--gemm` adds the GEMM-bound step of `benchmarks/gpu_check.py` (plain
@@ -32,10 +32,8 @@ Run (the plugin's start-up check wants a driver; the variable skips it):
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -86,9 +84,6 @@ runtime_version { major: 12 minor: 8 }
 device_description_str: "NVIDIA H200"
 """
 
-_NOT_KERNELS = PS._NOT_KERNELS
-_SCALAR = re.compile(r"^\(?[a-z0-9]+\[\]")
-
 
 def gpu_sharding() -> jax.sharding.Sharding:
     """A sharding on one device of the deviceless H200 target."""
@@ -113,85 +108,6 @@ def abstract(tree: Any, sharding: jax.sharding.Sharding) -> Any:
     return jax.tree_util.tree_map(leaf, tree)
 
 
-def _entry(hlo_text: str) -> list[tuple[str, str, str, list[str]]]:
-    """(name, shape, opcode or fusion kind, operand names) of each ENTRY instruction."""
-    start = hlo_text.index("\nENTRY")
-    body = hlo_text[start : hlo_text.index("\n}", start)]
-    rows = []
-    for line in body.splitlines()[1:]:
-        if " = " not in line:
-            continue
-        lhs, rhs = line.split(" = ", 1)
-        match = re.search(r"(?:^|\s)([a-z][a-z0-9_-]*)\(", rhs)
-        if match is None:
-            continue
-        kind = match.group(1)
-        if kind == "fusion":
-            kind = re.search(r"kind=(\w+)", rhs).group(1)  # type: ignore[union-attr]
-            backend = re.search(r'"kind":"([\w$]+)"', rhs)
-            if backend:
-                kind += ":" + backend.group(1)
-        elif kind == "custom-call":
-            kind += ":" + re.search(r'custom_call_target="([^"]+)"', rhs).group(1)  # type: ignore[union-attr]
-        args, depth, end = rhs[match.end() :], 1, 0
-        while depth and end < len(args):
-            depth += {"(": 1, ")": -1}.get(args[end], 0)
-            end += 1
-        operands = re.findall(r"%[\w.\-]+", args[:end])
-        name = lhs.strip().removeprefix("ROOT ").strip()
-        rows.append((name, rhs.split(" ", 1)[0], kind, operands))
-    return rows
-
-
-def kernel_kinds(hlo_text: str) -> collections.Counter[str]:
-    """The kernels of an optimized HLO module (those `hlo_counts` counts), by kind.
-
-    A kernel whose result is read only through bitcasts and tuple elements by the ENTRY's
-    root tuple is a step output's kernel. GEMMs are library calls (`__cublas...`) and
-    fusions whose backend kind names a GEMM; `gemm (fp8)` counts those with two FP8
-    operands.
-    """
-    rows = _entry(hlo_text)
-    shape = {name: s for name, s, _, _ in rows}
-    kind_of = {name: k for name, _, k, _ in rows}
-    readers: dict[str, list[str]] = collections.defaultdict(list)
-    for name, _, _, operands in rows:
-        for operand in operands:
-            readers[operand].append(name)
-
-    def final_readers(name: str) -> list[str]:
-        out = []
-        for reader in readers[name]:
-            if kind_of[reader] in ("bitcast", "get-tuple-element"):
-                out += final_readers(reader)
-            else:
-                out.append(reader)
-        return out
-
-    counts: collections.Counter[str] = collections.Counter()
-    for name, out_shape, kind, operands in rows:
-        opcode = kind.split(":")[0]
-        if opcode in _NOT_KERNELS:
-            continue
-        scalar = bool(_SCALAR.match(out_shape))
-        if "gemm" in kind or kind.startswith("custom-call:__cublas"):
-            fp8 = sum(bool(re.match(r"f8e", shape.get(o, ""))) for o in operands) >= 2
-            counts["gemm (fp8)" if fp8 else "gemm"] += 1
-        elif kind == "kInput":
-            if out_shape.startswith("("):
-                counts["reduction, several outputs"] += 1
-            else:
-                counts["reduction to a scalar" if scalar else "reduction to a tensor"] += 1
-        elif kind == "kLoop" and scalar:
-            only_outputs = all(kind_of[r] == "tuple" for r in final_readers(name))
-            counts["scalar: step outputs" if only_outputs else "scalar: read by kernels"] += 1
-        elif kind == "kLoop":
-            counts["elementwise on tensors"] += 1
-        else:
-            counts[kind] += 1
-    return counts
-
-
 def _compile(fun: Any, args: Any, sharding: jax.sharding.Sharding) -> dict[str, Any]:
     start = time.perf_counter()
     hlo = jax.jit(fun).trace(*abstract(args, sharding)).lower().compile().as_text()
@@ -199,7 +115,7 @@ def _compile(fun: Any, args: Any, sharding: jax.sharding.Sharding) -> dict[str, 
     return {
         "kernels": kernels,
         "instructions": instructions,
-        "by_kind": dict(kernel_kinds(hlo).most_common()),
+        "by_kind": dict(PS.kernel_kinds(hlo).most_common()),
         "cpu_compile_s": time.perf_counter() - start,
     }
 

@@ -72,6 +72,7 @@ jax_scaled_arithmetics/ (the numbers are of the working tree).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import importlib.metadata
@@ -737,6 +738,88 @@ def hlo_counts(text: str) -> tuple[int, int]:
             if match and match.group(1) not in _NOT_KERNELS:
                 kernels += 1
     return kernels, instructions
+
+
+_SCALAR = re.compile(r"^\(?[a-z0-9]+\[\]")
+
+
+def _entry(hlo_text: str) -> list[tuple[str, str, str, list[str]]]:
+    """(name, shape, opcode or fusion kind, operand names) of each ENTRY instruction."""
+    start = hlo_text.index("\nENTRY")
+    body = hlo_text[start : hlo_text.index("\n}", start)]
+    rows = []
+    for line in body.splitlines()[1:]:
+        if " = " not in line:
+            continue
+        lhs, rhs = line.split(" = ", 1)
+        match = re.search(r"(?:^|\s)([a-z][a-z0-9_-]*)\(", rhs)
+        if match is None:
+            continue
+        kind = match.group(1)
+        if kind == "fusion":
+            kind = re.search(r"kind=(\w+)", rhs).group(1)  # type: ignore[union-attr]
+            backend = re.search(r'"kind":"([\w$]+)"', rhs)
+            if backend:
+                kind += ":" + backend.group(1)
+        elif kind == "custom-call":
+            kind += ":" + re.search(r'custom_call_target="([^"]+)"', rhs).group(1)  # type: ignore[union-attr]
+        args, depth, end = rhs[match.end() :], 1, 0
+        while depth and end < len(args):
+            depth += {"(": 1, ")": -1}.get(args[end], 0)
+            end += 1
+        operands = re.findall(r"%[\w.\-]+", args[:end])
+        name = lhs.strip().removeprefix("ROOT ").strip()
+        rows.append((name, rhs.split(" ", 1)[0], kind, operands))
+    return rows
+
+
+def kernel_kinds(hlo_text: str) -> collections.Counter[str]:
+    """The kernels of an optimized HLO module (those `hlo_counts` counts), by kind.
+
+    A kernel whose result is read only through bitcasts and tuple elements by the ENTRY's
+    root tuple is a step output's kernel. GEMMs are library calls (`__cublas...`) and
+    fusions whose backend kind names a GEMM; `gemm (fp8)` counts those with two FP8
+    operands.
+    """
+    rows = _entry(hlo_text)
+    shape = {name: s for name, s, _, _ in rows}
+    kind_of = {name: k for name, _, k, _ in rows}
+    readers: dict[str, list[str]] = collections.defaultdict(list)
+    for name, _, _, operands in rows:
+        for operand in operands:
+            readers[operand].append(name)
+
+    def final_readers(name: str) -> list[str]:
+        out = []
+        for reader in readers[name]:
+            if kind_of[reader] in ("bitcast", "get-tuple-element"):
+                out += final_readers(reader)
+            else:
+                out.append(reader)
+        return out
+
+    counts: collections.Counter[str] = collections.Counter()
+    for name, out_shape, kind, operands in rows:
+        opcode = kind.split(":")[0]
+        if opcode in _NOT_KERNELS:
+            continue
+        scalar = bool(_SCALAR.match(out_shape))
+        if "gemm" in kind or kind.startswith("custom-call:__cublas"):
+            fp8 = sum(bool(re.match(r"f8e", shape.get(o, ""))) for o in operands) >= 2
+            counts["gemm (fp8)" if fp8 else "gemm"] += 1
+        elif kind == "kInput":
+            if out_shape.startswith("("):
+                counts["reduction, several outputs"] += 1
+            else:
+                counts["reduction to a scalar" if scalar else "reduction to a tensor"] += 1
+        elif kind == "kLoop" and scalar:
+            only_outputs = all(kind_of[r] == "tuple" for r in final_readers(name))
+            counts["scalar: step outputs" if only_outputs else "scalar: read by kernels"] += 1
+        elif kind == "kLoop":
+            counts["elementwise on tensors"] += 1
+        else:
+            counts[kind] += 1
+    return counts
 
 
 def _child_main(spec: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ def test_gpu_check_smoke_writes_every_number(tmp_path):
     # 2 blocks x 2 matmuls, forward and two backward products, less the input's gradient.
     for row in rows.values():
         assert row["dot_generals"] == 11 and row["step_ms"] > 0 and row["kernels"] > 0
+        assert sum(row["by_kind"].values()) == row["kernels"]
     assert rows["scaled-fp8"]["fp8_dot_generals"] == 11
     assert rows["plain-bf16"]["fp8_dot_generals"] == rows["scaled-bf16"]["fp8_dot_generals"] == 0
 
@@ -32,6 +33,7 @@ def test_delayed_scaling_benchmark_measures_three_variants():
     assert row["sites"] > 0
     for variant in ("plain", "dynamic", "delayed"):
         assert row[variant]["kernels"] > 0 and row[variant]["step_ms"] > 0
+        assert sum(row[variant]["by_kind"].values()) == row[variant]["kernels"]
 
 
 # An optimized XLA:GPU module as `compiled.as_text()` writes it (fusion bodies left out).
@@ -59,9 +61,9 @@ ENTRY %main.1 (x.1: f32[512,128], w.1: f8e4m3fn[128,64], s.1: f32[]) -> (f32[], 
 """  # noqa: E501
 
 
-def test_gpu_compile_sorts_the_kernels_of_an_xla_gpu_module():
-    gpu_compile = load_script("gpu_compile", "benchmarks/gpu_compile.py")
-    kinds = gpu_compile.kernel_kinds(GPU_HLO)
+def test_kernel_kinds_sorts_the_kernels_of_an_xla_gpu_module():
+    program_size = load_script("program_size", "benchmarks/program_size.py")
+    kinds = program_size.kernel_kinds(GPU_HLO)
     assert kinds == {
         "reduction to a tensor": 1,
         "reduction to a scalar": 1,
@@ -73,12 +75,12 @@ def test_gpu_compile_sorts_the_kernels_of_an_xla_gpu_module():
         "reduction, several outputs": 1,
         "copy": 1,
     }
-    assert sum(kinds.values()) == gpu_compile.PS.hlo_counts(GPU_HLO)[0]
+    assert sum(kinds.values()) == program_size.hlo_counts(GPU_HLO)[0]
 
 
-def test_gpu_compile_sorts_every_kernel_of_a_compiled_step():
+def test_kernel_kinds_sorts_every_kernel_of_a_compiled_step():
     """On this machine's backend too: every kernel `hlo_counts` counts has one kind."""
-    gpu_compile = load_script("gpu_compile", "benchmarks/gpu_compile.py")
+    program_size = load_script("program_size", "benchmarks/program_size.py")
 
     def step(w, x):
         return w - 0.1 * jax.grad(lambda w: jax.numpy.sum(jax.numpy.tanh(x @ w) ** 2))(w)
@@ -86,5 +88,5 @@ def test_gpu_compile_sorts_every_kernel_of_a_compiled_step():
     w = jax.numpy.ones((32, 16))
     x = jax.numpy.ones((8, 32))
     hlo = jax.jit(step).lower(w, x).compile().as_text()
-    kinds = gpu_compile.kernel_kinds(hlo)
-    assert sum(kinds.values()) == gpu_compile.PS.hlo_counts(hlo)[0] > 0
+    kinds = program_size.kernel_kinds(hlo)
+    assert sum(kinds.values()) == program_size.hlo_counts(hlo)[0] > 0
