@@ -67,24 +67,32 @@ def median_times(steps: dict[str, tuple[Any, tuple[Any, ...]]], iters: int) -> d
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def measure(
-    case_name: str, history_length: int, iters: int, dtype: str | None = None
-) -> dict[str, Any]:
-    """One case's three variants (`dtype`: the scaled data's, default the case's own)."""
+def variants(
+    case_name: str, history_length: int, dtype: str | None = None
+) -> tuple[dict[str, Any], dict[str, tuple[Any, tuple[Any, ...]]]]:
+    """A case's plain, dynamic and delayed steps with their arguments (`dtype`: the scaled
+    data's, default the case's own), and the start of its row (case, dtype, sites)."""
     builder, default_dtype = PS.CASES[case_name]
     dtype = dtype or default_dtype
     case = builder(jnp.dtype(dtype))
     step = case.scaled_step or case.plain_step
     delayed = jsa.delayed_scaling(step, history_length=history_length)
     _, history = jax.jit(delayed.init)(*case.scaled_args)
-    variants = {
+    steps = {
         "plain": (case.plain_step, case.plain_args),
         "dynamic": (jsa.autoscale(step), case.scaled_args),
         "delayed": (delayed, (history, *case.scaled_args)),
     }
-    row: dict[str, Any] = {"case": case_name, "dtype": dtype, "sites": len(history.sites)}
+    return {"case": case_name, "dtype": dtype, "sites": len(history.sites)}, steps
+
+
+def measure(
+    case_name: str, history_length: int, iters: int, dtype: str | None = None
+) -> dict[str, Any]:
+    """One case's three variants (`dtype`: the scaled data's, default the case's own)."""
+    row, steps = variants(case_name, history_length, dtype)
     runnable = {}
-    for name, (fun, args) in variants.items():
+    for name, (fun, args) in steps.items():
         compiled, seconds, kernels, instructions, by_kind = _compiled(fun, args)
         row[name] = {
             "compile_s": seconds,

@@ -11,8 +11,9 @@ Parts:
    (`jsa.delayed_scaling`) training steps, by `benchmarks/delayed_scaling.py`'s `measure`:
    kernels of the compiled program (`program_size.hlo_counts`), lower + compile time and the
    median step time, and the kernels by kind (`program_size.kernel_kinds`: GEMMs, reductions
-   to a scalar, kernels that write one scalar, ...). Cases: the zoo's Flax linen, NNX and Equinox steps and the 2-block char
-   GPT's Adam step, with float16 and bfloat16 data; GPT-2-small's shape with float16 data.
+   to a scalar, kernels that write one scalar, ...). Cases: the zoo's Flax linen, NNX and
+   Equinox steps and the 2-block char GPT's Adam step, with float16 and bfloat16 data;
+   GPT-2-small's shape with float16 data.
 2. `gemm_bound`: a step whose time is its matmuls: `--blocks` residual MLP blocks
    (`h + gelu(h @ w1) @ w2`, width `--width`, hidden 4x) on `--tokens` tokens, the gradient
    of a mean square and an SGD update. Variants: plain bfloat16 (`jax.jit`), scaled

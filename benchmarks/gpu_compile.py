@@ -122,19 +122,8 @@ def _compile(fun: Any, args: Any, sharding: jax.sharding.Sharding) -> dict[str, 
 
 def step_row(case_name: str, dtype: str | None, sharding: Any, history: int = 16) -> dict:
     """Plain, dynamic and delayed variants of one program_size case."""
-    builder, default_dtype = PS.CASES[case_name]
-    dtype = dtype or default_dtype
-    case = builder(jnp.dtype(dtype))
-    step = case.scaled_step or case.plain_step
-    delayed = jsa.delayed_scaling(step, history_length=history)
-    _, scale_history = jax.jit(delayed.init)(*case.scaled_args)
-    variants = {
-        "plain": (case.plain_step, case.plain_args),
-        "dynamic": (jsa.autoscale(step), case.scaled_args),
-        "delayed": (delayed, (scale_history, *case.scaled_args)),
-    }
-    row: dict[str, Any] = {"case": case_name, "dtype": dtype}
-    for name, (fun, args) in variants.items():
+    row, steps = gpu_check.delayed_scaling.variants(case_name, history, dtype)
+    for name, (fun, args) in steps.items():
         row[name] = _compile(fun, args, sharding)
     return row
 
