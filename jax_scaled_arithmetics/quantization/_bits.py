@@ -168,21 +168,31 @@ def scale_abs_bits(abs_bits: jax.Array, exp: jax.Array) -> jax.Array:
     return compose(q, qexp)
 
 
-def straight_through(quantize: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """`quantize(x, key, *settings)` as ``ste(settings, x, key)``, whose gradient is
-    straight-through (the identity in `x`).
+def straight_through(*static_argnames: str) -> Callable[[Callable[..., jax.Array]], Any]:
+    """Decorator: `quantize(x, key, *settings)` compiled by `jax.jit` (the settings, named
+    by `static_argnames`, static), called as ``ste(settings, x, key)``, with a
+    straight-through gradient (the identity in `x`). ``ste.compiled`` is the compiled
+    `quantize`.
 
     The custom_jvp wraps the compiled `quantize` rather than the other way round: eager
     calls then run one cached executable and never trace a custom_jvp.
     """
 
-    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-    def ste(settings: tuple[Any, ...], x: jax.Array, key: Any) -> jax.Array:
-        return quantize(x, key, *settings)
+    def wrap(quantize: Callable[..., jax.Array]) -> Any:
+        compiled = jax.jit(quantize, static_argnames=static_argnames)
 
-    @ste.defjvp
-    def jvp(settings: tuple[Any, ...], primals: Any, tangents: Any) -> tuple[jax.Array, jax.Array]:
-        x, key = primals
-        return ste(settings, x, key), tangents[0]
+        @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+        def ste(settings: tuple[Any, ...], x: jax.Array, key: Any) -> jax.Array:
+            return compiled(x, key, *settings)
 
-    return ste
+        @ste.defjvp
+        def jvp(
+            settings: tuple[Any, ...], primals: Any, tangents: Any
+        ) -> tuple[jax.Array, jax.Array]:
+            x, key = primals
+            return ste(settings, x, key), tangents[0]
+
+        ste.compiled = compiled  # type: ignore[attr-defined]
+        return ste
+
+    return wrap

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -57,16 +56,13 @@ def _fixed_point_f32(
     return _bits.from_bits(out)
 
 
-@functools.partial(jax.jit, static_argnames=("word_bits", "frac_bits", "rounding", "clamp"))
-def _fixed_point_jit(
+# Called as _fixed_point_ste((word_bits, frac_bits, rounding, clamp), x, key).
+@_bits.straight_through("word_bits", "frac_bits", "rounding", "clamp")
+def _fixed_point_ste(
     x: jax.Array, key: Any, word_bits: int, frac_bits: int, rounding: str, clamp: bool
 ) -> jax.Array:
     rbits = prng.random_bits(key, x.shape) if rounding == "stochastic" else None
     return _fixed_point_f32(x, word_bits, frac_bits, rounding, clamp, rbits).astype(x.dtype)
-
-
-# ste((word_bits, frac_bits, rounding, clamp), x, key)
-_fixed_point_ste = _bits.straight_through(_fixed_point_jit)
 
 
 def fixed_point_quantize(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -101,16 +100,13 @@ def quantize_float32(
     return _bits.from_bits(out)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "rounding", "saturate"))
-def _float_quantize_jit(
+# Called as _float_quantize_ste((fmt, rounding, saturate), x, key).
+@_bits.straight_through("fmt", "rounding", "saturate")
+def _float_quantize_ste(
     x: jax.Array, key: Any, fmt: FloatFormat, rounding: str, saturate: bool
 ) -> jax.Array:
     rbits = prng.random_bits(key, x.shape) if rounding == "stochastic" else None
     return quantize_float32(x, fmt, rounding, saturate, rbits).astype(x.dtype)
-
-
-# ste((fmt, rounding, saturate), x, key)
-_float_quantize_ste = _bits.straight_through(_float_quantize_jit)
 
 
 def float_quantize(

@@ -117,14 +117,11 @@ def _encode_jit(x: jax.Array, key: Any, nbits: int, es: int, rounding: str) -> j
     return _encode_f32(x.astype(jnp.float32), nbits, es, rounding, rbits)
 
 
-@functools.partial(jax.jit, static_argnames=("nbits", "es", "rounding"))
-def _posit_quantize_jit(x: jax.Array, key: Any, nbits: int, es: int, rounding: str) -> jax.Array:
+# Called as _posit_quantize_ste((nbits, es, rounding), x, key).
+@_bits.straight_through("nbits", "es", "rounding")
+def _posit_quantize_ste(x: jax.Array, key: Any, nbits: int, es: int, rounding: str) -> jax.Array:
     codes = _encode_jit(x, key, nbits, es, rounding)
     return _decode_f32(codes, nbits, es).astype(x.dtype)
-
-
-# ste((nbits, es, rounding), x, key)
-_posit_quantize_ste = _bits.straight_through(_posit_quantize_jit)
 
 
 def posit_quantize(

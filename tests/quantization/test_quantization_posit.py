@@ -348,12 +348,12 @@ def test_jit_vmap_and_no_recompilation():
     eager = posit_quantize(x, 8, 1)
     np.testing.assert_array_equal(jax.jit(lambda v: posit_quantize(v, 8, 1))(x), eager)
     np.testing.assert_array_equal(jax.vmap(lambda v: posit_quantize(v, 8, 1))(x), eager)
-    from jax_scaled_arithmetics.quantization.posit import _posit_quantize_jit
+    from jax_scaled_arithmetics.quantization.posit import _posit_quantize_ste
 
     posit_quantize(x + 1, 8, 1)
-    size = _posit_quantize_jit._cache_size()
+    size = _posit_quantize_ste.compiled._cache_size()
     posit_quantize(x * 2, 8, 1)
-    assert _posit_quantize_jit._cache_size() == size
+    assert _posit_quantize_ste.compiled._cache_size() == size
 
 
 def test_straight_through_gradient():
