@@ -118,15 +118,14 @@ def register_scaled_op(
         ... def scaled_twice(x, **params):
         ...     return jsa.ScaledArray(x.data, x.scale * 2)
     """
-    name = primitive if isinstance(primitive, str) else None
-    if name is not None:
-        installed = installed_primitive(name)
+    if isinstance(primitive, str):
+        installed = installed_primitive(primitive)
         if installed is None:
-            return _declare_absent(name, rule, always_scaled, promote, family, remark)
+            return _declare_absent(primitive, rule, always_scaled, promote, family, remark)
         primitive = installed
     if not isinstance(primitive, _compat.Primitive):
         raise TypeError(f"register_scaled_op expects a JAX primitive, got {primitive!r}.")
-    prim = primitive
+    prim = primitive  # narrowed, for `register`
 
     def register(fn: ScaledRule) -> ScaledRule:
         record = _RULES.get(prim)
