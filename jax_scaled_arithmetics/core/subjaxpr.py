@@ -117,10 +117,9 @@ def flatten_compact(
             continue
         leaves.append(v.data)
         static = _static_scale(v.scale)
-        sources = values[:i] if scales_of is None else scales_of
+        sources = enumerate(values[:i] if scales_of is None else scales_of)
         source = next(
-            (j for j, u in enumerate(sources) if isinstance(u, ScaledArray) and u.scale is v.scale),
-            None,
+            (j for j, u in sources if isinstance(u, ScaledArray) and u.scale is v.scale), None
         )
         if static is not None:
             specs.append(("static", static))
