@@ -8,25 +8,27 @@ XLA's default choice) and nothing runs. So kernel counts and the form of each ke
 read on a CPU between the sessions that are lent a GPU; times cannot.
 
 The target is an H200 (`H200_TARGET`: compute capability 9.0, 132 SMs; what the lent device
-is). Checked against a real H200 (JAX 0.11.2): the 1-block char GPT's plain Adam step
-compiles to 80 kernels there and here, its scaled step to 298 there and 296 here.
+is). Checked against the lent H200 (its JAX 0.11.2, library at git `acbccbc`): the 1-block
+char GPT's plain Adam step has 80 kernels there and here, its scaled step 298 there and 296
+here (JAX 0.12); 2 blocks 135 and 135, 519 and 515.
 
 Per case of `benchmarks/program_size.py`, three variants of one step: plain (`jax.jit`),
 dynamic (`jsa.autoscale`) and delayed (`jsa.delayed_scaling`). Reported: kernels (the
-`hlo_counts` of program_size) and kernels by kind (its `kernel_kinds`): GEMMs (and how many have
-two FP8 operands), reductions (to a scalar, to a tensor, with several outputs), elementwise
-kernels on scalars (read only by the step's outputs, or by other kernels), on tensors, and
-the rest by opcode. `--gemm` adds the GEMM-bound step of `benchmarks/gpu_check.py` (plain
-bfloat16, scaled bfloat16, scaled FP8).
+`hlo_counts` of program_size) and kernels by kind (its `kernel_kinds`): GEMMs (and how
+many have two FP8 operands), reductions (to a scalar, to a tensor, with several outputs),
+elementwise kernels on scalars (read only by the step's outputs, or by other kernels), on
+tensors, and the rest by opcode. `--gemm` adds the GEMM-bound step of
+`benchmarks/gpu_check.py` (plain bfloat16, scaled bfloat16, scaled FP8).
 
 Setup, once (about 3 GB of CUDA libraries; no GPU or driver needed):
 
     pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"
 
-Run (the plugin's start-up check wants a driver; the variable skips it):
+Run (the plugin's start-up check wants a driver: the script sets
+`JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`, which skips it, unless the variable is set):
 
-    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/gpu_compile.py \\
-        [--cases gpt-adam,zoo-linen] [--dtype float16] [--gemm] [--json out.json]
+    python benchmarks/gpu_compile.py [--cases gpt-adam,zoo-linen] [--dtype float16]
+        [--gemm] [--json out.json]
 """
 
 from __future__ import annotations
