@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "benchmarks") not in sys.path:  # run as a script or loaded by path
     sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import delayed_scaling  # noqa: E402
 import gpu_check  # noqa: E402
 import program_size as PS  # noqa: E402
 
@@ -124,7 +125,7 @@ def _compile(fun: Any, args: Any, sharding: jax.sharding.Sharding) -> dict[str, 
 
 def step_row(case_name: str, dtype: str | None, sharding: Any, history: int = 16) -> dict:
     """Plain, dynamic and delayed variants of one program_size case."""
-    row, steps = gpu_check.delayed_scaling.variants(case_name, history, dtype)
+    row, steps = delayed_scaling.variants(case_name, history, dtype)
     for name, (fun, args) in steps.items():
         row[name] = _compile(fun, args, sharding)
     return row
