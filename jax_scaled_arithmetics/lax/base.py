@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +48,7 @@ __all__ = [
     "rescale",
     "to_common_scale",
     "unscaled_value",
+    "register_each",
     "register_linear",
     "register_common_scale",
     "common_scale_rule",
@@ -62,6 +63,8 @@ __all__ = [
     "scaled_output",
     "Slope",
 ]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def choose_scale(x: Array) -> Array:
@@ -169,6 +172,22 @@ def _installed(primitive: Any) -> tuple[str, Any]:
     if isinstance(primitive, str):
         return primitive, registry.installed_primitive(primitive)
     return primitive.name, primitive
+
+
+def register_each(*cases: Any, family: str, remark: str = "") -> Callable[[_F], _F]:
+    """Decorate a rule factory: register `factory(primitive, *args)` for each case, a
+    primitive or a tuple `(primitive, *args)`, named `scaled_<primitive name>` (the rules
+    of primitives that differ only in what the rule binds)."""
+
+    def decorate(factory: _F) -> _F:
+        for case in cases:
+            primitive, *args = case if isinstance(case, tuple) else (case,)
+            rule = factory(primitive, *args)
+            rule.__name__ = f"scaled_{primitive.name}"
+            registry.register_scaled_op(primitive, rule, family=family, remark=remark)
+        return factory
+
+    return decorate
 
 
 def register_linear(

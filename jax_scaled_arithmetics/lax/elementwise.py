@@ -40,6 +40,7 @@ from ..core.types import Array
 from .base import (
     common_scale_rule,
     compute_dtype,
+    register_each,
     register_linear,
     register_unscaled_elementwise,
     select_whole_cases,
@@ -113,6 +114,13 @@ def _sqrt_scalar(x: Any) -> Any:
     return np.float32(np.sqrt(value)) if value is not None else lax.sqrt(x)
 
 
+@register_each(
+    lax.add_p,
+    lax.sub_p,
+    _compat.primitives.add_jaxvals_p,
+    family="add",
+    remark="scale sqrt(sa^2 + sb^2) rounded: max(sa, sb) for powers of two",
+)
 def _scaled_add_like(primitive: Any) -> Any:
     def rule(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
         if same_scale(a.scale, b.scale) and get_autoscale_config().rounding_mode == (
@@ -124,17 +132,7 @@ def _scaled_add_like(primitive: Any) -> Any:
         db = apply_ratio(b.data, rb, a.dtype)
         return ScaledArray(primitive.bind(da, db, **params), scale)
 
-    rule.__name__ = f"scaled_{primitive.name}"
     return rule
-
-
-for _prim in (lax.add_p, lax.sub_p, _compat.primitives.add_jaxvals_p):
-    registry.register_scaled_op(
-        _prim,
-        _scaled_add_like(_prim),
-        family="add",
-        remark="scale sqrt(sa^2 + sb^2) rounded: max(sa, sb) for powers of two",
-    )
 
 
 # --- mul, div ----------------------------------------------------------------------------
@@ -179,6 +177,12 @@ def _keeps_scale(constant: Any, is_max: bool) -> bool:
     return constant <= 0 if is_max else constant >= 0
 
 
+@register_each(
+    (lax.max_p, True),
+    (lax.min_p, False),
+    family="common scale",
+    remark="the larger scale; the array's own against a constant bound (clip, relu)",
+)
 def _minmax_rule(primitive: Any, is_max: bool) -> Any:
     def rule(a: ScaledArray, b: ScaledArray, **params: Any) -> ScaledArray:
         if same_scale(a.scale, b.scale):
@@ -195,17 +199,8 @@ def _minmax_rule(primitive: Any, is_max: bool) -> Any:
             da, db = apply_ratio(a.data, ra), apply_ratio(b.data, rb, a.dtype)
         return ScaledArray(primitive.bind(da, db, **params), scale)
 
-    rule.__name__ = f"scaled_{primitive.name}"
     return rule
 
-
-for _prim, _is_max in ((lax.max_p, True), (lax.min_p, False)):
-    registry.register_scaled_op(
-        _prim,
-        _minmax_rule(_prim, _is_max),
-        family="common scale",
-        remark="the larger scale; the array's own against a constant bound (clip, relu)",
-    )
 
 _select_n_at_common_scale = common_scale_rule(lax.select_n_p, lambda n: range(1, n))
 
@@ -253,16 +248,7 @@ def scaled_sign(x: ScaledArray, **params: Any) -> ScaledArray:
 # --- comparisons -------------------------------------------------------------------------
 
 
-def _comparison_rule(primitive: Any) -> Any:
-    def rule(a: ScaledArray, b: ScaledArray, **params: Any) -> Array:
-        da, db = compare_operands(a, b)
-        return primitive.bind(da, db, **params)
-
-    rule.__name__ = f"scaled_{primitive.name}"
-    return rule
-
-
-_COMPARISONS = (
+@register_each(
     lax.eq_p,
     lax.ne_p,
     lax.lt_p,
@@ -272,14 +258,15 @@ _COMPARISONS = (
     _compat.primitives.eq_to_p,
     _compat.primitives.le_to_p,
     _compat.primitives.lt_to_p,
+    family="unscaled output",
+    remark="data compared directly at equal scales, else in float32 at a common scale",
 )
-for _prim in _COMPARISONS:
-    registry.register_scaled_op(
-        _prim,
-        _comparison_rule(_prim),
-        family="unscaled output",
-        remark="data compared directly at equal scales, else in float32 at a common scale",
-    )
+def _comparison_rule(primitive: Any) -> Any:
+    def rule(a: ScaledArray, b: ScaledArray, **params: Any) -> Array:
+        da, db = compare_operands(a, b)
+        return primitive.bind(da, db, **params)
+
+    return rule
 
 
 @registry.register_scaled_op(lax.is_finite_p, family="unscaled output", remark="on data and scale")

@@ -21,6 +21,7 @@ from ..core.types import Array
 from .base import (
     compute_dtype,
     register_common_scale,
+    register_each,
     register_linear,
     rescale,
     safe_div,
@@ -109,6 +110,12 @@ def scatter_update_params(params: dict[str, Any], combine: Any, dtype: Any) -> d
     return dict(params, update_jaxpr=closed.jaxpr, update_consts=tuple(closed.consts))
 
 
+@register_each(
+    (lax.scatter_add_p, lax.add),
+    (lax.scatter_sub_p, lax.sub),
+    family="common scale",
+    remark="operand and updates at a common scale, accumulated in float32",
+)
 def _scaled_scatter_add_like(primitive: Any, combine: Any) -> Any:
     def rule(operand: ScaledArray, indices: Array, updates: ScaledArray, **params: Any) -> Any:
         (data, upd), scale = to_common_scale(operand, updates)
@@ -121,17 +128,7 @@ def _scaled_scatter_add_like(primitive: Any, combine: Any) -> Any:
         )
         return ScaledArray(out.astype(operand.dtype), scale)
 
-    rule.__name__ = f"scaled_{primitive.name}"
     return rule
-
-
-for _prim, _combine in ((lax.scatter_add_p, lax.add), (lax.scatter_sub_p, lax.sub)):
-    registry.register_scaled_op(
-        _prim,
-        _scaled_scatter_add_like(_prim, _combine),
-        family="common scale",
-        remark="operand and updates at a common scale, accumulated in float32",
-    )
 
 
 @registry.register_scaled_op(
@@ -181,16 +178,10 @@ def scaled_sort(*operands: Any, num_keys: int, **params: Any) -> list[Any]:
     ]
 
 
+@register_each(lax.top_k_p, lax.approx_top_k_p, family="sort", remark="values keep the scale")
 def _scaled_top_k_like(primitive: Any) -> Any:
     def rule(operand: ScaledArray, **params: Any) -> list[Any]:
         values, idx = primitive.bind(masked_data(operand), **params)
         return [ScaledArray(values, operand.scale), idx]
 
-    rule.__name__ = f"scaled_{primitive.name}"
     return rule
-
-
-for _prim in (lax.top_k_p, lax.approx_top_k_p):
-    registry.register_scaled_op(
-        _prim, _scaled_top_k_like(_prim), family="sort", remark="values keep the scale"
-    )

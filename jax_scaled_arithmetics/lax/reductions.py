@@ -23,6 +23,7 @@ from ..core import _compat, registry
 from ..core.datatype import ScaledArray, is_floating
 from .base import (
     compute_dtype,
+    register_each,
     register_linear,
     register_unscaled_output,
     unscaled_value,
@@ -68,6 +69,7 @@ registry.register_scaled_op(
 )
 
 
+@register_each(lax.reduce_max_p, lax.reduce_min_p, family="linear", remark="scale kept")
 def _extremum_rule(primitive: Any) -> Any:
     """max/min keep the scale; an empty reduction gives the identity (-inf/inf), scale 1."""
 
@@ -77,12 +79,9 @@ def _extremum_rule(primitive: Any) -> Any:
             return ScaledArray(out, jnp.ones((), jnp.float32))
         return ScaledArray(out, x.scale)
 
-    rule.__name__ = f"scaled_{primitive.name}"
     return rule
 
 
-for _prim in (lax.reduce_max_p, lax.reduce_min_p):
-    registry.register_scaled_op(_prim, _extremum_rule(_prim), family="linear", remark="scale kept")
 for _prim in (
     lax.cummax_p,
     lax.cummin_p,
@@ -94,6 +93,9 @@ register_unscaled_output(lax.argmax_p)
 register_unscaled_output(lax.argmin_p)
 
 
+@register_each(
+    lax.cumprod_p, lax.cumlogsumexp_p, family="reduce", remark="float32 value, dynamic scale"
+)
 def _value_rule(primitive: Any) -> Any:
     """Computed on the float32 value; the result renormalised to a power-of-two scale."""
 
@@ -101,14 +103,7 @@ def _value_rule(primitive: Any) -> Any:
         out = primitive.bind(unscaled_value(x), **params)
         return renormalised(out, 1.0, x.dtype)
 
-    rule.__name__ = f"scaled_{primitive.name}"
     return rule
-
-
-for _prim in (lax.cumprod_p, lax.cumlogsumexp_p):
-    registry.register_scaled_op(
-        _prim, _value_rule(_prim), family="reduce", remark="float32 value, dynamic scale"
-    )
 
 
 @registry.register_scaled_op(

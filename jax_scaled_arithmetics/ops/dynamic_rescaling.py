@@ -373,12 +373,14 @@ def dynamic_rescale_l1(
 def dynamic_rescale_l2(
     tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
 ) -> Any:
-    """Like :func:`dynamic_rescale_max`, with the root mean square of the data.
+    """Like :func:`dynamic_rescale_max`, with the root mean square of the data: the scale
+    is the largest power of two at most sqrt(mean(|data * scale|^2)).
 
     Examples:
         >>> import jax_scaled_arithmetics as jsa
-        >>> float(jsa.ops.dynamic_rescale_l2(jsa.scaled_array([3.0, 4.0], 1.0)).scale)
-        2.0
+        >>> x = jsa.scaled_array([3.0, 4.0], 1.0)  # root mean square 3.54
+        >>> jsa.ops.dynamic_rescale_l2(x).scale
+        Array(2., dtype=float32)
     """
     return rescale_tree(tree, "l2", epsilon, scale_shape)
 
@@ -440,11 +442,9 @@ def dynamic_rescale_l1_grad(
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jax_scaled_arithmetics as jsa
-        >>> w = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16))
-        >>> x = jsa.as_scaled_array(jnp.array([0.25, 0.5], jnp.float16))
-        >>> def loss(w, x):  # d loss / d w is x, rescaled by its mean absolute value
-        ...     return jnp.sum(jsa.ops.dynamic_rescale_l1_grad(w) * x)
-        >>> jsa.autoscale(jax.grad(loss))(w, x).scale
+        >>> w, x = (jsa.as_scaled_array(jnp.array(v, jnp.float16)) for v in ([1, 2], [0.25, 0.5]))
+        >>> grad = jax.grad(lambda w, x: (jsa.ops.dynamic_rescale_l1_grad(w) * x).sum())
+        >>> jsa.autoscale(grad)(w, x).scale  # the gradient is x: mean |x| 3/8, scale 1/4
         Array(0.25, dtype=float32)
     """
     return _gradients_rescaled(tree, "l1", epsilon, scale_shape)
@@ -453,16 +453,15 @@ def dynamic_rescale_l1_grad(
 def dynamic_rescale_l2_grad(
     tree: Any, epsilon: float = DEFAULT_EPSILON, *, scale_shape: ScaleShape = None
 ) -> Any:
-    """Like :func:`dynamic_rescale_max_grad`, with :func:`dynamic_rescale_l2`.
+    """Like :func:`dynamic_rescale_max_grad`, with :func:`dynamic_rescale_l2`: in a pytree,
+    each leaf's gradient is rescaled by its own root mean square.
 
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jax_scaled_arithmetics as jsa
-        >>> w = jsa.as_scaled_array(jnp.array([1.0, 2.0], jnp.float16))
-        >>> x = jsa.as_scaled_array(jnp.array([0.25, 0.5], jnp.float16))
-        >>> def loss(w, x):  # d loss / d w is x, rescaled by its root mean square
-        ...     return jnp.sum(jsa.ops.dynamic_rescale_l2_grad(w) * x)
-        >>> jsa.autoscale(jax.grad(loss))(w, x).scale
-        Array(0.25, dtype=float32)
+        >>> params = {"w": jsa.as_scaled_array(jnp.array([3.0, 4.0], jnp.float16))}
+        >>> squares = lambda p: (jsa.ops.dynamic_rescale_l2_grad(p)["w"] ** 2).sum()
+        >>> jsa.autoscale(jax.grad(squares))(params)["w"].scale  # grad [6, 8], rms 7.07: scale 4
+        Array(4., dtype=float32)
     """
     return _gradients_rescaled(tree, "l2", epsilon, scale_shape)

@@ -155,7 +155,7 @@ def silu(x: Array, *, mult: float = 1.0, constraint: Constraint = "to_output_sca
         >>> import jax
         >>> import jax_scaled_arithmetics.unit_scaling as U
         >>> x = jax.random.normal(jax.random.key(0), (100_000,))
-        >>> round(float(U.silu(x, constraint=None).std()), 2)
+        >>> round(float(U.silu(x, mult=2.0, constraint=None).std()), 2)  # for any `mult`
         1.0
     """
     mult = _positive_number(mult, "mult")

@@ -26,7 +26,7 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.core import _compat, block_scales
+from jax_scaled_arithmetics.core import _compat, block_scales, registry
 from jax_scaled_arithmetics.core.config import default_config
 from jax_scaled_arithmetics.lax import elementwise
 from tests.helpers import (
@@ -830,3 +830,25 @@ def test_select_by_a_scalar_predicate_returns_the_case_as_it_is(scale_shape, use
     out = select(mask, a, b)
     want = np.where(np.asarray(mask), represented(a), represented(b))
     assert_close(out, want, RTOL[F16])
+
+
+@pytest.mark.parametrize(
+    "primitive, family, binary",
+    [
+        (lax.sub_p, "add", True),
+        (lax.min_p, "common scale", True),
+        (lax.ge_p, "unscaled output", True),
+        (lax.reduce_min_p, "linear", False),
+        (lax.scatter_sub_p, "common scale", False),
+        (lax.approx_top_k_p, "sort", False),
+    ],
+)
+def test_family_rule_made_for_each_primitive(primitive: Any, family: str, binary: bool) -> None:
+    """A rule factory registered for several primitives (`lax.base.register_each`) gives
+    each its own rule, named for it (the operator listing shows the names), binding it."""
+    info = registry.get_scaled_rule(primitive)
+    assert (info.rule.__name__, info.family) == (f"scaled_{primitive.name}", family)
+    if binary:
+        a, b = jsa.scaled_array([1.0, 2.0], 2.0), jsa.scaled_array([3.0, 1.0], 0.5)
+        bound = {e.primitive for e in jax.make_jaxpr(info.rule)(a, b).eqns}
+        assert primitive in bound
