@@ -289,14 +289,6 @@ def register_jvp(prim: Primitive, rule: Any) -> None:
     _ad.primitive_jvps[prim] = rule
 
 
-def register_transpose(prim: Primitive, rule: Any) -> None:
-    _ad.primitive_transposes[prim] = rule
-
-
-def is_undefined_primal(x: Any) -> bool:
-    return _ad.is_undefined_primal(x)
-
-
 def instantiate_zeros(x: Any) -> Any:
     return _ad.instantiate_zeros(x)
 

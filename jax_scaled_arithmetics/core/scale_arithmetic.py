@@ -94,10 +94,9 @@ def materialize_impl(scale: Array, *, scalars: bool = False) -> Array:
     XLA:CPU fuses cheap elementwise producers into their consumers and recomputes them for
     every element a consumer reads: a block scale's arithmetic (ratios, the bits of powers
     of two) broadcast over its block's data would run once per data element instead of once
-    per block (measured: a GPT block's FP8 gradient step with per-row scales 2.8x slower than
-    per tensor before this, 1.3x after). A division is one of the "expensive" operations XLA
-    does not duplicate into a consumer that reuses its elements, so the scale is
-    materialised. Dividing by `scale == scale` (1; 0 for a NaN scale, whose block is NaN
+    per block (docs/benchmarks.md, "Block scales"). A division is one of the "expensive"
+    operations XLA does not duplicate into a consumer that reuses its elements, so the
+    scale is materialised. Dividing by `scale == scale` (1; 0 for a NaN scale, whose block is NaN
     anyway) is exact and cannot be simplified away. Scalars are left alone unless
     `scalars`: a scalar that many kernels read is materialised so that XLA does not copy its
     producers into each (the interpreter's fan-out rule). On XLA:CPU every ratio is a
@@ -128,21 +127,20 @@ def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool =
 # A ratio is what a rule multiplies its data by, broadcast over every element. XLA:CPU's
 # fusion emitters compute a scalar fused into a loop kernel once per element unless LLVM
 # hoists it, and in the large fusions of a deep model's backward pass (hundreds of
-# elementwise operations, thousands of scalar instructions of the scale algebra) it does
-# not: measured on the 8-block char GPT step, its largest fusion ran 10.8x the plain one's
-# time for 2.3x its tensor instructions, the step 3.5x plain (12 blocks: 9x). So on XLA:CPU
-# every ratio ends in a division, which XLA does not copy into the kernels that broadcast
-# it: it is computed once, in a small kernel of its own, and the fusions read it (those
-# steps: 1.0x plain). With a division at the end anyway, the exponent arithmetic that
-# spares divisions elsewhere (XLA:GPU launches every division as a kernel of its own) is
-# work for nothing: each ratio is a division of scales (exact for powers of two, correctly
-# rounded otherwise) and what is shared (a common scale, a clamped product) is formed once,
-# 30% fewer instructions in the scalar kernels of a GPT step (docs/benchmarks.md). The
-# scales themselves (each primitive's first output, and `scale_root`'s) are materialised
-# too (`_materialized`), so that no kernel recomputes another's exponent arithmetic. For
-# scales that are powers of two in [SCALE_MIN, SCALE_MAX], zero or inf the values are the
-# default lowerings' bit for bit (tests/core/test_scale_arithmetic.py); for others within
-# an ulp, or exact where the default's reciprocal underflows.
+# elementwise operations, thousands of scalar instructions of the scale algebra) it does not
+# (docs/benchmarks.md, "Ratios computed once on XLA:CPU"). So on XLA:CPU every ratio ends in
+# a division, which XLA does not copy into the kernels that broadcast it: it is computed
+# once, in a small kernel of its own, and the fusions read it. With a division at the end
+# anyway, the exponent arithmetic that spares divisions elsewhere (XLA:GPU launches every
+# division as a kernel of its own) is work for nothing: each ratio is a division of scales
+# (exact for powers of two, correctly rounded otherwise) and what is shared (a common scale,
+# a clamped product) is formed once, fewer instructions in the scalar kernels ("The ratios
+# as divisions", docs/benchmarks.md). The scales themselves (each primitive's first output,
+# and `scale_root`'s) are materialised too (`_materialized`), so that no kernel recomputes
+# another's exponent arithmetic. For scales that are powers of two in [SCALE_MIN,
+# SCALE_MAX], zero or inf the values are the default lowerings' bit for bit
+# (tests/core/test_scale_arithmetic.py); for others within an ulp, or exact where the
+# default's reciprocal underflows.
 
 _TWO_POW_127 = np.float32(2.0**127)
 
@@ -169,9 +167,9 @@ def _materialized(scale: Array) -> Array:
     each later ratio's kernel and the tensor kernels that use the scale itself. Each kernel
     then carries its operands' whole chain, and no two are alike, so that each is compiled
     by LLVM on its own (XLA:CPU compiles identical kernels once). Materialised, a ratio's
-    kernel is its division of parameters, alike across the program: measured on the
-    2-block char GPT step, one kernel more per scale but 41% fewer HLO instructions and 248
-    -> 78 distinct scalar kernels, the first call ~20% faster (docs/benchmarks.md)."""
+    kernel is its division of parameters, alike across the program: one kernel more per
+    scale, but fewer HLO instructions, fewer distinct kernels and a faster first call
+    (docs/benchmarks.md, "The scales materialised too")."""
     return materialize_impl(scale, scalars=True)
 
 

@@ -226,8 +226,9 @@ def _blocks_and_scales(
     scales_f32 = _e4m3_nearest(ratio)
     scales = scales_f32.astype(_E4M3)
     denominator = scales_f32 * tensor_scale
-    # Materialise the per-block values: fused into the elementwise pass, XLA:CPU recomputes
-    # the block maxima for every element (8x slower on 4M values).
+    # The per-block values apart from the elementwise pass where a backend keeps the barrier
+    # (XLA:CPU removes it before fusion and recomputes them for every element, so they are
+    # kept cheap: docs/benchmarks.md, "Posit and lookup-table quantisation").
     denominator, special = jax.lax.optimization_barrier((denominator, special))
     safe = jnp.where(denominator == 0, f32(1), denominator)
     scaled = jnp.where(special | (denominator == 0), f32(0), blocks / safe)
