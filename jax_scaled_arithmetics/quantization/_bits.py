@@ -47,7 +47,7 @@ def check_rounding(rounding: Any, key: Any) -> str:
     return str(rounding)
 
 
-def compute_dtype(x: jax.Array, fn: str) -> np.dtype:
+def quantized_dtype(x: jax.Array, fn: str) -> np.dtype:
     """The dtype a quantiser returns for `x`: floats up to 32 bits keep theirs."""
     dtype = np.dtype(x.dtype)
     if jnp.issubdtype(dtype, jnp.floating):
@@ -67,7 +67,7 @@ def prepare(x: Any, fn: str, rounding: Any, key: Any) -> tuple[jax.Array, str, A
     (validated), and the key (None unless the rounding is stochastic)."""
     mode = check_rounding(rounding, key)
     x = jnp.asarray(x)
-    dtype = compute_dtype(x, fn)
+    dtype = quantized_dtype(x, fn)
     if x.dtype != dtype:
         x = x.astype(dtype)
     return x, mode, key if mode == "stochastic" else None

@@ -205,7 +205,7 @@ def _block_quantize(
     if scale_rounding not in SCALE_ROUNDINGS:
         raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got {scale_rounding!r}")
     x = jnp.asarray(x)
-    _bits.compute_dtype(x, "block_quantize")
+    _bits.quantized_dtype(x, "block_quantize")
     fmt, mode, axis = _check_block_args(
         x.ndim, x.shape, format, block_size, axis, rounding, key, pad, "block_quantize"
     )
@@ -373,7 +373,7 @@ def mx_from_scaled_array(
     if not isinstance(x, ScaledArray):
         raise TypeError(f"mx_from_scaled_array expects a ScaledArray, got {type(x).__name__}")
     data = jnp.asarray(x.data)
-    _bits.compute_dtype(data, "mx_from_scaled_array")
+    _bits.quantized_dtype(data, "mx_from_scaled_array")
     fmt, mode, axis = _check_block_args(
         data.ndim, data.shape, format, block_size, axis, rounding, key, pad, "mx_from_scaled_array"
     )
@@ -456,7 +456,7 @@ def block_fake_quantize(
     size = _mx_block_size(block_size)
     if rounding == "nearest" and scale_rounding in SCALE_ROUNDINGS:
         x = jnp.asarray(x)
-        _bits.compute_dtype(x, "block_quantize")
+        _bits.quantized_dtype(x, "block_quantize")
         fmt, _, ax = _check_block_args(
             x.ndim, x.shape, format, size, axis, rounding, key, pad, "block_quantize"
         )

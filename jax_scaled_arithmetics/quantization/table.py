@@ -252,7 +252,7 @@ def _prepare(
     thresholds = _order_keys(_thresholds(table32, str(rounding), hints))
     consts = (jnp.asarray(table32), jnp.asarray(_order_keys(table32)), jnp.asarray(thresholds))
     x = jnp.asarray(x)
-    dtype = _bits.compute_dtype(x, fn)
+    dtype = _bits.quantized_dtype(x, fn)
     if x.dtype != dtype:
         x = x.astype(dtype)
     mode = "stochastic" if rounding == "stochastic" else "threshold"
