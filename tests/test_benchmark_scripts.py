@@ -1,5 +1,6 @@
-"""The GPU measurement script of issue 43 (`benchmarks/gpu_check.py`), run here at tiny
-sizes: it must work the first time a GPU is lent."""
+"""The measurement scripts of issue 43 (`benchmarks/gpu_check.py`, `delayed_scaling.py`,
+`compile_profile.py`, `program_size.kernel_kinds`), run here at tiny sizes or on recorded
+output: they must work the first time a GPU is lent, and read XLA's output right."""
 
 import json
 
@@ -90,3 +91,38 @@ def test_kernel_kinds_sorts_every_kernel_of_a_compiled_step():
     hlo = jax.jit(step).lower(w, x).compile().as_text()
     kinds = program_size.kernel_kinds(hlo)
     assert sum(kinds.values()) == program_size.hlo_counts(hlo)[0] > 0
+
+
+# XLA's timing log of a compile, as `TF_CPP_VMODULE=hlo_pass_pipeline=1,cpu_compiler=1`
+# writes it: an earlier module's compile, the child's marker, then the step's.
+XLA_LOG = """I1129 10:00:00.1 1 cpu_compiler.cc:2198] Compiling [jit_other] for CPU using JIT time: 9 s (9 us) (cumulative: 9 s, max: 9 s, #called: 1)
+compile_profile: compile starts
+I1129 10:00:01.1 1 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_step: cpu
+I1129 10:00:01.2 1 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_step: simplification
+I1129 10:00:01.3 1 hlo_pass_pipeline.cc:206] HLO pass: algsimp time: 40 ms (40000 us) (cumulative: 40 ms, max: 40 ms, #called: 1)
+I1129 10:00:01.4 1 hlo_pass_pipeline.cc:206] HLO pass: algsimp time: 10 ms (10000 us) (cumulative: 50 ms, max: 40 ms, #called: 2)
+I1129 10:00:01.5 1 hlo_pass_pipeline.cc:206] HLO pass: dce time: 500 us (500 us) (cumulative: 500 us, max: 500 us, #called: 1)
+I1129 10:00:01.6 1 hlo_pass_pipeline.cc:206] HLO pass: simplification time: 60 ms (60000 us) (cumulative: 60 ms, max: 60 ms, #called: 1)
+I1129 10:00:01.7 1 hlo_pass_pipeline.cc:206] HLO pass: copy-insertion time: 1.5 s (1500000 us) (cumulative: 1.5 s, max: 1.5 s, #called: 1)
+I1129 10:00:01.8 1 cpu_compiler.cc:1314] Running HLO passes on [jit_step] for CPU time: 1.7 s (1700000 us) (cumulative: 1.7 s, max: 1.7 s, #called: 1)
+I1129 10:00:02.9 1 cpu_compiler.cc:2198] Compiling [jit_step] for CPU using JIT time: 2.5 s (2500000 us) (cumulative: 11.5 s, max: 9 s, #called: 2)
+"""  # noqa: E501
+
+
+def test_compile_profile_reads_xla_timing_log():
+    """The step's compile only (after the marker); passes summed over their runs, a nested
+    pipeline's own line left out."""
+    bench = load_script("compile_profile", "benchmarks/compile_profile.py")
+    parsed = bench.parse_log(XLA_LOG)
+    assert (parsed["xla_compile_s"], parsed["passes_s"]) == (2.5, 1.7)
+    assert parsed["by_pass"] == pytest.approx({"algsimp": 0.05, "dce": 5e-4, "copy-insertion": 1.5})
+
+
+@pytest.mark.slow
+def test_compile_profile_splits_a_compile():
+    bench = load_script("compile_profile", "benchmarks/compile_profile.py")
+    run = bench.profile("block", "scaled", "float32")
+    assert 0 < run["passes_s"] < run["xla_compile_s"] and run["rest_s"] > 0
+    assert run["outside_s"] == pytest.approx(run["compile_s"] - run["xla_compile_s"])
+    assert run["compile_s"] >= run["xla_compile_s"] * 0.9  # wall time around XLA's own
+    assert {"algsimp", "fusion", "copy-insertion"} <= set(run["by_pass"])
