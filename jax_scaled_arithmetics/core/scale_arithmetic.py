@@ -235,8 +235,9 @@ def _scale_product_cpu(*scales: Array, powers: tuple[int, ...], pow2: bool) -> l
 
 
 def _dynamic_scale_cpu(x: Array, factor: Array) -> list[Array]:
-    scale, _ = _dynamic_scale_impl(x, factor)
-    scale = _materialized(scale)
+    if x.size == 0:  # no magnitude: t = 1
+        return [np.float32(1.0), lax.convert_element_type(factor, F32)]
+    scale = _materialized(lax.bitcast_convert_type(_dynamic_scale_bits(x, factor), F32))
     return [scale, _quotient(lax.convert_element_type(factor, F32), scale)]
 
 
@@ -449,10 +450,9 @@ scale_product_p = _multi_output(
 # --- dynamic scale -----------------------------------------------------------------------
 
 
-def _dynamic_scale_impl(x: Array, factor: Array) -> list[Array]:
-    """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`."""
-    if x.size == 0:
-        return [np.float32(1.0), np.float32(1.0)]
+def _dynamic_scale_bits(x: Array, factor: Array) -> Array:
+    """The float32 bits of the power of two at or below the largest finite `|x| * factor`,
+    within [SCALE_MIN, SCALE_MAX] (1's bits when that is 0 or there is none)."""
     magnitude = lax.abs(x)
     if magnitude.dtype != F32 and magnitude.dtype != np.float64:
         magnitude = lax.convert_element_type(magnitude, F32)
@@ -462,7 +462,14 @@ def _dynamic_scale_impl(x: Array, factor: Array) -> list[Array]:
     amax = lax.convert_element_type(amax, F32)
     bits = lax.bitcast_convert_type(amax, np.int32) & _EXPONENT_MASK
     bits = lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
-    bits = lax.select(amax > 0, bits, _ONE_BITS)
+    return lax.select(amax > 0, bits, _ONE_BITS)
+
+
+def _dynamic_scale_impl(x: Array, factor: Array) -> list[Array]:
+    """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`."""
+    if x.size == 0:  # no magnitude: t = 1
+        return [np.float32(1.0), lax.convert_element_type(factor, F32)]
+    bits = _dynamic_scale_bits(x, factor)
     scale = lax.bitcast_convert_type(bits, F32)
     inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)  # 2^-e, exactly
     return [scale, lax.convert_element_type(factor, F32) * inverse]

@@ -124,6 +124,8 @@ def test_dynamic_scale_and_ratio(use_jit):
     scale, ratio = bind(x, F32(2.0**-40))
     assert float(scale) == 2.0**-38 and float(ratio) == 0.25
     assert [float(v) for v in bind(jnp.zeros(3), F32(1.0))] == [1.0, 1.0]
+    # No magnitude at all: scale 1, so the ratio is the factor.
+    assert [float(v) for v in bind(jnp.zeros((0, 3)), F32(4.0))] == [1.0, 4.0]
 
 
 def test_dynamic_scale_under_vmap_is_shared_by_the_batch():
@@ -263,6 +265,8 @@ def test_cpu_lowerings_of_powers_of_two_are_the_default_bit_for_bit(pow2):
         for round_up in (False, True):
             cpu, default = _both_lowerings(scale_root_p, F32(value), degree=2, round_up=round_up)
             np.testing.assert_array_equal(cpu, default, err_msg=f"root {value} {round_up}")
+    cpu, default = _both_lowerings(dynamic_scale_p, jnp.zeros((0, 2), F32), F32(3.0))
+    np.testing.assert_array_equal(cpu, default, err_msg="dynamic scale of an empty array")
 
 
 def test_cpu_lowerings_of_any_scales_represent_the_same_values():
