@@ -176,14 +176,16 @@ def _installed(primitive: Any) -> tuple[str, Any]:
 
 def register_each(*cases: Any, family: str, remark: str = "") -> Callable[[_F], _F]:
     """Decorate a rule factory: register `factory(primitive, *args)` for each case, a
-    primitive or a tuple `(primitive, *args)`, named `scaled_<primitive name>` (the rules
-    of primitives that differ only in what the rule binds)."""
+    primitive (or the name of one that only some supported JAX releases have) or a tuple
+    `(primitive, *args)`, named `scaled_<primitive name>` (the rules of primitives that
+    differ only in what the rule binds)."""
 
     def decorate(factory: _F) -> _F:
         for case in cases:
             primitive, *args = case if isinstance(case, tuple) else (case,)
-            rule = factory(primitive, *args)
-            rule.__name__ = f"scaled_{primitive.name}"
+            name, installed = _installed(primitive)
+            rule = factory(installed, *args)
+            rule.__name__ = f"scaled_{name}"
             registry.register_scaled_op(primitive, rule, family=family, remark=remark)
         return factory
 
