@@ -701,9 +701,13 @@ def measure_variant(
     if memory:
         report("peak_rss_compile_mib", _proc_status_mib("VmHWM"))
         report("ru_maxrss_mib", _ru_maxrss_mib())
-    kernels, instructions = hlo_counts(compiled.as_text())
+    hlo_text = compiled.as_text()
+    kernels, instructions = hlo_counts(hlo_text)
     report("hlo_kernels", kernels)
     report("hlo_instructions", instructions)
+    kinds = kernel_kinds(hlo_text)
+    report("hlo_scalar_kernels", kinds["scalar: read by kernels"] + kinds["scalar: step outputs"])
+    report("hlo_kernel_kinds", dict(kinds))
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     report("first_exec_s", time.perf_counter() - start)
@@ -1029,15 +1033,21 @@ def print_tables(results: dict[str, dict], by_primitive: bool) -> None:
         ]
         print("| " + " | ".join(cells) + " |")
     print("\nXLA's view (optimized HLO): kernels (ENTRY instructions other than parameters,")
-    print("constants, tuples, bitcasts) and all instructions, fusions' bodies included.\n")
-    print("| case | kernels plain | kernels scaled | ratio | HLO instr. plain | scaled | ratio |")
-    print("| --- |" + " ---: |" * 6)
+    print("constants, tuples, bitcasts), those of them elementwise on scalars, and all")
+    print("instructions, fusions' bodies included (kernels by kind in the JSON).\n")
+    print(
+        "| case | kernels plain | kernels scaled | ratio | scalar kernels plain | scaled"
+        " | HLO instr. plain | scaled | ratio |"
+    )
+    print("| --- |" + " ---: |" * 8)
     for name, r in results.items():
         p, s = r["plain"], r["scaled"]
         cells = [
             _cell(p, "hlo_kernels", "d"),
             _cell(s, "hlo_kernels", "d"),
             _ratio(p.get("hlo_kernels"), s.get("hlo_kernels")),
+            _cell(p, "hlo_scalar_kernels", "d"),
+            _cell(s, "hlo_scalar_kernels", "d"),
             _cell(p, "hlo_instructions", "d"),
             _cell(s, "hlo_instructions", "d"),
             _ratio(p.get("hlo_instructions"), s.get("hlo_instructions")),

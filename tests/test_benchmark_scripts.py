@@ -93,6 +93,23 @@ def test_kernel_kinds_sorts_every_kernel_of_a_compiled_step():
     assert sum(kinds.values()) == program_size.hlo_counts(hlo)[0] > 0
 
 
+def test_program_size_reports_kernels_by_kind():
+    """`measure_variant` of the MLP case: the kernels by kind add up to the kernels, and
+    the scaled step's scalar kernels (its materialised scales) are among them."""
+    program_size = load_script("program_size", "benchmarks/program_size.py")
+    case = program_size.case_mlp(jax.numpy.dtype("float32"))
+    numbers = {}
+    for variant in ("plain", "scaled"):
+        reported = {}
+        with jax.numpy_rank_promotion("allow"):  # the benchmark's models broadcast biases
+            program_size.measure_variant(case, variant, reported.__setitem__, memory=False)
+        numbers[variant] = reported
+    for reported in numbers.values():
+        assert sum(reported["hlo_kernel_kinds"].values()) == reported["hlo_kernels"]
+        assert 0 <= reported["hlo_scalar_kernels"] <= reported["hlo_kernels"]
+    assert numbers["scaled"]["hlo_scalar_kernels"] > numbers["plain"]["hlo_scalar_kernels"]
+
+
 # XLA's timing log of a compile, as `TF_CPP_VMODULE=hlo_pass_pipeline=1,cpu_compiler=1`
 # writes it: an earlier module's compile, the child's marker, then the step's.
 XLA_LOG = """I1129 10:00:00.1 1 cpu_compiler.cc:2198] Compiling [jit_other] for CPU using JIT time: 9 s (9 us) (cumulative: 9 s, max: 9 s, #called: 1)

@@ -35,9 +35,10 @@ RATIO = 2.5
 # multiply, per stored moment and new parameter a `rescale_factor`, a multiply and a cast;
 # the update itself is added unstored); the target is 2x, see docs/benchmarks.md.
 UPDATE_RATIO = 2.05
-# Kernels of the compiled block step (XLA:CPU) over the plain one's: measured 5.7x on JAX
-# 0.10.2 and 0.12 (489 and 488 vs 86); issue 43's target is 1.5x (docs/benchmarks.md).
-KERNEL_RATIO = 6.2
+# Kernels of the compiled block step (XLA:CPU) over the plain one's: measured 4.2x on JAX
+# 0.10.0, 0.10.2 and 0.12 (364 and 365 vs 86; 5.7x while each ratio was a kernel of its
+# own); issue 43's target is 1.5x (docs/benchmarks.md).
+KERNEL_RATIO = 4.6
 # Slack over the committed per-primitive counts: JAX releases move a few equations.
 SLACK = 1.05
 
@@ -210,12 +211,13 @@ def test_a_scalar_every_leaf_reads_is_computed_once():
 @pytest.mark.slow  # ~9 s to compile; the default run keeps the budgets and the scalar check
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering of the scales")
 def test_compiled_block_step_reads_each_scale_from_memory():
-    """XLA compiles what the scale algebra lowers to: on XLA:CPU each scale and ratio is
-    computed once, in a kernel of its own, and read by the kernels that use it. Copied
-    into every reader instead, a scale's exponent arithmetic made the block step's optimized
-    HLO 12x the plain one's, and no two of its scalar kernels alike, each compiled on its
-    own (measured 6.5x since the scales and rescaled tensors read twice are materialised, JAX
-    0.10.2). The kernels are counted too: a rule change that adds kernels fails here."""
+    """XLA compiles what the scale algebra lowers to: on XLA:CPU each scale is computed
+    once, in a kernel of its own, and read by the kernels that use it (its ratios fused
+    into them). Copied into every reader instead, a scale's exponent arithmetic made the
+    block step's optimized HLO 12x the plain one's, and no two of its scalar kernels alike,
+    each compiled on its own (measured 6.4-6.6x since the scales and rescaled tensors read
+    twice are materialised, JAX 0.10 and 0.12). The kernels are counted too: a rule change
+    that adds kernels fails here."""
     step, params, x = block_training_step()
     with jax.numpy_rank_promotion("allow"):
         plain_compiled = jax.jit(step).lower(params, x).compile()

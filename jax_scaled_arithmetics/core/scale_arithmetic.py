@@ -14,6 +14,7 @@ vmaps and differentiates outside `autoscale` (derivatives of chosen scales are z
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -99,8 +100,8 @@ def materialize_impl(scale: Array, *, scalars: bool = False) -> Array:
     scale is materialised. Dividing by `scale == scale` (1; 0 for a NaN scale, whose block is NaN
     anyway) is exact and cannot be simplified away. Scalars are left alone unless
     `scalars`: a scalar that many kernels read is materialised so that XLA does not copy its
-    producers into each (the interpreter's fan-out rule). On XLA:CPU every ratio is a
-    division anyway (the lowerings `_common_scale_cpu` and its siblings)."""
+    producers into each (the interpreter's fan-out rule, and on XLA:CPU the scale each
+    scale primitive returns: `_materialized`)."""
     if np.ndim(scale) == 0 and not scalars:
         return scale
     one = lax.convert_element_type(lax.eq(scale, scale), scale.dtype)
@@ -122,123 +123,30 @@ def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool =
     return materialize_impl(a * inverse)
 
 
-# --- the lowerings on XLA:CPU: each ratio one division, its last operation ----------------
+# --- the lowerings on XLA:CPU: each scale computed once ------------------------------------
 #
-# A ratio is what a rule multiplies its data by, broadcast over every element. XLA:CPU's
-# fusion emitters compute a scalar fused into a loop kernel once per element unless LLVM
-# hoists it, and in the large fusions of a deep model's backward pass (hundreds of
-# elementwise operations, thousands of scalar instructions of the scale algebra) it does not
-# (docs/benchmarks.md, "Ratios computed once on XLA:CPU"). So on XLA:CPU every ratio ends in
-# a division, which XLA does not copy into the kernels that broadcast it: it is computed
-# once, in a small kernel of its own, and the fusions read it. With a division at the end
-# anyway, the exponent arithmetic that spares divisions elsewhere (XLA:GPU launches every
-# division as a kernel of its own) is work for nothing: each ratio is a division of scales
-# (exact for powers of two, correctly rounded otherwise) and what is shared (a common scale,
-# a clamped product) is formed once, fewer instructions in the scalar kernels ("The ratios
-# as divisions", docs/benchmarks.md). The scales themselves (each primitive's first output,
-# and `scale_root`'s) are materialised too (`_materialized`), so that no kernel recomputes
-# another's exponent arithmetic. For scales that are powers of two in [SCALE_MIN,
-# SCALE_MAX], zero or inf the values are the default lowerings' bit for bit
-# (tests/core/test_scale_arithmetic.py); for others within an ulp, or exact where the
-# default's reciprocal underflows.
-
-_TWO_POW_127 = np.float32(2.0**127)
-
-
-def _kept_apart(scale: Array) -> Array:
-    """A non-negative `scale` unchanged, as an operation XLA's algebraic simplifier does not
-    look through: it re-associates divisions (`(a / b) / c` as `a / (b * c)`, `a / (b / c)`
-    as `a * c / b`), and the product can underflow or overflow where the quotients do not
-    (a zero scale's square root divided twice by its root: 0 / 0)."""
-    return jax.numpy.maximum(scale, np.float32(0.0))
-
-
-def _quotient(a: Array, b: Array, *, a_apart: bool = True, b_apart: bool = True) -> Array:
-    """`a / b` of non-negative scales, computed as written (see `_kept_apart`); `a_apart`
-    or `b_apart` False for an operand known not to be a division."""
-    return jax.numpy.divide(_kept_apart(a) if a_apart else a, _kept_apart(b) if b_apart else b)
+# Left to XLA:CPU, the exponent arithmetic that forms a scale (a clamp, a rounding up, the
+# bits of a dynamic scale's maximum) is copied into every kernel that reads the scale or a
+# ratio formed from it: each kernel carries its operands' whole chain, no two are alike,
+# and each is compiled by LLVM on its own (XLA:CPU compiles identical kernels once). So on
+# XLA:CPU the scale each primitive returns (and `scale_root`'s root) is materialised
+# (`_materialized`): one small kernel, read by the others. The ratios are the default
+# lowering's exponent arithmetic on that materialised scale, a few instructions fused into
+# the kernels that multiply data by them. The values are the default lowering's bit for bit
+# (tests/core/test_scale_arithmetic.py). Each ratio was once a division of its own too (one
+# kernel each): twice the kernels and slower steps, for the same compile time, once the
+# interpreter stopped XLA recomputing rescaled tensors in every reader (docs/benchmarks.md,
+# "Scales computed once, ratios fused").
 
 
 def _materialized(scale: Array) -> Array:
-    """A scale that the XLA:CPU lowerings return, computed once in a kernel of its own.
-
-    Left to XLA, the exponent arithmetic that forms a scale (a clamp, a rounding up, the
-    bits of a dynamic scale's maximum) is copied into every kernel that reads the scale:
-    each later ratio's kernel and the tensor kernels that use the scale itself. Each kernel
-    then carries its operands' whole chain, and no two are alike, so that each is compiled
-    by LLVM on its own (XLA:CPU compiles identical kernels once). Materialised, a ratio's
-    kernel is its division of parameters, alike across the program: one kernel more per
-    scale, but fewer HLO instructions, fewer distinct kernels and a faster first call
-    (docs/benchmarks.md, "The scales materialised too")."""
+    """A scale that an XLA:CPU lowering returns, computed once in a kernel of its own."""
     return materialize_impl(scale, scalars=True)
 
 
-def _scale_divide_cpu(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool = False) -> Array:
-    """`_scale_divide_impl` as one division (exact for powers of two, correctly rounded for
-    the rest, so `pow2` changes nothing): a zero `b` gives inf (NaN for a zero `a`) or,
-    unless `zero_gives_inf`, `2^127 * a`."""
-    del pow2
-    if zero_gives_inf:
-        return _quotient(a, b)
-    zero = b == 0
-    a = jax.numpy.where(zero, a * _TWO_POW_127, a)
-    return _quotient(a, jax.numpy.where(zero, np.float32(1.0), b))
-
-
-def _common_scale_cpu(*scales: Array, num_wanted: int, pow2: bool) -> list[Array]:
-    common = scales[0]
-    for scale in scales[1:num_wanted]:
-        common = lax.max(common, scale)
-    if not pow2:
-        common = _pow2_up(common)
-    common = _materialized(common)
-    # A zero common scale (every wanted scale 0) divides as 2^-126: wanted ratios 0, as in
-    # _common_scale_impl; the others' (meaningless beside a zero scale) 2^126 s, not 2^127 s.
-    denominator = lax.max(common, np.float32(2.0**-126))
-    return [common, *(_quotient(scale, denominator, b_apart=False) for scale in scales)]
-
-
-def _scale_product_cpu(*scales: Array, powers: tuple[int, ...], pow2: bool) -> list[Array]:
-    numerators: list[Array] = []
-    denominators: list[Array] = []
-    for scale, power in zip(scales, powers, strict=True):
-        numerators += [scale] * max(power, 0)
-        denominators += [scale] * max(-power, 0)
-    if len(numerators) + len(denominators) > 2:
-        # Three factors or more (`x ** 3`, `x * y * y`: rare): no order of divisions keeps
-        # every partial quotient in range, so the default's, its ratio materialised.
-        out, ratio = _scale_product_impl(*scales, powers=powers, pow2=pow2)
-        return [_materialized(out), materialize_impl(ratio, scalars=True)]
-    product = numerators[0] if numerators else lax.full_like(scales[0], 1.0)
-    for scale in numerators[1:]:
-        product = product * scale
-    for scale in denominators:
-        product = _quotient(product, scale)
-    out = lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
-    if not pow2:
-        out = _pow2_up(out)
-    out = _materialized(out)
-    if len(numerators) == 2:
-        # product / out as larger / (out / smaller): a zero makes the divisor inf and the
-        # ratio 0; clamped from above or below, neither quotient leaves float32's range.
-        if numerators[0] is numerators[1]:  # a square: XLA folds min(s, s) into s
-            larger = smaller = _kept_apart(numerators[0])
-        else:
-            larger, smaller = lax.max(*numerators), lax.min(*numerators)
-        divisor = _quotient(out, smaller, b_apart=False)
-        return [out, _quotient(larger, divisor, a_apart=False)]
-    # One numerator or none, one denominator or none; or two denominators: 1 / out / d / d.
-    ratio = _quotient(numerators[0] if numerators else np.float32(1.0), out)
-    for scale in denominators:
-        ratio = _quotient(ratio, scale)
-    return [out, ratio]
-
-
-def _dynamic_scale_cpu(x: Array, factor: Array) -> list[Array]:
-    if x.size == 0:  # no magnitude: t = 1
-        return [np.float32(1.0), lax.convert_element_type(factor, F32)]
-    scale = _materialized(lax.bitcast_convert_type(_dynamic_scale_bits(x, factor), F32))
-    return [scale, _quotient(lax.convert_element_type(factor, F32), scale)]
+def _as_computed(scale: Array) -> Array:
+    """A scale that the default lowering returns: left to XLA."""
+    return scale
 
 
 def _elementwise_batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
@@ -271,9 +179,6 @@ scale_divide_p = define_primitive(
     lambda a, b, **params: a if a.ndim >= b.ndim else b,
     batching=_elementwise_batch,
     jvp=_scale_divide_jvp,
-    cpu_impl=lambda a, b, **params: _scale_divide_cpu(
-        jax.numpy.asarray(a), jax.numpy.asarray(b), **params
-    ),
 )
 
 
@@ -315,9 +220,9 @@ def _reciprocal(scale: Array, pow2: bool = False) -> Array:
     return _scale_divide_impl(np.float32(1.0), scale, zero_gives_inf=False, pow2=pow2)
 
 
-def _multi_output(name: str, impl: Any, cpu_impl: Any, jvp: Any, count: Any) -> Any:
+def _multi_output(name: str, impl: Any, jvp: Any, count: Any) -> Any:
     """A primitive of scalar scales with `count(num_operands, **params)` scalar outputs: the
-    first a scale, the others ratios; `cpu_impl` is its lowering on XLA:CPU."""
+    first a scale, the others ratios; on XLA:CPU `impl` with its scale materialised."""
 
     def batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
         outs, _ = _elementwise_batch(primitive, args, dims, **params)
@@ -325,6 +230,9 @@ def _multi_output(name: str, impl: Any, cpu_impl: Any, jvp: Any, count: Any) -> 
 
     def arrays_impl(*scales: Any, **params: Any) -> Any:
         return impl(*map(jax.numpy.asarray, scales), **params)
+
+    def cpu_impl(*scales: Any, **params: Any) -> Any:
+        return impl(*map(jax.numpy.asarray, scales), finish=_materialized, **params)
 
     return define_primitive(
         name,
@@ -335,22 +243,26 @@ def _multi_output(name: str, impl: Any, cpu_impl: Any, jvp: Any, count: Any) -> 
         multiple_results=True,
         batching=batch,
         jvp=jvp,
-        cpu_impl=lambda *scales, **params: cpu_impl(*map(jax.numpy.asarray, scales), **params),
+        cpu_impl=cpu_impl,
     )
 
 
 # --- the largest of several scales, and each one's ratio to it ------------------------------
 
 
-def _common_scale_impl(*scales: Array, num_wanted: int, pow2: bool) -> list[Array]:
+def _common_scale_impl(
+    *scales: Array, num_wanted: int, pow2: bool, finish: Any = _as_computed
+) -> list[Array]:
     """(common, s_i / common...): common the power of two at or above the largest of the
     first `num_wanted` scales (that largest itself when `pow2` says they are powers of two);
-    every operand (those after them too) gets its ratio to it, at most 1, exact."""
+    every operand (those after them too) gets its ratio to it, at most 1, exact. `finish`
+    is applied to the common scale before the ratios are formed from it."""
     common = scales[0]
     for scale in scales[1:num_wanted]:
         common = lax.max(common, scale)
     if not pow2:
         common = _pow2_up(common)
+    common = finish(common)
     inverse = _reciprocal(common, pow2=True)
     return [common, *(scale * inverse for scale in scales)]
 
@@ -370,7 +282,6 @@ def _common_scale_jvp(
 common_scale_p = _multi_output(
     "common_scale",
     _common_scale_impl,
-    _common_scale_cpu,
     _common_scale_jvp,
     lambda n, **params: n + 1,
 )
@@ -379,11 +290,14 @@ common_scale_p = _multi_output(
 # --- a product of scales, kept in range, and what it leaves for the data --------------------
 
 
-def _scale_product_impl(*scales: Array, powers: tuple[int, ...], pow2: bool) -> list[Array]:
+def _scale_product_impl(
+    *scales: Array, powers: tuple[int, ...], pow2: bool, finish: Any = _as_computed
+) -> list[Array]:
     """`(out, ratio)`: out the product `prod(s_i ** p_i)` clamped to [SCALE_MIN, SCALE_MAX]
     (and rounded up to a power of two unless `pow2` says the scales are powers of two),
     ratio `product / out` (1 unless clamped or rounded), formed one factor at a time in an
-    order that neither overflows nor multiplies a zero scale by an infinite intermediate."""
+    order that neither overflows nor multiplies a zero scale by an infinite intermediate.
+    `finish` is applied to out before the ratio is formed from it."""
     product = None
     numerators: list[Array] = []
     denominators: list[Array] = []
@@ -399,11 +313,16 @@ def _scale_product_impl(*scales: Array, powers: tuple[int, ...], pow2: bool) -> 
     out = lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
     if not pow2:
         out = _pow2_up(out)
+    out = finish(out)
     inverse = _reciprocal(out, pow2=True)
     if len(numerators) == 2 and len(scales) == 2:
-        # The smaller one first: it is the small one when the product is clamped from
-        # below (a zero scale included), and it is not when clamped from above.
-        numerators = [lax.min(*numerators), lax.max(*numerators)]
+        # The first factor times 1 / out must stay a normal number: the smaller one first
+        # where out is SCALE_MIN (at most 2^62; a zero scale included, where larger / out
+        # may overflow), else the larger one (at most 1 / smaller). The smaller first
+        # underflowed beside a scale beyond SCALE_MAX (0.5 * 2^127: 0.5 * 2^-126).
+        smaller, larger = lax.min(*numerators), lax.max(*numerators)
+        below = out <= np.float32(SCALE_MIN)
+        numerators = [lax.select(below, smaller, larger), lax.select(below, larger, smaller)]
     ratio = inverse
     for scale in numerators:
         ratio = scale * ratio
@@ -412,7 +331,19 @@ def _scale_product_impl(*scales: Array, powers: tuple[int, ...], pow2: bool) -> 
     if len(numerators) + len(denominators) > 2:
         # A ratio of three factors or more may overflow float32 itself (x ** 3 with a scale
         # beyond 2^43): capped, it still overflows every nonzero datum, and zeros stay zero.
+        # A zero factor's ratio is 0 (one factor at a time, 7e30 * 2^124 * 0 was NaN).
         ratio = lax.min(ratio, np.float32(2.0**127))
+        zero = functools.reduce(lax.bitwise_or, [scale == 0 for scale in numerators])
+        ratio = lax.select(zero, lax.full_like(ratio, 0.0), ratio)
+    if not pow2 and len(numerators) == len(denominators) == 1:
+        # a / out / b: a / out is about b, subnormal for b near SCALE_MIN once out is rounded
+        # up (0.3 / 2^-126 gave the ratio 0). There a * (1 / out / b), about a / a, is
+        # normal: both are subnormal only if b < 2^-125 < 2^125 < a, where out is SCALE_MAX
+        # and a / out normal. (Powers of two: out is the product, a / out exactly b.)
+        a, b = numerators[0], denominators[0]
+        safe = a * _scale_divide_impl(inverse, b, zero_gives_inf=True, pow2=pow2)
+        normal = (a * inverse >= np.float32(2.0**-126)) | (out <= np.float32(SCALE_MIN))
+        ratio = lax.select(normal, ratio, safe)  # out SCALE_MIN: a may be 0, 1 / out / b inf
     return [out, ratio]
 
 
@@ -441,7 +372,6 @@ def _scale_product_jvp(
 scale_product_p = _multi_output(
     "scale_product",
     _scale_product_impl,
-    _scale_product_cpu,
     _scale_product_jvp,
     lambda n, **params: 2,
 )
@@ -465,13 +395,17 @@ def _dynamic_scale_bits(x: Array, factor: Array) -> Array:
     return lax.select(amax > 0, bits, _ONE_BITS)
 
 
-def _dynamic_scale_impl(x: Array, factor: Array) -> list[Array]:
-    """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`."""
+def _dynamic_scale_impl(x: Array, factor: Array, finish: Any = _as_computed) -> list[Array]:
+    """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`;
+    `finish` is applied to t before the ratio is formed from it."""
     if x.size == 0:  # no magnitude: t = 1
         return [np.float32(1.0), lax.convert_element_type(factor, F32)]
     bits = _dynamic_scale_bits(x, factor)
-    scale = lax.bitcast_convert_type(bits, F32)
-    inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)  # 2^-e, exactly
+    scale = finish(lax.bitcast_convert_type(bits, F32))
+    if finish is _as_computed:  # 2^-e from the bits (XLA:GPU fuses it with the reduction)
+        inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)
+    else:  # from the materialised scale: its readers do not repeat the bits' arithmetic
+        inverse = _reciprocal(scale, pow2=True)
     return [scale, lax.convert_element_type(factor, F32) * inverse]
 
 
@@ -512,7 +446,7 @@ dynamic_scale_p = define_primitive(
     multiple_results=True,
     batching=_dynamic_scale_batch,
     jvp=_dynamic_scale_jvp,
-    cpu_impl=_dynamic_scale_cpu,
+    cpu_impl=lambda x, factor: _dynamic_scale_impl(x, factor, finish=_materialized),
 )
 
 
