@@ -126,17 +126,18 @@ def _scale_divide_impl(a: Array, b: Array, *, zero_gives_inf: bool, pow2: bool =
 # --- the lowerings on XLA:CPU: each scale computed once ------------------------------------
 #
 # Left to XLA:CPU, the exponent arithmetic that forms a scale (a clamp, a rounding up, the
-# bits of a dynamic scale's maximum) is copied into every kernel that reads the scale or a
-# ratio formed from it: each kernel carries its operands' whole chain, no two are alike,
-# and each is compiled by LLVM on its own (XLA:CPU compiles identical kernels once). So on
-# XLA:CPU the scale each primitive returns (and `scale_root`'s root) is materialised
-# (`_materialized`): one small kernel, read by the others. The ratios are the default
+# bits of a product) is copied into every kernel that reads the scale or a ratio formed
+# from it: each kernel carries its operands' whole chain, no two are alike, and each is
+# compiled by LLVM on its own (XLA:CPU compiles identical kernels once). So on XLA:CPU the
+# scale that `common_scale` and `scale_product` return (and `scale_root`'s root) is
+# materialised (`_materialized`): one small kernel, read by the others (a dynamic scale, a
+# reduction's result and a few instructions, is left to XLA). The ratios are the default
 # lowering's exponent arithmetic on that materialised scale, a few instructions fused into
-# the kernels that multiply data by them. The values are the default lowering's bit for bit
-# (tests/core/test_scale_arithmetic.py). Each ratio was once a division of its own too (one
-# kernel each): twice the kernels and slower steps, for the same compile time, once the
-# interpreter stopped XLA recomputing rescaled tensors in every reader (docs/benchmarks.md,
-# "Scales computed once, ratios fused").
+# the kernels that multiply data by them; the values are the default lowering's bit for
+# bit (tests/core/test_scale_arithmetic.py). Each ratio was once a division of its own too
+# (one kernel each): twice the kernels and slower steps, for the same compile time, once
+# the interpreter stopped XLA recomputing rescaled tensors in every reader
+# (docs/benchmarks.md, "Scales computed once, ratios fused").
 
 
 def _materialized(scale: Array) -> Array:
@@ -395,17 +396,13 @@ def _dynamic_scale_bits(x: Array, factor: Array) -> Array:
     return lax.select(amax > 0, bits, _ONE_BITS)
 
 
-def _dynamic_scale_impl(x: Array, factor: Array, finish: Any = _as_computed) -> list[Array]:
-    """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`;
-    `finish` is applied to t before the ratio is formed from it."""
+def _dynamic_scale_impl(x: Array, factor: Array) -> list[Array]:
+    """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`."""
     if x.size == 0:  # no magnitude: t = 1
         return [np.float32(1.0), lax.convert_element_type(factor, F32)]
     bits = _dynamic_scale_bits(x, factor)
-    scale = finish(lax.bitcast_convert_type(bits, F32))
-    if finish is _as_computed:  # 2^-e from the bits (XLA:GPU fuses it with the reduction)
-        inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)
-    else:  # from the materialised scale: its readers do not repeat the bits' arithmetic
-        inverse = _reciprocal(scale, pow2=True)
+    scale = lax.bitcast_convert_type(bits, F32)
+    inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)  # 2^-e, exactly
     return [scale, lax.convert_element_type(factor, F32) * inverse]
 
 
@@ -446,7 +443,9 @@ dynamic_scale_p = define_primitive(
     multiple_results=True,
     batching=_dynamic_scale_batch,
     jvp=_dynamic_scale_jvp,
-    cpu_impl=lambda x, factor: _dynamic_scale_impl(x, factor, finish=_materialized),
+    # No XLA:CPU lowering of its own: its scale is the reduction's result and a few
+    # instructions, which XLA may copy into the kernels that read it (materialised, it was
+    # one kernel more per dynamic scale, and no faster: docs/benchmarks.md).
 )
 
 

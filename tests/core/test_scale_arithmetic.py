@@ -184,14 +184,14 @@ def test_non_power_of_two_input_scales(scales, dtype, use_jit):
     [
         ("add: common_scale", lambda a, b: a + b),
         ("mul: scale_product", lambda a, b: a * b),
-        ("dot: dynamic_scale", lambda a, b: a @ b),
+        ("dot, add: dynamic_scale, common_scale", lambda a, b: a @ b + a),
         ("div: scale_product, scale_divide", lambda a, b: a / b),
     ],
 )
 def test_scales_are_computed_once_on_xla_cpu_only(name, fun):
-    """On XLA:CPU the scale each scale primitive returns is materialised (an exact division
-    XLA does not copy into the kernels that read it, so that they stay alike); the jaxpr is
-    the same, and other backends get the plain lowering."""
+    """On XLA:CPU the scale `common_scale` and `scale_product` return is materialised (an
+    exact division XLA does not copy into the kernels that read it, so that they stay
+    alike); the jaxpr is the same, and other backends get the plain lowering."""
     a = jsa.scaled_array(jnp.ones((4, 4)), 2.0)
     b = jsa.scaled_array(jnp.full((4, 4), 0.5), 8.0)
     scaled = jsa.autoscale(fun)
