@@ -334,8 +334,9 @@ def _scale_product_impl(
         # beyond 2^43): capped, it still overflows every nonzero datum, and zeros stay zero.
         # A zero factor's ratio is 0 (one factor at a time, 7e30 * 2^124 * 0 was NaN).
         ratio = lax.min(ratio, np.float32(2.0**127))
-        zero = functools.reduce(lax.bitwise_or, [scale == 0 for scale in numerators])
-        ratio = lax.select(zero, lax.full_like(ratio, 0.0), ratio)
+        if numerators:
+            zero = functools.reduce(lax.bitwise_or, [scale == 0 for scale in numerators])
+            ratio = lax.select(zero, lax.full_like(ratio, 0.0), ratio)
     if not pow2 and len(numerators) == len(denominators) == 1:
         # a / out / b: a / out is about b, subnormal for b near SCALE_MIN once out is rounded
         # up (0.3 / 2^-126 gave the ratio 0). There a * (1 / out / b), about a / a, is

@@ -215,7 +215,7 @@ def test_scales_are_computed_once_on_xla_cpu_only(name, fun):
 # default one (every other backend, and eager calls) is its implementation, run by `jit`.
 _POW2_SCALES = [0.0, SCALE_MIN, 2.0**-100, 2.0**-3, 1.0, 2.0**50, 2.0**100, SCALE_MAX, np.inf]
 _OTHER_SCALES = [3.0, 0.3, 1e-30, 7e30, 2.0**-40 * 1.5, 2.0**40 * 1.25]
-_PRODUCT_POWERS = [(1, 1), (1, -1), (-1, 1), (2, 0), (0, -2), (1, 2), (3, 0)]
+_PRODUCT_POWERS = [(1, 1), (1, -1), (-1, 1), (2, 0), (0, -2), (1, 2), (3, 0), (-1, -2), (0, -3)]
 
 
 @functools.cache

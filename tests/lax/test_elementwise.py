@@ -206,6 +206,13 @@ ELEMENTWISE_CASES: tuple[Case, ...] = (
     ),
     Case("integer_pow_-1", lambda x: lax.integer_pow(x, -1), away_from_zero()),
     Case("integer_pow_-2", lambda x: lax.integer_pow(x, -2), away_from_zero()),
+    Case(
+        "integer_pow_-3",
+        lambda x: lax.integer_pow(x, -3),
+        away_from_zero(),
+        scales=scales_between(2.0**-30, 2.0**30),
+        note="three factors in one scale product; x**-3 overflows float32 at 2^-43",
+    ),
     Case("integer_pow_0", lambda x: lax.integer_pow(x, 0), normal()),
     Case("sqrt", lax.sqrt, positive()),
     Case("rsqrt", lax.rsqrt, positive()),
