@@ -179,6 +179,26 @@ def test_non_power_of_two_input_scales(scales, dtype, use_jit):
         )
 
 
+@pytest.mark.parametrize("use_jit", USE_JIT)
+@pytest.mark.parametrize(
+    "scales, fun",
+    [
+        ((0.3, 2.0**126), lambda a, b: a * b),  # a partial ratio 0.3 * 2^-125 underflowed
+        ((0.3, 2.0**-126), lambda a, b: a / b),  # and 0.3 / 2^125 here
+        ((2.0**126, 3.0), lambda a, b: a / b),
+    ],
+)
+def test_products_of_scales_at_the_ends_of_float32(scales, fun, use_jit):
+    """Through autoscale, traced scales that are not powers of two, beside one near
+    SCALE_MAX or SCALE_MIN: the product's value, not zeros."""
+    a = jsa.scaled_array(np.array([1.0, -1.5, 0.5], np.float32), np.float32(scales[0]))
+    b = jsa.scaled_array(np.array([0.75, 1.25, -1.0], np.float32), np.float32(scales[1]))
+    got = _maybe_jit(jsa.autoscale(fun), use_jit)(a, b)
+    want = fun(*(np.asarray(x.data, np.float64) * float(x.scale) for x in (a, b)))
+    value = np.asarray(got.data, np.float64) * float(got.scale)
+    np.testing.assert_allclose(value, want, rtol=2e-6)
+
+
 @pytest.mark.parametrize(
     "name, fun",
     [
