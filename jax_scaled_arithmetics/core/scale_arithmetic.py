@@ -39,6 +39,7 @@ __all__ = [
     "is_pow2",
     "mark_pow2",
     "materialize_impl",
+    "largest_magnitude",
 ]
 
 F32 = np.dtype(np.float32)
@@ -382,26 +383,67 @@ scale_product_p = _multi_output(
 # --- dynamic scale -----------------------------------------------------------------------
 
 
-def _dynamic_scale_bits(x: Array, factor: Array) -> Array:
+# XLA:CPU splits a reduction with an axis longer than 32 elements into a reduce-window and a
+# reduce, neither fused with its producer (three kernels for a bias's or a row statistic's
+# largest magnitude), unless it hands the reduction to its reduction library (tensors of
+# 4,096 elements or more on JAX 0.10-0.12, which takes no producer either: two kernels).
+_SHORT_AXIS = 32
+_SMALL_REDUCTION = 4096
+
+
+def _in_short_axes(values: Array) -> Array | None:
+    """A small tensor flattened, zero-padded and reshaped into axes of at most 32 elements
+    (None where it is large, or its axes are short already)."""
+    if values.size >= _SMALL_REDUCTION or max(values.shape, default=0) <= _SHORT_AXIS:
+        return None
+    block = _SHORT_AXIS if values.size <= _SHORT_AXIS**2 else _SHORT_AXIS**2
+    padded = -(-values.size // block) * block
+    flat = values.reshape(-1)
+    if padded != values.size:
+        flat = lax.pad(flat, np.array(0, flat.dtype), [(0, padded - values.size, 0)])
+    return flat.reshape((padded // block, *([_SHORT_AXIS] * (2 if block > _SHORT_AXIS else 1))))
+
+
+def largest_magnitude(
+    magnitude: Array, *, finite_only: bool, one_kernel_on_cpu: bool = False
+) -> Array:
+    """The largest element of a tensor of magnitudes (non-negative or NaN): a NaN if there is
+    one, or, with `finite_only`, the largest finite one (0 where there is none).
+
+    `one_kernel_on_cpu` (the XLA:CPU lowerings): a small tensor is reduced in axes of at most
+    32 elements behind a select (the filter, or one that keeps every element), in which
+    form XLA:CPU neither splits the reduction nor moves the reshape back into it: one loop,
+    fused with the magnitudes' producers. Same value (the padding is 0).
+    """
+    short = _in_short_axes(magnitude) if one_kernel_on_cpu else None
+    if short is not None:
+        magnitude = short
+    if finite_only:
+        magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
+    elif short is not None:
+        magnitude = lax.select(magnitude >= 0, magnitude, lax.full_like(magnitude, np.nan))
+    return lax.reduce_max(magnitude, tuple(range(magnitude.ndim))) if magnitude.ndim else magnitude
+
+
+def _dynamic_scale_bits(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> Array:
     """The float32 bits of the power of two at or below the largest finite `|x| * factor`,
     within [SCALE_MIN, SCALE_MAX] (1's bits when that is 0 or there is none)."""
     magnitude = lax.abs(x)
     if magnitude.dtype != F32 and magnitude.dtype != np.float64:
         magnitude = lax.convert_element_type(magnitude, F32)
     magnitude = magnitude * lax.convert_element_type(factor, magnitude.dtype)
-    finite = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
-    amax = lax.reduce_max(finite, tuple(range(x.ndim))) if x.ndim else finite
+    amax = largest_magnitude(magnitude, finite_only=True, one_kernel_on_cpu=one_kernel_on_cpu)
     amax = lax.convert_element_type(amax, F32)
     bits = lax.bitcast_convert_type(amax, np.int32) & _EXPONENT_MASK
     bits = lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
     return lax.select(amax > 0, bits, _ONE_BITS)
 
 
-def _dynamic_scale_impl(x: Array, factor: Array) -> list[Array]:
+def _dynamic_scale_impl(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> list[Array]:
     """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`."""
     if x.size == 0:  # no magnitude: t = 1
         return [np.float32(1.0), lax.convert_element_type(factor, F32)]
-    bits = _dynamic_scale_bits(x, factor)
+    bits = _dynamic_scale_bits(x, factor, one_kernel_on_cpu=one_kernel_on_cpu)
     scale = lax.bitcast_convert_type(bits, F32)
     inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)  # 2^-e, exactly
     return [scale, lax.convert_element_type(factor, F32) * inverse]
@@ -444,9 +486,11 @@ dynamic_scale_p = define_primitive(
     multiple_results=True,
     batching=_dynamic_scale_batch,
     jvp=_dynamic_scale_jvp,
-    # No XLA:CPU lowering of its own: its scale is the reduction's result and a few
-    # instructions, which XLA may copy into the kernels that read it (materialised, it was
-    # one kernel more per dynamic scale, and no faster: docs/benchmarks.md).
+    # On XLA:CPU a small tensor's largest magnitude in one kernel (`largest_magnitude`). Its
+    # scale is not materialised: the reduction's result and a few instructions, which XLA
+    # may copy into the kernels that read it (materialised, it was one kernel more per
+    # dynamic scale, and no faster: docs/benchmarks.md).
+    cpu_impl=functools.partial(_dynamic_scale_impl, one_kernel_on_cpu=True),
 )
 
 

@@ -23,7 +23,7 @@ from ..core.datatype import ScaledArray, is_array, is_floating, is_scaled_leaf
 from ..core.define import define_identity_primitive, define_primitive, zero_tangents
 from ..core.dtypes import compute_dtype
 from ..core.interpreter import autoscale
-from ..core.scale_arithmetic import mark_pow2
+from ..core.scale_arithmetic import largest_magnitude, mark_pow2
 from ..core.types import Array
 from ..lax.scaling_primitives import block_rebalance_by, rebalance_by, register_scaling_op
 
@@ -146,10 +146,20 @@ _F32_TWO_M127_BITS = np.int32(1 << 22)  # 2^-127, a subnormal
 
 
 def _rescale_factor_impl(
-    data: Array, *, norm: str, epsilon: float, shift: int, axes: tuple[int, ...]
+    data: Array,
+    *,
+    norm: str,
+    epsilon: float,
+    shift: int,
+    axes: tuple[int, ...],
+    one_kernel_on_cpu: bool = False,
 ) -> list[Array]:
     data = data.astype(jnp.float32)  # float64 data too: the scale is float32
-    if norm == "max":
+    if norm == "max" and len(axes) == data.ndim:  # per tensor
+        magnitude = largest_magnitude(
+            lax.abs(data), finite_only=False, one_kernel_on_cpu=one_kernel_on_cpu
+        )
+    elif norm == "max":
         magnitude = jnp.max(jnp.abs(data), axis=axes)
     elif norm == "l1":
         magnitude = jnp.mean(jnp.abs(data), axis=axes)
@@ -189,6 +199,7 @@ rescale_factor_p = define_primitive(
     multiple_results=True,
     batching=_rescale_factor_batch,
     jvp=zero_tangents,  # a choice of representation: no derivative
+    cpu_impl=functools.partial(_rescale_factor_impl, one_kernel_on_cpu=True),
 )
 
 

@@ -289,6 +289,61 @@ def test_cpu_lowerings_are_the_default_bit_for_bit(pow2):
     np.testing.assert_array_equal(cpu, default, err_msg="dynamic scale of an empty array")
 
 
+# Shapes whose largest magnitude XLA:CPU's lowering reduces in axes of at most 32 (zero-padded
+# where the size is no multiple of 32 or 1,024), and a large one it leaves to XLA.
+_DYNAMIC_SCALE_SHAPES = [(33,), (128,), (1000,), (16, 64), (40, 50), (16, 64, 1), (3, 4, 5)]
+_DYNAMIC_SCALE_SHAPES += [(4095,), (5000,), (0, 7)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("shape", _DYNAMIC_SCALE_SHAPES, ids=str)
+def test_dynamic_scale_lowerings_agree_wherever_the_largest_magnitude_is(shape, dtype):
+    """The largest finite magnitude in the first, the last or a middle element, beside
+    infinities and NaNs, or none at all: both lowerings give numpy's answer."""
+    size = int(np.prod(shape))
+    rng = np.random.default_rng(size)
+    base = rng.uniform(-1.0, 1.0, size).astype(F32)
+    cases = {"random": base, "zeros": np.zeros(size, F32), "no finite": np.full(size, np.inf)}
+    for where in {0, size // 2, size - 1} if size else set():
+        peak = base.copy()
+        peak[where] = -6.5
+        cases[f"peak at {where}"] = peak
+        blocked = peak.copy()
+        blocked[(where + 1) % size] = np.nan
+        blocked[(where + size // 3 + 1) % size] = -np.inf
+        cases[f"peak at {where}, NaN and inf"] = blocked
+    for name, values in cases.items():
+        x = jnp.asarray(values.reshape(shape), dtype)
+        finite = np.abs(np.asarray(x, F32))[np.isfinite(np.asarray(x, F32))]
+        largest = float(finite.max() * F32(3.0)) if finite.size else 0.0
+        expected = 2.0 ** np.floor(np.log2(largest)) if largest > 0 else 1.0
+        cpu, default = _both_lowerings(dynamic_scale_p, x, F32(3.0))
+        np.testing.assert_array_equal(cpu, default, err_msg=f"{shape} {name}")
+        assert float(cpu[0]) == expected, (shape, name)
+        assert float(cpu[1]) == 3.0 / expected, (shape, name)
+
+
+def test_a_small_tensors_dynamic_scale_is_one_kernel_on_xla_cpu():
+    """XLA:CPU splits a reduction with a long axis into a reduce-window and a reduce, neither
+    fused with the producer: three kernels for the largest magnitude of a bias or a row
+    statistic in the default lowering, one in the XLA:CPU lowering's short axes."""
+
+    def compiled(scale_of, shape):
+        def step(x):
+            y = jnp.tanh(x)
+            return y, scale_of(y, F32(1.0))[0]
+
+        hlo = jax.jit(step).lower(jnp.ones(shape, F32)).compile().as_text()
+        entry = hlo[hlo.index("\nENTRY") :]
+        return hlo, sum(" fusion(" in line for line in entry.splitlines())
+
+    for shape in [(128,), (16, 64), (1000,)]:
+        cpu_hlo, cpu_kernels = compiled(dynamic_scale_p.bind, shape)
+        default_hlo, default_kernels = compiled(dynamic_scale_p.impl, shape)
+        assert "reduce-window" in default_hlo and "reduce-window" not in cpu_hlo, shape
+        assert cpu_kernels == default_kernels - 2, (shape, cpu_kernels, default_kernels)
+
+
 def test_scale_product_of_any_scales_represents_the_product():
     """Scales that are not powers of two: out is a power of two in [SCALE_MIN, SCALE_MAX]
     and, for two factors, out * ratio the product wherever the ratio is a normal float32

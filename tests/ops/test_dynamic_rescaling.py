@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.ops.dynamic_rescaling import DEFAULT_EPSILON, rescale_factor_p
 from tests import helpers
 from tests.helpers import FLOAT_DTYPES, WIDE_SCALES, make_scaled
 
@@ -264,3 +265,34 @@ def test_dynamic_rescale_under_vmap_of_autoscale(norm, jit):
     np.testing.assert_array_equal(jsa.asarray(out), data * 2.0)
     per_example = [rescale(jsa.ScaledArray(row, jnp.float32(2.0))).scale for row in data]
     assert float(out.scale) == max(float(s) for s in per_example)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(3,), (64,), (64, 32), (40, 50), (5000,)], ids=str)
+def test_per_tensor_max_factor_is_the_same_in_both_lowerings(shape, dtype):
+    """The per-tensor `max` factor: on XLA:CPU a small tensor's largest magnitude is reduced
+    in one kernel (in axes of at most 32, zero-padded); jitted, `bind` runs that lowering
+    here and `impl` the default one. Same factors, a NaN or an infinity included, wherever
+    the largest magnitude sits."""
+    params = dict(norm="max", epsilon=DEFAULT_EPSILON, shift=0, axes=tuple(range(len(shape))))
+    cpu = jax.jit(lambda d: rescale_factor_p.bind(d, **params))
+    default = jax.jit(lambda d: rescale_factor_p.impl(d, **params))
+    size = int(np.prod(shape))
+    base = np.random.default_rng(size).uniform(-1e-3, 1e-3, size)
+    for where in (0, size // 2, size - 1):
+        for special in (None, np.nan, np.inf):
+            values = base.copy()
+            values[where] = -7e-3
+            if special is not None:
+                values[(where + 1) % size] = special
+            data = jnp.asarray(values.reshape(shape), dtype)
+            got, want = cpu(data), default(data)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(
+                    np.asarray(a), np.asarray(b), err_msg=f"{where} {special}"
+                )
+            if special is np.nan:
+                continue  # a NaN is the largest magnitude or not, as XLA:CPU's reduction has it
+            largest = float(jnp.max(jnp.abs(data.astype(jnp.float32))))
+            expected = 1.0 if special else 2.0 ** -np.floor(np.log2(largest))
+            assert float(got[0]) == expected, (where, special)
