@@ -12,6 +12,7 @@ each block as a power of two, and the per-tensor form of a block-scaled array.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from .define import (
 from .dtypes import compute_dtype
 from .scale_arithmetic import SCALE_MAX as SCALE_MAX  # the range of block scales too
 from .scale_arithmetic import SCALE_MIN as SCALE_MIN
-from .scale_arithmetic import materialize_impl, scale_divide_p
+from .scale_arithmetic import largest_magnitude, materialize_impl, scale_divide_p, split_long_axes
 from .types import Array
 
 __all__ = [
@@ -202,18 +203,33 @@ def block_sum(x: Array, layout: Sequence[int]) -> Array:
     return lax.reduce_sum(blocked, axes)
 
 
-def block_max(x: Array, layout: Sequence[int]) -> Array:
-    """The largest finite `|x|` of each block of `layout` (0 where there is none), float32."""
+def block_max(x: Array, layout: Sequence[int], *, one_kernel_on_cpu: bool = False) -> Array:
+    """The largest finite `|x|` of each block of `layout` (0 where there is none), float32.
+
+    `one_kernel_on_cpu` (XLA:CPU lowerings): a small tensor's blocks reduced in the form
+    XLA:CPU fuses into one loop with their producers (see `largest_magnitude`): one block
+    flattened and padded, or each block axis longer than 32 split into axes of 32. Same
+    values."""
     magnitude = lax.abs(x.astype(compute_dtype(x.dtype)))
-    magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
     if x.size == 0:
         return jnp.zeros(tuple(layout), magnitude.dtype)
+    layout = tuple(layout)
+    if one_kernel_on_cpu and all(s == 1 for s in layout):
+        largest = largest_magnitude(magnitude, finite_only=True, one_kernel_on_cpu=True)
+        return largest.reshape(layout)
+    if not one_kernel_on_cpu:
+        magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
     blocked, axes = _blocked(magnitude, layout)
+    if one_kernel_on_cpu:  # the filter after the reshape, where XLA:CPU keeps the reshape
+        blocked, axes = split_long_axes(blocked, axes)
+        blocked = lax.select(lax.is_finite(blocked), blocked, lax.full_like(blocked, 0))
     return lax.reduce_max(blocked, axes)
 
 
-def _block_pow2_scale_impl(x: Array, layout: Sequence[int], factor: Array = 1.0) -> Array:
-    amax = block_max(x, layout).astype(_F32)
+def _block_pow2_scale_impl(
+    x: Array, layout: Sequence[int], factor: Array = 1.0, *, one_kernel_on_cpu: bool = False
+) -> Array:
+    amax = block_max(x, layout, one_kernel_on_cpu=one_kernel_on_cpu).astype(_F32)
     factor = jnp.asarray(factor, _F32)
     if factor.ndim or not isinstance(factor, np.ndarray) or float(factor) != 1.0:
         amax = amax * factor
@@ -223,8 +239,10 @@ def _block_pow2_scale_impl(x: Array, layout: Sequence[int], factor: Array = 1.0)
     return lax.bitcast_convert_type(bits, _F32)
 
 
-def _block_dynamic_scale_impl(x: Array, factor: Array, *, layout: tuple[int, ...]) -> list[Array]:
-    scale = _block_pow2_scale_impl(x, layout, factor)
+def _block_dynamic_scale_impl(
+    x: Array, factor: Array, *, layout: tuple[int, ...], one_kernel_on_cpu: bool = False
+) -> list[Array]:
+    scale = _block_pow2_scale_impl(x, layout, factor, one_kernel_on_cpu=one_kernel_on_cpu)
     inverse = lax.bitcast_convert_type(
         np.int32(254 << 23) - lax.bitcast_convert_type(scale, np.int32), _F32
     )  # 1 / scale, exactly
@@ -266,6 +284,8 @@ block_dynamic_scale_p = define_primitive(
     multiple_results=True,
     batching=_block_dynamic_scale_batch,
     jvp=_block_dynamic_scale_jvp,
+    # On XLA:CPU a small tensor's block maxima in one kernel (`block_max`).
+    cpu_impl=functools.partial(_block_dynamic_scale_impl, one_kernel_on_cpu=True),
 )
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "mark_pow2",
     "materialize_impl",
     "largest_magnitude",
+    "split_long_axes",
 ]
 
 F32 = np.dtype(np.float32)
@@ -423,6 +424,24 @@ def largest_magnitude(
     elif short is not None:
         magnitude = lax.select(magnitude >= 0, magnitude, lax.full_like(magnitude, np.nan))
     return lax.reduce_max(magnitude, tuple(range(magnitude.ndim))) if magnitude.ndim else magnitude
+
+
+def split_long_axes(values: Array, axes: tuple[int, ...]) -> tuple[Array, tuple[int, ...]]:
+    """`values` (a small tensor) with each of its reduced `axes` longer than 32 elements
+    split into `(n // 32, 32)` where 32 divides it, and the reduced axes after the split: the
+    form in which XLA:CPU reduces it in one loop when a select follows the reshape (see
+    `largest_magnitude`). Large tensors are returned as they are."""
+    if values.size >= _SMALL_REDUCTION:
+        return values, axes
+    shape: list[int] = []
+    new_axes: list[int] = []
+    for axis, n in enumerate(values.shape):
+        split = axis in axes and n > _SHORT_AXIS and n % _SHORT_AXIS == 0
+        pieces = [n // _SHORT_AXIS, _SHORT_AXIS] if split and n <= _SHORT_AXIS**2 else [n]
+        if axis in axes:
+            new_axes += range(len(shape), len(shape) + len(pieces))
+        shape += pieces
+    return values.reshape(tuple(shape)), tuple(new_axes)
 
 
 def _dynamic_scale_bits(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> Array:

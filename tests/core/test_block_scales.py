@@ -581,3 +581,64 @@ def test_materialize_on_cpu_is_the_identity_everywhere_a_division_on_xla_cpu(dty
     assert helpers.lowered_divides(block_scales.materialize_on_cpu, (x,), "cpu") == 1
     for platform in ("cuda", "tpu"):
         assert helpers.lowered_divides(block_scales.materialize_on_cpu, (x,), platform) == 0
+
+
+@pytest.mark.parametrize("dtype", helpers.FLOAT_DTYPES)
+@pytest.mark.parametrize(
+    "shape, layout",
+    [
+        ((16, 64), (1, 1)),  # one block: flattened and padded on XLA:CPU
+        ((40, 50), (1, 1)),
+        ((16, 64), (16, 1)),  # per row: the 64 split into 2 x 32
+        ((64, 128), (1, 128)),  # per column: 64 x 1 blocks, the 64 split
+        ((30, 96), (3, 2)),  # 10 x 48 blocks: 48 not a multiple of 32, kept
+        ((128, 64), (4, 2)),  # 32 x 32 blocks
+        ((80, 80), (1, 1)),  # 6,400 elements: left to XLA's reduction library
+    ],
+    ids=str,
+)
+def test_block_dynamic_scale_lowerings_agree(shape, layout, dtype):
+    """`block_dynamic_scale` on XLA:CPU reduces a small tensor's blocks in one kernel (axes
+    split into 32s, or one block flattened and padded); jitted, `bind` runs that lowering
+    here and `impl` the default one: the same scales and ratios, beside infinities and NaNs,
+    wherever each block's largest magnitude sits, and numpy's block maxima."""
+    p = block_scales.block_dynamic_scale_p
+    factor = jnp.full(layout, 3.0, jnp.float32)
+    cpu = jax.jit(lambda x, f: p.bind(x, f, layout=layout))
+    default = jax.jit(lambda x, f: p.impl(x, f, layout=layout))
+    rng = np.random.default_rng(shape[1])
+    values = rng.uniform(-1.0, 1.0, shape)
+    values[0, -1] = -6.5  # a block's largest magnitude at its end, another's at its start
+    values[-1, 0] = 5.0
+    values[shape[0] // 2, 1] = np.nan
+    values[1, shape[1] // 2] = -np.inf
+    x = jnp.asarray(values, dtype)
+    got, want = cpu(x, factor), default(x, factor)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    data = np.abs(np.asarray(x, np.float32))
+    data[~np.isfinite(data)] = 0
+    rows, cols = shape[0] // layout[0], shape[1] // layout[1]
+    largest = data.reshape(layout[0], rows, layout[1], cols).max(axis=(1, 3)) * np.float32(3)
+    expected = np.where(largest > 0, 2.0 ** np.floor(np.log2(np.maximum(largest, 1e-30))), 1.0)
+    np.testing.assert_array_equal(np.asarray(got[0]), expected)
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (16, 1)], ids=str)
+def test_small_block_maxima_are_one_kernel_on_xla_cpu(layout):
+    """A `[16, 64]` tensor's block maxima: a reduce-window and a reduce beside the filter in
+    the default lowering on XLA:CPU, one loop fused with the filter in its own lowering."""
+    p = block_scales.block_dynamic_scale_p
+
+    def kernels(bind):
+        def step(x, factor):
+            y = jnp.tanh(x)
+            return y, bind(y, factor, layout=layout)
+
+        hlo = jax.jit(step).lower(jnp.ones((16, 64)), jnp.ones(layout)).compile().as_text()
+        entry = hlo[hlo.index("\nENTRY") :]
+        return "reduce-window" in hlo, sum(" fusion(" in line for line in entry.splitlines())
+
+    (cpu_split, cpu_kernels), (default_split, default_kernels) = kernels(p.bind), kernels(p.impl)
+    assert default_split and not cpu_split
+    assert cpu_kernels == default_kernels - 2
