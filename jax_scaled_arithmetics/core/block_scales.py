@@ -32,7 +32,13 @@ from .define import (
 from .dtypes import compute_dtype
 from .scale_arithmetic import SCALE_MAX as SCALE_MAX  # the range of block scales too
 from .scale_arithmetic import SCALE_MIN as SCALE_MIN
-from .scale_arithmetic import largest_magnitude, materialize_impl, scale_divide_p, split_long_axes
+from .scale_arithmetic import (
+    largest_magnitude,
+    materialize_impl,
+    max_in_one_kernel,
+    scale_divide_p,
+    split_long_axes,
+)
 from .types import Array
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "refine_scale",
     "block_max",
     "block_sum",
+    "largest_scale",
     "block_pow2_scale",
     "to_per_tensor",
 ]
@@ -324,6 +331,23 @@ def ratio(scale: Array, to: Array) -> Array:
     return scale_divide_p.bind(scale, to, zero_gives_inf=False, pow2=False)
 
 
+def largest_scale(scale: Array, axes: Sequence[int] | None = None, keepdims: bool = False) -> Array:
+    """The largest of the block scales `scale` along `axes` (all by default), as `jnp.max`,
+    in one kernel on XLA:CPU for a small scale array (`max_in_one_kernel`): a per-channel
+    scale's largest, a contraction's kept scale.
+
+    Examples:
+        >>> largest_scale(jnp.array([[1.0, 4.0], [2.0, 0.5]]), (1,), keepdims=True).tolist()
+        [[4.0], [2.0]]
+    """
+    scale = jnp.asarray(scale)
+    axes = tuple(range(scale.ndim)) if axes is None else tuple(a % scale.ndim for a in axes)
+    largest = max_in_one_kernel(scale, axes)
+    if keepdims:
+        largest = largest.reshape(tuple(1 if i in axes else n for i, n in enumerate(scale.shape)))
+    return largest
+
+
 def to_per_tensor(data: Array, scale: Array) -> tuple[Array, Array]:
     """The same values with one scale: `(data', S)`, `S` the largest block scale.
 
@@ -334,7 +358,7 @@ def to_per_tensor(data: Array, scale: Array) -> tuple[Array, Array]:
     scale = jnp.asarray(scale)
     if scale.ndim == 0:
         return data, scale
-    largest = lax.stop_gradient(jnp.max(scale)).astype(_F32)
+    largest = lax.stop_gradient(largest_scale(scale)).astype(_F32)
     cdtype = compute_dtype(data.dtype)
     factors = expand_scale(ratio(scale, largest), data.shape).astype(cdtype)
     return (data.astype(cdtype) * factors).astype(data.dtype), largest

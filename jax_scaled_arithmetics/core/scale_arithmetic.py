@@ -41,6 +41,7 @@ __all__ = [
     "materialize_impl",
     "largest_magnitude",
     "split_long_axes",
+    "max_in_one_kernel",
 ]
 
 F32 = np.dtype(np.float32)
@@ -422,8 +423,13 @@ def largest_magnitude(
     if finite_only:
         magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
     elif short is not None:
-        magnitude = lax.select(magnitude >= 0, magnitude, lax.full_like(magnitude, np.nan))
+        magnitude = _keeping_every_element(magnitude)
     return lax.reduce_max(magnitude, tuple(range(magnitude.ndim))) if magnitude.ndim else magnitude
+
+
+def _keeping_every_element(values: Array) -> Array:
+    """`values` unchanged, behind a select XLA does not simplify away (NaN for NaN)."""
+    return lax.select(values != values, lax.full_like(values, np.nan), values)
 
 
 def split_long_axes(values: Array, axes: tuple[int, ...]) -> tuple[Array, tuple[int, ...]]:
@@ -442,6 +448,17 @@ def split_long_axes(values: Array, axes: tuple[int, ...]) -> tuple[Array, tuple[
             new_axes += range(len(shape), len(shape) + len(pieces))
         shape += pieces
     return values.reshape(tuple(shape)), tuple(new_axes)
+
+
+def max_in_one_kernel(values: Array, axes: tuple[int, ...]) -> Array:
+    """`lax.reduce_max(values, axes)` of a small tensor in the form XLA:CPU reduces in one
+    loop fused with the tensor's producer (`split_long_axes`, behind a select that keeps
+    every element); the same reduction where no axis needs splitting. The same value on
+    every backend (for XLA:GPU a reshape and an identity select in the reduction's input)."""
+    split, split_axes = split_long_axes(values, axes)
+    if split.shape == values.shape:
+        return lax.reduce_max(values, axes)
+    return lax.reduce_max(_keeping_every_element(split), split_axes)
 
 
 def _dynamic_scale_bits(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> Array:

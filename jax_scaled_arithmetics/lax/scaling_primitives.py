@@ -95,7 +95,7 @@ def scaled_set_scaling(x: Any, scale: Any) -> ScaledArray:
     if not isinstance(x, ScaledArray):
         x = ScaledArray(x, np.float32(1.0))
     # A traced bad scale falls back to x's (largest) scale: the value stays as it was.
-    fallback = x.scale if np.ndim(x.scale) == 0 else jnp.max(jnp.asarray(x.scale))
+    fallback = x.scale if np.ndim(x.scale) == 0 else block_scales.largest_scale(x.scale)
     scale = _usable_factor(scale, "set_scaling", "scale", as_f32(fallback))
     if same_scale(x.scale, scale):
         return x

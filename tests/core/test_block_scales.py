@@ -8,6 +8,8 @@ function on the represented values, over layouts (per tensor, per row, per colum
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -642,3 +644,47 @@ def test_small_block_maxima_are_one_kernel_on_xla_cpu(layout):
     (cpu_split, cpu_kernels), (default_split, default_kernels) = kernels(p.bind), kernels(p.impl)
     assert default_split and not cpu_split
     assert cpu_kernels == default_kernels - 2
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "shape, axes",
+    [((1, 1, 128), (2,)), ((1, 384), None), ((128,), None), ((4, 96), (1,)), ((3, 50), (0, 1))],
+    ids=str,
+)
+def test_largest_scale_is_jnp_max(shape, axes, jit):
+    """The largest block scale along `axes` (one kernel on XLA:CPU where an axis longer than
+    32 is split), equal to `jnp.max`, a NaN, an infinity, zeros and negative values
+    included."""
+    rng = np.random.default_rng(len(shape))
+    values = 2.0 ** rng.integers(-30, 30, size=shape).astype(np.float32)
+    values.reshape(-1)[-1] = 2.0**40  # the largest at the very end
+    for special in (None, np.nan, np.inf, 0.0, -8.0):
+        scale = values.copy()
+        if special is not None:
+            scale.reshape(-1)[scale.size // 2] = special
+        scale = jnp.asarray(scale)
+        for keepdims in (False, True):
+            largest = functools.partial(block_scales.largest_scale, axes=axes, keepdims=keepdims)
+            got = (jax.jit(largest) if jit else largest)(scale)
+            want = jnp.max(scale, axis=axes, keepdims=keepdims)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(special))
+
+
+def test_largest_scale_of_a_per_channel_scale_is_one_kernel_on_xla_cpu():
+    """`jnp.max` of a `[1, 1, 128]` block scale over its channels: a reduce-window and a
+    reduce on XLA:CPU; `largest_scale`: one loop fused with the scale's producer."""
+
+    def kernels(largest):
+        def step(x):
+            scale = jnp.exp2(jnp.round(x))
+            return scale, largest(scale)
+
+        hlo = jax.jit(step).lower(jnp.ones((1, 1, 128))).compile().as_text()
+        entry = hlo[hlo.index("\nENTRY") :]
+        return "reduce-window" in hlo, sum(" fusion(" in line for line in entry.splitlines())
+
+    split, plain = kernels(lambda s: jnp.max(s, axis=2, keepdims=True))
+    one_loop, fewer = kernels(lambda s: block_scales.largest_scale(s, (2,), keepdims=True))
+    assert split and not one_loop
+    assert fewer == plain - 1

@@ -45,7 +45,7 @@ def _reduce_prep(x: ScaledArray, axes: Sequence[int]) -> tuple[Array, Array]:
     out_layout = tuple(s for i, s in enumerate(layout) if i not in set(axes))
     if all(layout[a] == 1 for a in axes):  # one block along every reduced axis
         return x.data, scale.reshape(out_layout)
-    kept = lax.stop_gradient(jnp.max(scale, axis=tuple(axes), keepdims=True))
+    kept = lax.stop_gradient(block_scales.largest_scale(scale, axes, keepdims=True))
     data = x.data
     if any(layout[a] > 1 for a in axes):
         cdtype = compute_dtype(x.dtype)
@@ -88,7 +88,7 @@ def _apply_contracting_blocks(
     scale = jnp.asarray(x.scale, F32).reshape(layout)
     if not any(layout[a] > 1 for a in contracting):
         return x.data, scale, layout
-    kept = lax.stop_gradient(jnp.max(scale, axis=tuple(contracting), keepdims=True))
+    kept = lax.stop_gradient(block_scales.largest_scale(scale, contracting, keepdims=True))
     cdtype = compute_dtype(x.dtype)
     factor = block_scales.expand_scale(block_scales.ratio(scale, kept), x.shape).astype(cdtype)
     return x.data.astype(cdtype) * factor, kept, tuple(kept.shape)
@@ -138,7 +138,7 @@ def _dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Any:
     r_free_axes = tuple(range(nb, nb + nr))
     r_kept = r_perm
     if any(rlayout[i] > 1 for i in rfree):
-        r_kept = lax.stop_gradient(jnp.max(r_perm, axis=r_free_axes, keepdims=True))
+        r_kept = lax.stop_gradient(block_scales.largest_scale(r_perm, r_free_axes, keepdims=True))
         inner = block_scales.ratio(r_perm, r_kept).reshape(
             r_perm.shape[:nb] + (1,) * nl + r_perm.shape[nb:]
         )

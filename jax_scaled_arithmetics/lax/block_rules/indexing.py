@@ -257,7 +257,9 @@ def _scatter_rule(primitive: Any, combine: Any) -> None:
             return ordinary(primitive, operand, indices, updates, **params)
         layout = _scatter_layout(operand, updates, params)
         so, su = jnp.asarray(operand.scale, F32), jnp.asarray(updates.scale, F32)
-        top = lax.stop_gradient(lax.max(jnp.max(so), jnp.max(su)))
+        top = lax.stop_gradient(
+            lax.max(block_scales.largest_scale(so), block_scales.largest_scale(su))
+        )
         cdtype = compute_dtype(operand.dtype)
 
         def value(x: ScaledArray, scale: Array) -> Array:

@@ -163,9 +163,9 @@ def _concatenate(*xs: Any, **params: Any) -> Any:
     # Else one block along the axis: each operand's blocks along it brought to the largest
     # scale of all operands (per block of the other axes).
     scales = [scale_on(x, on_axis(lay[axis])) for x, lay in zip(xs, layouts)]
-    common = lax.reduce_max(scales[0], (axis,))
+    common = block_scales.largest_scale(scales[0], (axis,))
     for scale in scales[1:]:
-        common = lax.max(common, lax.reduce_max(scale, (axis,)))
+        common = lax.max(common, block_scales.largest_scale(scale, (axis,)))
     common = lax.stop_gradient(common).reshape(on_axis(1))
     datas = []
     for x, scale in zip(xs, scales):
