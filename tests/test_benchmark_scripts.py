@@ -1,6 +1,7 @@
 """The measurement scripts of issue 43 (`benchmarks/gpu_check.py`, `delayed_scaling.py`,
-`compile_profile.py`, `program_size.kernel_kinds`), run here at tiny sizes or on recorded
-output: they must work the first time a GPU is lent, and read XLA's output right."""
+`scale_results.py`, `compile_profile.py`, `program_size.kernel_kinds`), run here at tiny
+sizes or on recorded output: they must work the first time a GPU is lent, and read XLA's
+output right."""
 
 import json
 
@@ -35,6 +36,20 @@ def test_delayed_scaling_benchmark_measures_three_variants():
     for variant in ("plain", "dynamic", "delayed"):
         assert row[variant]["kernels"] > 0 and row[variant]["step_ms"] > 0
         assert sum(row[variant]["by_kind"].values()) == row[variant]["kernels"]
+
+
+@pytest.mark.slow
+def test_scale_results_benchmark_carries_the_scales_in_one_vector():
+    bench = load_script("scale_results_bench", "benchmarks/scale_results.py")
+    with jax.numpy_rank_promotion("allow"):  # the GPT model broadcasts biases implicitly
+        row = bench.measure("block", 4)
+    assert row["same_values"]  # the one-vector step computes the scaled step's values
+    scaled, packed = row["scaled"], row["one vector"]
+    # Every ScaledArray's scale was an argument (and a result) of its own; now one vector.
+    assert packed["arguments"] < scaled["arguments"] and packed["results"] < scaled["results"]
+    assert scaled["arguments"] - packed["arguments"] == scaled["results"] - packed["results"]
+    for variant in ("plain", "scaled", "one vector"):
+        assert row[variant]["kernels"] > 0 and row[variant]["step_ms"] > 0
 
 
 # An optimized XLA:GPU module as `compiled.as_text()` writes it (fusion bodies left out).
