@@ -388,7 +388,8 @@ scale_product_p = _multi_output(
 # XLA:CPU splits a reduction with an axis longer than 32 elements into a reduce-window and a
 # reduce, neither fused with its producer (three kernels for a bias's or a row statistic's
 # largest magnitude), unless it hands the reduction to its reduction library (tensors of
-# 4,096 elements or more on JAX 0.10-0.12, which takes no producer either: two kernels).
+# 4,096 elements or more on JAX 0.10.2 and 0.12, larger ones on 0.10.0; the library takes no
+# producer either: two kernels). Larger tensors are left to it: one loop measured no faster.
 _SHORT_AXIS = 32
 _SMALL_REDUCTION = 4096
 
