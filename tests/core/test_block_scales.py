@@ -626,6 +626,7 @@ def test_block_dynamic_scale_lowerings_agree(shape, layout, dtype):
     np.testing.assert_array_equal(np.asarray(got[0]), expected)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernels")
 @pytest.mark.parametrize("layout", [(1, 1), (16, 1)], ids=str)
 def test_small_block_maxima_are_one_kernel_on_xla_cpu(layout):
     """A `[16, 64]` tensor's block maxima: a reduce-window and a reduce beside the filter in
@@ -671,6 +672,7 @@ def test_largest_scale_is_jnp_max(shape, axes, jit):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(special))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernels")
 def test_largest_scale_of_a_per_channel_scale_is_one_kernel_on_xla_cpu():
     """`jnp.max` of a `[1, 1, 128]` block scale over its channels: a reduce-window and a
     reduce on XLA:CPU; `largest_scale`: one loop fused with the scale's producer."""

@@ -323,6 +323,7 @@ def test_dynamic_scale_lowerings_agree_wherever_the_largest_magnitude_is(shape, 
         assert float(cpu[1]) == 3.0 / expected, (shape, name)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernels")
 def test_a_small_tensors_dynamic_scale_is_one_kernel_on_xla_cpu():
     """XLA:CPU splits a reduction with a long axis into a reduce-window and a reduce, neither
     fused with the producer: three kernels for the largest magnitude of a bias or a row
