@@ -342,7 +342,7 @@ def test_a_small_tensors_dynamic_scale_is_one_kernel_on_xla_cpu():
         cpu_hlo, cpu_kernels = compiled(dynamic_scale_p.bind, shape)
         default_hlo, default_kernels = compiled(dynamic_scale_p.impl, shape)
         assert "reduce-window" in default_hlo and "reduce-window" not in cpu_hlo, shape
-        assert cpu_kernels == default_kernels - 2, (shape, cpu_kernels, default_kernels)
+        assert cpu_kernels <= default_kernels - 2, (shape, cpu_kernels, default_kernels)
 
 
 def test_scale_product_of_any_scales_represents_the_product():
