@@ -270,11 +270,41 @@ def new_primitive(name: str, multiple_results: bool = False) -> Primitive:
     return prim
 
 
+def lowered_for_one_device(ctx: Any) -> bool:
+    """Whether the lowering context `ctx` lowers a program that one device runs as is: a
+    `jit` over one device, a `shard_map` body manual over every axis of more than one device,
+    or (older JAX) a `pmap` body; not a program the SPMD partitioner splits over devices."""
+    context = ctx.module_context.axis_context
+    num_devices = getattr(context, "num_devices", None)
+    if num_devices is not None:  # ShardingContext: jit over `num_devices`
+        return bool(num_devices == 1)
+    mesh = getattr(context, "mesh", None)
+    if mesh is not None:  # SPMDAxisContext: shard_map, manual over `manual_axes`
+        manual: frozenset[Any] = getattr(context, "manual_axes", frozenset())
+        return all(size == 1 or name in manual for name, size in mesh.shape.items())
+    return True
+
+
 def register_lowering(
-    prim: Primitive, impl: Any, multiple_results: bool = False, platform: str | None = None
+    prim: Primitive,
+    impl: Any,
+    multiple_results: bool = False,
+    platform: str | None = None,
+    *,
+    partitioned_impl: Any = None,
 ) -> None:
-    """`impl`, lowered, as `prim`'s lowering (on `platform` only, when given)."""
+    """`impl`, lowered, as `prim`'s lowering (on `platform` only, when given); with
+    `partitioned_impl`, that one instead in a program partitioned over devices (see
+    `lowered_for_one_device`)."""
     rule = _mlir.lower_fun(impl, multiple_results=multiple_results)
+    if partitioned_impl is not None:
+        one_device_rule = rule
+        partitioned_rule = _mlir.lower_fun(partitioned_impl, multiple_results=multiple_results)
+
+        def rule(ctx: Any, *args: Any, **params: Any) -> Any:
+            chosen = one_device_rule if lowered_for_one_device(ctx) else partitioned_rule
+            return chosen(ctx, *args, **params)
+
     if platform is None:
         _mlir.register_lowering(prim, rule)
     else:

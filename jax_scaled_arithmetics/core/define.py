@@ -58,14 +58,20 @@ def define_primitive(
     XLA lowering; `abstract_eval` its abstract evaluation; `batching(primitive, args, dims,
     **params)` and `jvp(primitive, primals, tangents, **params)` its rules (omitted: the
     primitive cannot be vmapped / differentiated); `cpu_impl`, the same values computed
-    another way, its lowering on XLA:CPU."""
+    another way, its lowering on XLA:CPU for one device (a program the SPMD partitioner
+    splits over devices keeps `impl`: `cpu_impl`'s reshapes of a small tensor into short
+    axes would make it gather a sharded tensor whole)."""
     primitive = _compat.new_primitive(name, multiple_results)
     primitive.def_impl(impl)
     primitive.def_abstract_eval(abstract_eval)
     _compat.register_lowering(primitive, impl, multiple_results=multiple_results)
     if cpu_impl is not None:
         _compat.register_lowering(
-            primitive, cpu_impl, multiple_results=multiple_results, platform="cpu"
+            primitive,
+            cpu_impl,
+            multiple_results=multiple_results,
+            platform="cpu",
+            partitioned_impl=impl,
         )
     if batching is not None:
         _compat.register_batching(primitive, functools.partial(batching, primitive))

@@ -345,6 +345,33 @@ def test_a_small_tensors_dynamic_scale_is_one_kernel_on_xla_cpu():
         assert cpu_kernels <= default_kernels - 2, (shape, cpu_kernels, default_kernels)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
+@pytest.mark.parametrize("shape", [(96,), (32, 96), (65, 32)], ids=str)
+def test_a_sharded_tensors_dynamic_scale_gathers_no_data(shape):
+    """Partitioned over the session's 4 devices, `dynamic_scale` keeps the default lowering:
+    each device reduces its shard and one all-reduce agrees on the maximum. (The one-device
+    lowering's reshape into short axes made the SPMD partitioner all-gather the tensor.) A
+    `shard_map` body manual over the mesh is one device's program: the short-axis lowering."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+    last_axis = jax.sharding.PartitionSpec(*[None] * (len(shape) - 1), "d")
+    values = np.random.default_rng(0).uniform(-1.0, 1.0, shape).astype(F32)
+    values.flat[7] = -5.0
+    x = jax.device_put(values, jax.sharding.NamedSharding(mesh, last_axis))
+    step = jax.jit(lambda v: dynamic_scale_p.bind(jnp.tanh(v), F32(1.0)))
+    hlo = step.lower(x).compile().as_text()
+    assert "all-gather" not in hlo and "all-reduce" in hlo, hlo
+    scale, ratio = step(x)
+    assert float(scale) == 0.5 and float(ratio) == 2.0  # tanh(5) in [0.5, 1)
+
+    body = lambda v: dynamic_scale_p.bind(v, F32(1.0))[0][None]  # noqa: E731
+    local = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    wide = jax.device_put(np.ones((4 * 128,), F32), jax.sharding.NamedSharding(mesh, spec))
+    local_hlo = local.lower(wide).compile().as_text()
+    assert "reduce-window" not in local_hlo and "all-gather" not in local_hlo
+    np.testing.assert_array_equal(local(wide), np.ones(4, F32))
+
+
 def test_scale_product_of_any_scales_represents_the_product():
     """Scales that are not powers of two: out is a power of two in [SCALE_MIN, SCALE_MAX]
     and, for two factors, out * ratio the product wherever the ratio is a normal float32
