@@ -8,15 +8,16 @@ float16 data with `scale_optimizer(adam)`), three variants of one training step:
 
 - plain: `jax.jit(step)` on float32 arrays;
 - scaled: `jax.jit(jsa.autoscale(step))` on ScaledArrays, as users call it;
-- one vector: the same autoscaled step, jitted with the scalar scales of its ScaledArray
-  arguments stacked into one vector argument and those of its results into one vector
-  result (the data arrays unchanged; the values are the scaled step's, exactly).
+- one vector: the same autoscaled step, jitted with its ScaledArray trees packed by
+  `jsa.tree.pack_scales` (each top-level argument and result: the scalar scales of its
+  ScaledArrays stacked into one vector; the data arrays unchanged; the values are the
+  scaled step's, exactly).
 
 Measured: the compiled program's kernels (program_size's `hlo_counts`), its arguments and
 results, and the median step time of the three compiled steps run in turn (`--iters`
 rounds after a warm-up). One process: compare the ratios of one run. The difference
 between the scaled and the one-vector steps is what carrying a step's scales together
-would save (docs/benchmarks.md, "What the zoo's steps pay for besides kernels").
+saves (docs/benchmarks.md, "What the zoo's steps pay for besides kernels").
 
 Run:
     python benchmarks/scale_results.py [--cases zoo-linen,zoo-nnx] [--iters 300]
@@ -34,7 +35,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_scaled_arithmetics as jsa
 
@@ -48,48 +48,23 @@ import program_size as PS  # noqa: E402
 DEFAULT_CASES = ("zoo-linen", "zoo-nnx", "zoo-equinox")
 
 
-def _is_scaled(leaf: Any) -> bool:
-    return isinstance(leaf, jsa.ScaledArray)
+def _packed(tree: Any) -> Any:
+    """`jsa.tree.pack_scales(tree)` where `tree` holds a ScaledArray (a batch stays as is)."""
+    if any(isinstance(leaf, jsa.ScaledArray) for leaf in jsa.tree.leaves(tree)):
+        return jsa.tree.pack_scales(tree)
+    return tree
 
 
-def _split_scales(tree: Any) -> tuple[list[Any], Any, list[int]]:
-    """The leaves of `tree` (ScaledArrays kept whole), its structure, and the positions of
-    the ScaledArrays with a scalar scale."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_scaled)
-    where = [i for i, leaf in enumerate(leaves) if _is_scaled(leaf) and np.ndim(leaf.scale) == 0]
-    return leaves, treedef, where
+def packed_step(step: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """`step` (an autoscaled step) taking and returning its ScaledArray trees packed with
+    `jsa.tree.pack_scales` (each top-level argument and result): the function and its
+    arguments."""
 
+    def stepped(*packed: Any) -> Any:
+        out = step(*jsa.tree.unpack_scales(packed))
+        return tuple(_packed(o) for o in out) if isinstance(out, tuple) else _packed(out)
 
-def _stacked(leaves: list[Any], where: list[int]) -> tuple[list[Any], Any]:
-    """Each ScaledArray at `where` replaced by its data, and their scales as one vector."""
-    datas = [leaf.data if i in where else leaf for i, leaf in enumerate(leaves)]
-    scales = jnp.stack([jnp.asarray(leaves[i].scale, jnp.float32) for i in where])
-    return datas, scales
-
-
-def one_vector_step(step: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], Any]:
-    """`step` (an autoscaled step) with the scalar scales of its ScaledArray arguments and
-    results as one vector each: the function, its arguments, and a function that rebuilds
-    the scaled step's results from its results."""
-    leaves, in_tree, in_where = _split_scales(args)
-    out_layout: dict[str, Any] = {}
-
-    def stepped(datas: list[Any], scales: Any) -> tuple[list[Any], Any]:
-        rebuilt = list(datas)
-        for k, i in enumerate(in_where):
-            rebuilt[i] = jsa.ScaledArray(datas[i], scales[k])
-        out = step(*jax.tree_util.tree_unflatten(in_tree, rebuilt))
-        out_leaves, out_layout["tree"], out_layout["where"] = _split_scales(out)
-        return _stacked(out_leaves, out_layout["where"])
-
-    def unpacked(result: tuple[list[Any], Any]) -> Any:
-        datas, scales = result
-        rebuilt = list(datas)
-        for k, i in enumerate(out_layout["where"]):
-            rebuilt[i] = jsa.ScaledArray(datas[i], scales[k])
-        return jax.tree_util.tree_unflatten(out_layout["tree"], rebuilt)
-
-    return stepped, tuple(_stacked(leaves, in_where)), unpacked
+    return stepped, tuple(_packed(a) for a in args)
 
 
 def _buffers(tree: Any) -> int:
@@ -102,7 +77,7 @@ def measure(case_name: str, iters: int, dtype: str | None = None) -> dict[str, A
     dtype = dtype or default_dtype
     case = builder(jnp.dtype(dtype))
     scaled_step = jax.jit(case.step("scaled"))
-    stepped, packed_args, unpacked = one_vector_step(case.step("scaled"), case.args("scaled"))
+    stepped, packed_args = packed_step(case.step("scaled"), case.args("scaled"))
     variants = {
         "plain": (jax.jit(case.step("plain")), case.args("plain")),
         "scaled": (scaled_step, case.args("scaled")),
@@ -122,7 +97,7 @@ def measure(case_name: str, iters: int, dtype: str | None = None) -> dict[str, A
             runnable[name] = (compiled, args)
         same = jax.tree_util.tree_map(
             lambda a, b: bool(jnp.array_equal(a, b, equal_nan=True)),
-            unpacked(runnable["one vector"][0](*packed_args)),
+            jsa.tree.unpack_scales(runnable["one vector"][0](*packed_args)),
             scaled_step(*case.args("scaled")),
         )
     row["same_values"] = all(jax.tree_util.tree_leaves(same))

@@ -21,6 +21,7 @@ from .datatype import (
     is_array,
     is_floating,
     set_operator_transform,
+    unpack_scales,
 )
 from .known_scalars import fold_known, fold_known_call, known_scalar
 from .promotion import promote_to_scaled
@@ -412,6 +413,9 @@ def autoscale(
     gradient of a ScaledArray argument is `ScaledArray(dL/d data, dL/d scale)`: two
     cotangents, not a value to call `to_array` on.
 
+    A `jsa.tree.PackedScales` argument (scales carried as one vector across `jit`) is
+    unpacked into its ScaledArrays first.
+
     It traces `fun` at every call (nothing is cached, so what `fun` closes over is read
     when it is called); under `jax.jit` that is once per compilation. A ScaledArray
     argument with a concrete scale that is NaN, infinite or negative is refused.
@@ -456,8 +460,10 @@ def autoscale(
             if name in kwargs:
                 _check_hashable(kwargs[name], f"'{name}'")
         dynamic_positions = [i for i in range(nargs) if i not in static_pos]
-        dyn_args = [args[i] for i in dynamic_positions]
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in argnames}
+        # A `PackedScales` argument is its tree of ScaledArrays (the scales sliced from
+        # its vector), not data arrays beside a vector of numbers.
+        dyn_args = [unpack_scales(args[i]) for i in dynamic_positions]
+        dyn_kwargs = {k: unpack_scales(v) for k, v in kwargs.items() if k not in argnames}
 
         all_leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs), is_leaf=_is_scaled)
         paths = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs), is_leaf=_is_scaled)[0]

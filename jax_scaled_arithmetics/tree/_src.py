@@ -17,7 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from ..core import datatype as _datatype
-from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
+from ..core.datatype import (
+    PackedScales,
+    ScaledArray,
+    is_floating,
+    is_scaled_leaf,
+    pack_scales,
+    unpack_scales,
+)
 
 DTypeLike = Any
 IsLeaf = Callable[[Any], bool]
@@ -33,6 +40,9 @@ __all__ = [
     "as_scaled_array",
     "asarray",
     "astype_leaf",
+    "PackedScales",
+    "pack_scales",
+    "unpack_scales",
 ]
 
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_scaled_arithmetics as jsa
 import jax_scaled_arithmetics.tree as jtree
 from jax_scaled_arithmetics.core.datatype import ScaledArray, scaled_array
 
@@ -31,10 +32,13 @@ def test_public_names():
             "all",
             "as_scaled_array",
             "asarray",
+            "PackedScales",
+            "pack_scales",
+            "unpack_scales",
         ]
     )
     for name in jtree.__all__:
-        assert callable(getattr(jtree, name))
+        assert callable(getattr(jtree, name))  # PackedScales: a class
     # The module-level names shadow builtins only inside the package namespace.
     assert jtree.map is not map and jtree.all is not all
 
@@ -171,3 +175,145 @@ def test_as_scaled_array_and_asarray():
     assert not isinstance(back["s"], ScaledArray)
     half = jtree.asarray(scaled, dtype=jnp.float16)
     assert half["w"].dtype == jnp.float16 and half["n"].dtype == jnp.int32
+
+
+# --- pack_scales / unpack_scales -----------------------------------------------------------
+
+
+def _mixed_tree():
+    """Scalar-scaled ScaledArrays of every data dtype, a block-scaled one, plain leaves."""
+    return {
+        "f32": scaled_array(jnp.array([1.0, -2.0]), 2.0**-30),
+        "f16": scaled_array(jnp.array([[0.5, 1.5]], jnp.float16), 2.0**20),
+        "bf16": scaled_array(jnp.array([3.0], jnp.bfloat16), 0.0),
+        "rows": ScaledArray(jnp.ones((2, 3), jnp.float16), jnp.array([[2.0], [0.5]])),
+        "plain": jnp.arange(3.0),
+        "n": jnp.array([1, 2], jnp.int32),
+        "rate": 0.1,
+        "none": None,
+    }
+
+
+def _assert_same_tree(got, want):
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert jnp.asarray(a).dtype == jnp.asarray(b).dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_pack_scales_stacks_scalar_scales_and_round_trips():
+    tree = _mixed_tree()
+    packed = jtree.pack_scales(tree)
+    assert isinstance(packed, jtree.PackedScales)
+    assert packed.scales.dtype == jnp.float32
+    np.testing.assert_array_equal(packed.scales, [0.0, 2.0**20, 2.0**-30])  # key order
+    # Leaves crossing jit: 3 data arrays for 3 scalars + 1 vector; the block-scaled one
+    # keeps its data and scale; plain leaves as they are.
+    assert len(jax.tree_util.tree_leaves(packed)) == len(jax.tree_util.tree_leaves(tree)) - 2
+    _assert_same_tree(jtree.unpack_scales(packed), tree)
+    _assert_same_tree(packed.unpack(), tree)
+    # Packing a tree that holds a PackedScales packs its ScaledArrays once.
+    again = jtree.pack_scales({"inner": packed, "x": scaled_array(jnp.ones(2), 8.0)})
+    np.testing.assert_array_equal(again.scales, [0.0, 2.0**20, 2.0**-30, 8.0])
+    _assert_same_tree(
+        jtree.unpack_scales(again), {"inner": tree, "x": scaled_array(jnp.ones(2), 8.0)}
+    )
+    # Nothing to pack: an empty vector.
+    empty = jtree.pack_scales({"b": jnp.ones(2)})
+    assert empty.scales.shape == (0,) and "0 scales" in repr(empty)
+    assert jtree.unpack_scales([3, "x"]) == [3, "x"]
+
+
+def test_asarray_and_as_scaled_array_read_a_packed_tree_as_its_values():
+    tree = _mixed_tree()
+    packed = jtree.pack_scales(tree)
+    _assert_same_tree(jtree.asarray(packed), jtree.asarray(tree))
+    _assert_same_tree(jtree.as_scaled_array(packed), jtree.as_scaled_array(tree))
+
+
+def _train_step(params, x):
+    def loss(p):
+        return jnp.mean(jnp.tanh(x @ p["w"] + p["b"][None, :]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    params = jax.tree_util.tree_map(lambda p, g: p - 0.5 * g, params, grads)
+    return params, value
+
+
+def _params():
+    rng = np.random.default_rng(3)
+    return {
+        "w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float16),
+        "b": jnp.asarray(rng.normal(size=(4,)), jnp.float16),
+    }
+
+
+@pytest.mark.parametrize("data_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("scale", [2.0**-40, 1.0, 2.0**30])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_a_packed_step_computes_what_the_scaled_step_computes(data_dtype, scale, jit):
+    """Scales crossing `jit` as one vector: the same values as ScaledArrays crossing it."""
+    params = jtree.as_scaled_array(jtree.astype(_params(), data_dtype), scale=scale)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(16, 8)), data_dtype)
+    scaled = jax.jit(jsa.autoscale(_train_step)) if jit else jsa.autoscale(_train_step)
+
+    def packed_step(packed, x):
+        params, value = jsa.autoscale(_train_step)(packed, x)  # unpacked by autoscale
+        return jtree.pack_scales(params), value
+
+    packed_step = jax.jit(packed_step) if jit else packed_step
+    want, got = params, jtree.pack_scales(params)
+    for _ in range(3):
+        want, want_loss = scaled(want, x)
+        got, got_loss = packed_step(got, x)
+        assert isinstance(got, jtree.PackedScales)
+        _assert_same_tree(jtree.unpack_scales(got), want)
+        np.testing.assert_array_equal(jnp.asarray(got_loss), jnp.asarray(want_loss))
+    # The values are the plain step's on the represented values.
+    plain = jtree.asarray(params)
+    for _ in range(3):
+        plain, _ = _train_step(plain, x)
+    for name in plain:
+        np.testing.assert_allclose(
+            np.asarray(jtree.asarray(got)[name], np.float32),
+            np.asarray(plain[name], np.float32),
+            rtol=0.05,
+            atol=0.05 * float(jnp.max(jnp.abs(plain[name].astype(jnp.float32)))),
+        )
+
+
+def test_a_jitted_packed_step_passes_one_scale_buffer_and_compiles_once():
+    params = jtree.as_scaled_array(_params())
+    x = jnp.ones((16, 8), jnp.float16)
+    traces = []
+
+    @jax.jit
+    def step(packed, x):
+        traces.append(1)
+        params, value = jsa.autoscale(_train_step)(packed, x)
+        return jtree.pack_scales(params), value
+
+    packed = jtree.pack_scales(params)
+    compiled = step.lower(packed, x).compile()
+    # Arguments: w, b data, one scale vector, x (ScaledArrays would be 2 x 2 + 1).
+    assert len(jax.tree_util.tree_leaves(compiled.args_info)) == 4
+    # Results: w, b data, one scale vector, and the loss (a ScaledArray: data and scale).
+    assert len(jax.tree_util.tree_leaves(compiled.out_info)) == 5
+    packed, _ = step(packed, x)
+    traced = len(traces)
+    for _ in range(3):  # the packed results are arguments of the same structure: no retrace
+        packed, _ = step(packed, x)
+    assert len(traces) == traced
+
+
+def test_autoscale_unpacks_packed_keyword_arguments_and_gradients_flow():
+    packed = jtree.pack_scales({"w": scaled_array(jnp.array([1.0, 2.0], jnp.float16), 2.0**-20)})
+
+    def f(scale_by, *, params):
+        return (params["w"] * scale_by).sum()
+
+    out = jsa.autoscale(f)(3.0, params=packed)
+    assert isinstance(out, ScaledArray)
+    assert float(out.to_array()) == pytest.approx(9.0 * 2.0**-20)
+    grads = jsa.autoscale(jax.grad(lambda p: (p["w"] ** 2).sum()))(packed)
+    np.testing.assert_allclose(jtree.asarray(grads)["w"], [2.0 * 2.0**-20, 4.0 * 2.0**-20])
