@@ -39,10 +39,14 @@ def test_delayed_scaling_benchmark_measures_three_variants():
 
 
 @pytest.mark.slow
-def test_scale_results_benchmark_carries_the_scales_in_one_vector():
+@pytest.mark.parametrize("case", ["block", "zoo-linen", "zoo-nnx", "zoo-equinox"])
+def test_scale_results_benchmark_carries_the_scales_in_one_vector(case):
+    """The step with its trees packed by `jsa.tree.pack_scales` (a linen `TrainState`, an
+    NNX `State` and optax state, an Equinox module with its non-array fields) computes the
+    scaled step's values, with one scale buffer per tree."""
     bench = load_script("scale_results_bench", "benchmarks/scale_results.py")
     with jax.numpy_rank_promotion("allow"):  # the GPT model broadcasts biases implicitly
-        row = bench.measure("block", 4)
+        row = bench.measure(case, 2)
     assert row["same_values"]  # the one-vector step computes the scaled step's values
     scaled, packed = row["scaled"], row["one vector"]
     # Every ScaledArray's scale was an argument (and a result) of its own; now one vector.
