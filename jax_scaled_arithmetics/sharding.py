@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .core.datatype import ScaledArray, is_scaled_leaf
+from .core.datatype import PackedScales, ScaledArray, is_scaled_leaf
 from .core.shardings import replicated, scale_sharding, spec_entries
 from .lax.scaling_primitives import apply_to_data, get_data_scale, rebalance, set_scaling
 
@@ -64,7 +64,9 @@ def like(tree: Any, shardings: Any) -> Any:
 
     Args:
         tree: parameters, optimizer states... with ScaledArray leaves (or their
-            `jax.ShapeDtypeStruct`s, e.g. from `jax.eval_shape`).
+            `jax.ShapeDtypeStruct`s, e.g. from `jax.eval_shape`). A
+            `jsa.tree.PackedScales` in it takes the shardings of its unpacked tree; its
+            scale vector is replicated.
         shardings: one `jax.sharding.Sharding` for every leaf, or a tree of shardings with
             `tree`'s structure in which a ScaledArray's place holds the sharding of the
             array it represents (the plain parameters' shardings), or a ScaledArray of
@@ -91,14 +93,35 @@ def like(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(
             lambda leaf: _leaf_shardings(leaf, _fitting(shardings, leaf)),
             tree,
-            is_leaf=is_scaled_leaf,
+            is_leaf=_is_leaf,
         )
     return jax.tree.map(
         _leaf_shardings,
         tree,
         shardings,
-        is_leaf=is_scaled_leaf,
+        is_leaf=_is_leaf,
     )
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, PackedScales) or is_scaled_leaf(x)
+
+
+def _packed_shardings(packed: PackedScales, shardings: Any) -> PackedScales:
+    """A `PackedScales` of shardings for `packed`: each leaf's as in its unpacked tree (where
+    `shardings` has the unpacked tree's structure), the scale vector replicated like the
+    per-tensor scales it stacks."""
+    treedef, positions = packed.layout
+    leaves = treedef.flatten_up_to(like(packed.unpack(), shardings))
+    placed = [leaf for leaf in jax.tree.leaves(leaves) if isinstance(leaf, jax.sharding.Sharding)]
+    if positions:
+        vector = leaves[positions[0]].scale
+    elif placed:
+        vector = replicated(placed[0])
+    else:
+        vector = None
+    data = [leaf.data if i in positions else leaf for i, leaf in enumerate(leaves)]
+    return PackedScales(data, vector, packed.layout)
 
 
 def _fitting(sharding: Any, leaf: Any) -> Any:
@@ -111,6 +134,8 @@ def _fitting(sharding: Any, leaf: Any) -> Any:
 
 
 def _leaf_shardings(leaf: Any, sharding: Any) -> Any:
+    if isinstance(leaf, PackedScales):
+        return _packed_shardings(leaf, sharding)
     if isinstance(sharding, ScaledArray):
         return sharding
     if leaf is None or not hasattr(leaf, "shape"):

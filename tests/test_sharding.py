@@ -75,6 +75,48 @@ def test_device_put_and_jit_keep_the_layout():
     np.testing.assert_array_equal(out.to_array(jnp.float32), np.arange(32.0).reshape(8, 4) * 2 + 1)
 
 
+def test_a_packed_tree_is_placed_like_its_scaled_arrays():
+    """`like` and `device_put` on a `jsa.tree.PackedScales`: the data as the unpacked tree's
+    shardings say, block scales with their blocks, the scale vector replicated; a jitted
+    step on the packed tree keeps the layout and computes the unpacked step's values."""
+    params = {
+        "w": jsa.as_scaled_array(jnp.arange(32.0).reshape(8, 4), dtype=jnp.float16),
+        "rows": jsa.as_scaled_array(jnp.ones((8, 6)), dtype=jnp.bfloat16, scale_shape=(8, 1)),
+        "b": jsa.as_scaled_array(jnp.ones(4), dtype=jnp.float16),
+    }
+    shardings = {
+        "w": NamedSharding(MESH, P("i", None)),
+        "rows": NamedSharding(MESH, P("i", None)),
+        "b": NamedSharding(MESH, P()),
+    }
+    packed = jsa.tree.pack_scales(params)
+    placed = sharding.device_put(
+        {"params": packed, "step": jnp.int32(0)},
+        {
+            "params": shardings,
+            "step": NamedSharding(MESH, P()),
+        },
+    )["params"]
+    assert isinstance(placed, jsa.tree.PackedScales)
+    assert placed.scales.sharding.spec == P() and placed.scales.shape == (2,)
+    tree = placed.unpack()
+    assert tree["w"].data.sharding.spec == P("i", None) and tree["b"].data.sharding.spec == P()
+    assert tree["rows"].scale.sharding.spec == P("i")  # a block scale: with its rows
+    # One sharding for every leaf: the vector replicated all the same.
+    every = sharding.like(packed, NamedSharding(MESH, P("i")))
+    assert every.scales.spec == P() and every.leaves[-1].spec == P("i")
+
+    def step(p):
+        p = jsa.autoscale(lambda q: jax.tree.map(lambda x: x * 2.0, q))(p)
+        return jsa.tree.pack_scales(p)
+
+    out = jax.jit(step, out_shardings=sharding.like(packed, shardings))(placed)
+    assert out.scales.sharding.spec == P()
+    assert out.unpack()["w"].data.sharding.spec == P("i", None)
+    for name, value in jsa.asarray(out, jnp.float32).items():
+        np.testing.assert_array_equal(value, 2.0 * jsa.asarray(params[name], jnp.float32))
+
+
 def _result_types(stablehlo: str, name: str) -> list[str]:
     """The result type of every `stablehlo.<name>` of a lowered program."""
     types = []
