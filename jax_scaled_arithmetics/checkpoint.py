@@ -60,7 +60,7 @@ import jax
 import numpy as np
 
 from . import sharding as jsa_sharding
-from .core.datatype import ScaledArray, is_scaled_leaf
+from .core.datatype import PackedScales, ScaledArray, is_scaled_leaf, pack_scales
 from .quantization.mx_array import MXArray
 
 __all__ = [
@@ -188,6 +188,20 @@ def mx_array_from_state_dict(target: MXArray, state: Any) -> MXArray:
     return dataclasses.replace(target, data=state["data"], scale=state["scale"])
 
 
+def _packed_to_state_dict(x: PackedScales) -> Any:
+    """A packed tree's Flax state: its unpacked tree's, so either form restores into
+    either."""
+    from flax.serialization import to_state_dict
+
+    return to_state_dict(x.unpack())
+
+
+def _packed_from_state_dict(target: PackedScales, state: Any) -> PackedScales:
+    from flax.serialization import from_state_dict
+
+    return pack_scales(from_state_dict(target.unpack(), state))
+
+
 def _flax_path() -> str:
     """The path being restored, as `params/0/w` (Flax records it as `./params/0/w`)."""
     from flax.serialization import current_path
@@ -198,7 +212,8 @@ def _flax_path() -> str:
 
 
 def _register_flax() -> bool:
-    """Register ScaledArray and MXArray with `flax.serialization`; False without Flax.
+    """Register ScaledArray, MXArray and PackedScales with `flax.serialization`; False
+    without Flax.
 
     Also called by the import hook of `_flax_registration` while `flax.serialization` is
     being imported (before Flax sets it as an attribute of `flax`): hence `sys.modules`.
@@ -211,6 +226,7 @@ def _register_flax() -> bool:
     for cls, to_state_dict, from_state_dict in (
         (ScaledArray, scaled_array_to_state_dict, scaled_array_from_state_dict),
         (MXArray, mx_array_to_state_dict, mx_array_from_state_dict),
+        (PackedScales, _packed_to_state_dict, _packed_from_state_dict),
     ):
         if not serialization.is_serializable(cls):
             serialization.register_serialization_state(cls, to_state_dict, from_state_dict)

@@ -107,6 +107,26 @@ def test_flax_state_dict_round_trip(state):
     jsa.checkpoint.check_compatible(state, fs.msgpack_restore(fs.to_bytes(state)))
 
 
+def test_packed_trees_round_trip_and_share_the_unpacked_format(state, tmp_path):
+    """A tree packed with `jsa.tree.pack_scales` saves and restores through Flax (bytes:
+    those of the unpacked tree, so either form restores into either) and Orbax, bit-exact."""
+    packed = {
+        "params": jsa.tree.pack_scales(state["params"]),
+        "opt_state": jsa.tree.pack_scales(state["opt_state"]),
+        "step": state["step"],
+    }
+    raw = fs.to_bytes(packed)
+    assert raw == fs.to_bytes(state)
+    restored = fs.from_bytes(packed, raw)
+    assert isinstance(restored["params"], jsa.tree.PackedScales)
+    assert_bit_identical(jsa.tree.unpack_scales(restored), state)
+    assert_bit_identical(fs.from_bytes(state, fs.to_bytes(packed)), state)
+    jsa.checkpoint.save(tmp_path / "ckpt", packed)
+    restored = jsa.checkpoint.restore(tmp_path / "ckpt", packed)
+    assert isinstance(restored["opt_state"], jsa.tree.PackedScales)
+    assert_bit_identical(jsa.tree.unpack_scales(restored), state)
+
+
 def test_flax_restore_into_another_dtype_fails():
     raw = fs.to_bytes(training_state(jnp.float16))
     template = training_state(jnp.bfloat16)
