@@ -289,9 +289,11 @@ class PackedScales:
     dtype) and every other leaf stay as they are.
 
     Build one with :func:`pack_scales` (inside the jitted step, on its results) and read
-    it back with :func:`unpack_scales`; `autoscale`, `asarray` and `as_scaled_array`
-    unpack it themselves. The constructor does not validate (JAX rebuilds pytrees with
-    placeholder leaves).
+    it back with :func:`unpack_scales`; `autoscale`, `asarray`, `as_scaled_array` and
+    `jsa.tree.astype` unpack it themselves. Other pytree functions (`jax.tree.map`,
+    `jsa.tree.map`) see its data arrays and its scale vector: unpack it first to work on
+    values. The constructor does not validate (JAX rebuilds pytrees with placeholder
+    leaves).
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -151,7 +151,8 @@ def astype(tree: Any, dtype: DTypeLike, floating_only: bool = True) -> Any:
     A ScaledArray is cast by casting its data; its scale is kept. With
     `floating_only` (the default) only floating-point leaves are cast, and
     integer and boolean leaves pass through. Leaves without a dtype (Python
-    scalars, which JAX treats as weakly typed, strings, ...) are never touched.
+    scalars, which JAX treats as weakly typed, strings, ...) are never touched. A
+    `PackedScales` is cast as its ScaledArrays are, and stays packed.
 
     Args:
         tree: a pytree of arrays and ScaledArrays.
@@ -167,7 +168,15 @@ def astype(tree: Any, dtype: DTypeLike, floating_only: bool = True) -> Any:
         (dtype(bfloat16), dtype('float32'), dtype(bfloat16), dtype('int32'))
     """
     dtype = jnp.dtype(dtype)
-    return map(lambda x: astype_leaf(x, dtype, floating_only), tree)
+    return jax.tree_util.tree_map(
+        lambda x: (
+            pack_scales(astype(x.unpack(), dtype, floating_only))
+            if isinstance(x, PackedScales)
+            else astype_leaf(x, dtype, floating_only)
+        ),
+        tree,
+        is_leaf=lambda x: isinstance(x, PackedScales) or _leaf_predicate(None)(x),
+    )
 
 
 def _truthy(x: Any) -> bool:

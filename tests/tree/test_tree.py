@@ -229,6 +229,10 @@ def test_asarray_and_as_scaled_array_read_a_packed_tree_as_its_values():
     packed = jtree.pack_scales(tree)
     _assert_same_tree(jtree.asarray(packed), jtree.asarray(tree))
     _assert_same_tree(jtree.as_scaled_array(packed), jtree.as_scaled_array(tree))
+    # astype casts the data, never the float32 scale vector, and keeps the tree packed.
+    cast = jtree.astype({"packed": packed}, jnp.bfloat16)["packed"]
+    assert isinstance(cast, jtree.PackedScales) and cast.scales.dtype == jnp.float32
+    _assert_same_tree(cast.unpack(), jtree.astype(tree, jnp.bfloat16))
 
 
 def _train_step(params, x):
