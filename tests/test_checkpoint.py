@@ -125,6 +125,9 @@ def test_packed_trees_round_trip_and_share_the_unpacked_format(state, tmp_path):
     restored = jsa.checkpoint.restore(tmp_path / "ckpt", packed)
     assert isinstance(restored["opt_state"], jsa.tree.PackedScales)
     assert_bit_identical(jsa.tree.unpack_scales(restored), state)
+    # An abstract packed template (`jax.eval_shape`) restores the same.
+    restored = jsa.checkpoint.restore(tmp_path / "ckpt", jax.eval_shape(lambda: packed))
+    assert_bit_identical(jsa.tree.unpack_scales(restored), state)
 
 
 def test_flax_restore_into_another_dtype_fails():

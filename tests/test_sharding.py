@@ -105,6 +105,8 @@ def test_a_packed_tree_is_placed_like_its_scaled_arrays():
     # One sharding for every leaf: the vector replicated all the same.
     every = sharding.like(packed, NamedSharding(MESH, P("i")))
     assert every.scales.spec == P() and every.leaves[-1].spec == P("i")
+    abstract = sharding.like(jax.eval_shape(lambda: packed), shardings)  # shapes only
+    assert abstract.scales.spec == P() and abstract.unpack()["w"].data.spec == P("i", None)
 
     def step(p):
         p = jsa.autoscale(lambda q: jax.tree.map(lambda x: x * 2.0, q))(p)

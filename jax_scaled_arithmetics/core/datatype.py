@@ -326,9 +326,17 @@ class PackedScales:
         treedef, positions = self.layout
         leaves = list(self.leaves)
         for k, i in enumerate(positions):
-            scale = jax.lax.index_in_dim(jnp.asarray(self.scales), k, keepdims=False)
-            leaves[i] = ScaledArray(leaves[i], scale)
+            leaves[i] = ScaledArray(leaves[i], self._scale(k))
         return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _scale(self, k: int) -> Any:
+        """The `k`-th packed scale: a slice of an array vector, a scalar shape of an abstract
+        one (`jax.eval_shape`), and otherwise (a tree of shardings) the vector's own leaf."""
+        if isinstance(self.scales, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((), self.scales.dtype)
+        if is_array(self.scales):
+            return jax.lax.index_in_dim(jnp.asarray(self.scales), k, keepdims=False)
+        return self.scales
 
     def __repr__(self) -> str:
         treedef, positions = self.layout
@@ -375,7 +383,9 @@ def pack_scales(tree: Any) -> PackedScales:
     """
     leaves, treedef = jax.tree_util.tree_flatten(unpack_scales(tree), is_leaf=is_scaled_leaf)
     positions = tuple(i for i, leaf in enumerate(leaves) if _packs(leaf))
-    if positions:
+    if any(isinstance(leaves[i].scale, jax.ShapeDtypeStruct) for i in positions):
+        scales: Any = jax.ShapeDtypeStruct((len(positions),), jnp.float32)  # abstract tree
+    elif positions:
         scales = jnp.stack([jnp.asarray(leaves[i].scale, jnp.float32) for i in positions])
     else:
         scales = jnp.zeros((0,), jnp.float32)

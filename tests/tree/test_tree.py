@@ -218,6 +218,12 @@ def test_pack_scales_stacks_scalar_scales_and_round_trips():
     _assert_same_tree(
         jtree.unpack_scales(again), {"inner": tree, "x": scaled_array(jnp.ones(2), 8.0)}
     )
+    # Abstract trees (`jax.eval_shape`): packed and unpacked as shapes.
+    abstract = jax.eval_shape(lambda: packed)
+    assert abstract.scales.shape == (3,)
+    unpacked = jtree.unpack_scales(abstract)
+    assert unpacked["f16"].scale.shape == () and unpacked["f16"].data.dtype == jnp.float16
+    assert jtree.pack_scales(unpacked).scales == jax.ShapeDtypeStruct((3,), jnp.float32)
     # Nothing to pack: an empty vector.
     empty = jtree.pack_scales({"b": jnp.ones(2)})
     assert empty.scales.shape == (0,) and "0 scales" in repr(empty)
