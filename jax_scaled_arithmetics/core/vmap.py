@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .datatype import ScaledArray, is_scaled_leaf
+from .datatype import PackedScales, ScaledArray, is_scaled_leaf
 from .dtypes import compute_dtype
 
 __all__ = ["vmap", "scaled_axes"]
@@ -29,7 +29,8 @@ def scaled_axes(tree: Any, axis: Axis = 0) -> Any:
     (`ScaledArray(axis, None)`: its scalar scale is shared by the batch).
 
     A ScaledArray whose scale is not a scalar (one scale per example, stacked) has its
-    scale mapped along `axis` too.
+    scale mapped along `axis` too. A `jsa.tree.PackedScales` has its data mapped and its
+    scale vector shared.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -43,12 +44,18 @@ def scaled_axes(tree: Any, axis: Axis = 0) -> Any:
     """
 
     def leaf_axes(leaf: Any) -> Any:
+        if isinstance(leaf, PackedScales):  # its data mapped, its scalar scales shared
+            _, positions = leaf.layout
+            axes = [axis if i in positions else leaf_axes(x) for i, x in enumerate(leaf.leaves)]
+            return PackedScales(axes, None, leaf.layout)
         if isinstance(leaf, ScaledArray):
             scale_axis = None if axis is None or np.ndim(leaf.scale) == 0 else axis
             return ScaledArray(axis, scale_axis)  # type: ignore[arg-type]
         return axis
 
-    return jax.tree_util.tree_map(leaf_axes, tree, is_leaf=is_scaled_leaf)
+    return jax.tree_util.tree_map(
+        leaf_axes, tree, is_leaf=lambda x: isinstance(x, PackedScales) or is_scaled_leaf(x)
+    )
 
 
 def _expand_in_axes(in_axes: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -121,6 +121,26 @@ def test_scaled_axes_for_jax_vmap():
     np.testing.assert_array_equal(np.asarray(out.to_array()), np.full((3, 2), 3.0))
 
 
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_vmap_of_a_packed_tree_maps_the_data_and_shares_the_scales(use_jit):
+    """A tree packed with `jsa.tree.pack_scales`: the data arrays mapped, the scale vector
+    (one scalar per tensor) shared, as for the unpacked tree."""
+    rng = np.random.default_rng(0)
+    tree = {
+        "a": jsa.as_scaled_array(jnp.asarray(rng.normal(size=(4, 3)), jnp.float16), scale=2.0**-20),
+        "b": jsa.as_scaled_array(jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), scale=8.0),
+        "rows": jsa.as_scaled_array(jnp.ones((4, 3)), scale_shape=(4, 1)),
+    }
+    packed = jsa.tree.pack_scales(tree)
+    axes = jsa.scaled_axes(packed)
+    assert isinstance(axes, jsa.tree.PackedScales) and axes.scales is None
+    fun = jsa.vmap(jsa.autoscale(lambda t: (t["a"] * t["b"]).sum() + t["rows"].sum()))
+    fun = jax.jit(fun) if use_jit else fun
+    got, want = fun(packed), fun(tree)
+    np.testing.assert_array_equal(np.asarray(jsa.asarray(got)), np.asarray(jsa.asarray(want)))
+    assert got.shape == (4,)
+
+
 def test_vmap_explicit_scaled_array_axes_are_kept():
     x = jsa.as_scaled_array(jnp.ones((3, 2)), scale=2.0)
     out = jsa.vmap(jsa.autoscale(lambda t: t + 1.0), in_axes=(jsa.ScaledArray(0, None),))(x)
