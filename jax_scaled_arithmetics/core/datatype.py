@@ -290,7 +290,8 @@ class PackedScales:
 
     Build one with :func:`pack_scales` (inside the jitted step, on its results) and read
     it back with :func:`unpack_scales`; `autoscale`, `asarray`, `as_scaled_array` and
-    `jsa.tree.astype` unpack it themselves. Other pytree functions (`jax.tree.map`,
+    `jsa.tree.astype` unpack it themselves, `jsa.sharding.like` places it and `jsa.vmap`
+    maps its data and shares its scales. Other pytree functions (`jax.tree.map`,
     `jsa.tree.map`) see its data arrays and its scale vector: unpack it first to work on
     values. The constructor does not validate (JAX rebuilds pytrees with placeholder
     leaves).
