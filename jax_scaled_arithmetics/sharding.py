@@ -120,7 +120,8 @@ def _packed_shardings(packed: PackedScales, shardings: Any) -> PackedScales:
         vector = replicated(placed[0])
     else:
         vector = None
-    data = [leaf.data if i in positions else leaf for i, leaf in enumerate(leaves)]
+    stacked = set(positions)
+    data = [leaf.data if i in stacked else leaf for i, leaf in enumerate(leaves)]
     return PackedScales(data, vector, packed.layout)
 
 

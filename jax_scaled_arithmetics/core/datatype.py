@@ -390,7 +390,8 @@ def pack_scales(tree: Any) -> PackedScales:
         scales = jnp.stack([jnp.asarray(leaves[i].scale, jnp.float32) for i in positions])
     else:
         scales = jnp.zeros((0,), jnp.float32)
-    data = [leaf.data if i in positions else leaf for i, leaf in enumerate(leaves)]
+    packed = set(positions)
+    data = [leaf.data if i in packed else leaf for i, leaf in enumerate(leaves)]
     return PackedScales(data, scales, (treedef, positions))
 
 

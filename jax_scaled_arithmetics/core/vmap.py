@@ -45,8 +45,8 @@ def scaled_axes(tree: Any, axis: Axis = 0) -> Any:
 
     def leaf_axes(leaf: Any) -> Any:
         if isinstance(leaf, PackedScales):  # its data mapped, its scalar scales shared
-            _, positions = leaf.layout
-            axes = [axis if i in positions else leaf_axes(x) for i, x in enumerate(leaf.leaves)]
+            packed = set(leaf.layout[1])
+            axes = [axis if i in packed else leaf_axes(x) for i, x in enumerate(leaf.leaves)]
             return PackedScales(axes, None, leaf.layout)
         if isinstance(leaf, ScaledArray):
             scale_axis = None if axis is None or np.ndim(leaf.scale) == 0 else axis
