@@ -41,7 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .core.datatype import PackedScales, ScaledArray, is_scaled_leaf
+from .core.datatype import (
+    PackedScales,
+    ScaledArray,
+    is_packed_or_scaled_leaf,
+)
 from .core.shardings import replicated, scale_sharding, spec_entries
 from .lax.scaling_primitives import apply_to_data, get_data_scale, rebalance, set_scaling
 
@@ -93,18 +97,14 @@ def like(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(
             lambda leaf: _leaf_shardings(leaf, _fitting(shardings, leaf)),
             tree,
-            is_leaf=_is_leaf,
+            is_leaf=is_packed_or_scaled_leaf,
         )
     return jax.tree.map(
         _leaf_shardings,
         tree,
         shardings,
-        is_leaf=_is_leaf,
+        is_leaf=is_packed_or_scaled_leaf,
     )
-
-
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, PackedScales) or is_scaled_leaf(x)
 
 
 def _packed_shardings(packed: PackedScales, shardings: Any) -> PackedScales:

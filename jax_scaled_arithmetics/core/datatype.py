@@ -26,6 +26,7 @@ __all__ = [
     "PackedScales",
     "pack_scales",
     "unpack_scales",
+    "is_packed_or_scaled_leaf",
     "is_floating",
     "is_array",
     "invalid_scale_values",
@@ -345,6 +346,11 @@ class PackedScales:
 
 
 jax.tree_util.register_pytree_node_class(PackedScales)
+
+
+def is_packed_or_scaled_leaf(x: Any) -> bool:
+    """`is_scaled_leaf`, or a `PackedScales` (kept whole by the functions that handle one)."""
+    return isinstance(x, PackedScales) or is_scaled_leaf(x)
 
 
 def _packs(x: Any) -> bool:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .datatype import PackedScales, ScaledArray, is_scaled_leaf
+from .datatype import PackedScales, ScaledArray, is_packed_or_scaled_leaf, is_scaled_leaf
 from .dtypes import compute_dtype
 
 __all__ = ["vmap", "scaled_axes"]
@@ -53,9 +53,7 @@ def scaled_axes(tree: Any, axis: Axis = 0) -> Any:
             return ScaledArray(axis, scale_axis)  # type: ignore[arg-type]
         return axis
 
-    return jax.tree_util.tree_map(
-        leaf_axes, tree, is_leaf=lambda x: isinstance(x, PackedScales) or is_scaled_leaf(x)
-    )
+    return jax.tree_util.tree_map(leaf_axes, tree, is_leaf=is_packed_or_scaled_leaf)
 
 
 def _expand_in_axes(in_axes: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -21,6 +21,7 @@ from ..core.datatype import (
     PackedScales,
     ScaledArray,
     is_floating,
+    is_packed_or_scaled_leaf,
     is_scaled_leaf,
     pack_scales,
     unpack_scales,
@@ -175,7 +176,7 @@ def astype(tree: Any, dtype: DTypeLike, floating_only: bool = True) -> Any:
             else astype_leaf(x, dtype, floating_only)
         ),
         tree,
-        is_leaf=lambda x: isinstance(x, PackedScales) or _leaf_predicate(None)(x),
+        is_leaf=is_packed_or_scaled_leaf,
     )
 
 
