@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import _compat, block_scales
 from .dtypes import compute_dtype
@@ -362,6 +363,30 @@ def _packs(x: Any) -> bool:
     )
 
 
+# Traced scales are stacked in pieces of this many: XLA:CPU fuses the scalar computations
+# of at most 8 operands into the kernel that writes a vector (a concatenate of more leaves
+# each operand's computation a kernel of its own).
+_STACK_PIECE = 8
+
+
+def _stacked(scalars: list[Any]) -> Any:
+    """Float32 scalars as one vector. Traced, each piece of `_STACK_PIECE` is a chain of
+    selects (one kernel with the computations of its scales, where `jnp.stack` of many
+    scalars made each scale's last instructions a kernel of its own on XLA:CPU) and the
+    pieces are concatenated; the values are the same."""
+    if not any(_compat.is_tracer(s) for s in scalars):
+        return jnp.stack(scalars)
+    pieces = []
+    for start in range(0, len(scalars), _STACK_PIECE):
+        part = scalars[start : start + _STACK_PIECE]
+        where = lax.iota(np.int32, len(part))
+        piece = lax.broadcast(part[0], (len(part),))
+        for index, scalar in enumerate(part[1:], 1):
+            piece = lax.select(where == index, lax.broadcast(scalar, (len(part),)), piece)
+        pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, 0)
+
+
 def pack_scales(tree: Any) -> PackedScales:
     """`tree` with the scalar float32 scales of its ScaledArrays stacked into one vector.
 
@@ -393,7 +418,7 @@ def pack_scales(tree: Any) -> PackedScales:
     if any(isinstance(leaves[i].scale, jax.ShapeDtypeStruct) for i in positions):
         scales: Any = jax.ShapeDtypeStruct((len(positions),), jnp.float32)  # abstract tree
     elif positions:
-        scales = jnp.stack([jnp.asarray(leaves[i].scale, jnp.float32) for i in positions])
+        scales = _stacked([jnp.asarray(leaves[i].scale, jnp.float32) for i in positions])
     else:
         scales = jnp.zeros((0,), jnp.float32)
     packed = set(positions)

@@ -230,6 +230,48 @@ def test_pack_scales_stacks_scalar_scales_and_round_trips():
     assert jtree.unpack_scales([3, "x"]) == [3, "x"]
 
 
+@pytest.mark.parametrize("count", [1, 8, 9, 21])
+def test_pack_scales_under_jit_stacks_every_scale_exactly(count):
+    """Traced scales are stacked in pieces (a chain of selects each): the same vector as
+    eager packing, in order, extreme scales (0, float32's smallest subnormal and normal, its
+    largest power of two, not powers of two) included."""
+    special = [0.0, 2.0**-149, 2.0**-126, 2.0**127, 3.0, 1.5]
+    tree = [
+        scaled_array(jnp.full((2,), float(i), jnp.float16), special[i % 6] if i % 4 else 2.0**i)
+        for i in range(count)
+    ]
+    eager = jtree.pack_scales(tree)
+    traced = jax.jit(jtree.pack_scales)(tree)
+    assert traced.scales.shape == (count,) and traced.scales.dtype == jnp.float32
+    np.testing.assert_array_equal(traced.scales, eager.scales)
+    _assert_same_tree(traced.unpack(), tree)
+
+
+def test_packing_many_computed_scales_costs_no_kernel_per_scale():
+    """XLA:CPU fuses the last computations of at most 8 scalars into the kernel that writes
+    their vector: a `jnp.stack` of 24 computed scales left each one's last instructions a
+    kernel of its own (97 kernels against 96 returning them unpacked); stacked in pieces of
+    8, the step packing them has fewer kernels than the one returning them (73)."""
+    tree = {
+        f"w{i}": jsa.as_scaled_array(jnp.full((4, 8), float(i + 1)), dtype=jnp.float16)
+        for i in range(24)
+    }
+    rescale = jsa.autoscale(
+        lambda t: jax.tree.map(lambda x: jsa.ops.dynamic_rescale_max(x * 3.0), t)
+    )
+
+    def kernels(fun):
+        text = jax.jit(fun).lower(tree).compile().as_text()
+        entry = text[text.index("\nENTRY") : text.index("\n}", text.index("\nENTRY"))]
+        return sum(" fusion(" in line or " concatenate(" in line for line in entry.splitlines())
+
+    unpacked = kernels(rescale)
+    packed = kernels(lambda t: jtree.pack_scales(rescale(t)))
+    assert packed <= unpacked - 16, (packed, unpacked)
+    values = jax.jit(lambda t: jtree.pack_scales(rescale(t)))(tree)
+    _assert_same_tree(values.unpack(), jax.jit(rescale)(tree))
+
+
 def test_asarray_and_as_scaled_array_read_a_packed_tree_as_its_values():
     tree = _mixed_tree()
     packed = jtree.pack_scales(tree)
