@@ -2,18 +2,20 @@
 
 For each case of `benchmarks/program_size.py` named with `--cases` (default: the 2-block
 char GPT's Adam step and the three zoo training steps, float16 data with
-`scale_optimizer(adam)` where program_size says so), three variants of one training step:
+`scale_optimizer(adam)` where program_size says so), four variants of one training step:
 
 - plain: `jax.jit(step)` on float32 arrays;
 - dynamic: `jax.jit(jsa.autoscale(step))`, every sum and contraction at its own dynamic
   scale (`ScalePolicy.DYNAMIC`);
+- packed: the dynamic step taking and returning its ScaledArray trees packed by
+  `jsa.tree.pack_scales` (`packed_step`: each tree's scales as one vector; same values);
 - delayed: `jax.jit(jsa.delayed_scaling(step))`, its top-level sums and contractions at the
   scales of a history made by `step.init` (`--history` steps long).
 
 Measured: the sites of the delayed step (sums and contractions with a history), the compiled
 program's kernels and instructions (program_size's `hlo_counts` of the optimized HLO) and its
 kernels by kind (`kernel_kinds`), the
-lower + compile time, and the median step time of the three compiled steps run in turn
+lower + compile time, and the median step time of the four compiled steps run in turn
 (`--iters` rounds after a warm-up). One process: compare the ratios of one run.
 
 Run:
@@ -67,11 +69,30 @@ def median_times(steps: dict[str, tuple[Any, tuple[Any, ...]]], iters: int) -> d
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def _packed(tree: Any) -> Any:
+    """`jsa.tree.pack_scales(tree)` where `tree` holds a ScaledArray (a batch stays as is)."""
+    if any(isinstance(leaf, jsa.ScaledArray) for leaf in jsa.tree.leaves(tree)):
+        return jsa.tree.pack_scales(tree)
+    return tree
+
+
+def packed_step(step: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """`step` (an autoscaled step) taking and returning its ScaledArray trees packed with
+    `jsa.tree.pack_scales` (each top-level argument and result): the function and its
+    arguments."""
+
+    def stepped(*packed: Any) -> Any:
+        out = step(*jsa.tree.unpack_scales(packed))
+        return tuple(_packed(o) for o in out) if isinstance(out, tuple) else _packed(out)
+
+    return stepped, tuple(_packed(a) for a in args)
+
+
 def variants(
     case_name: str, history_length: int, dtype: str | None = None
 ) -> tuple[dict[str, Any], dict[str, tuple[Any, tuple[Any, ...]]]]:
-    """A case's plain, dynamic and delayed steps with their arguments (`dtype`: the scaled
-    data's, default the case's own), and the start of its row (case, dtype, sites)."""
+    """A case's plain, dynamic, packed and delayed steps with their arguments (`dtype`: the
+    scaled data's, default the case's own), and the start of its row (case, dtype, sites)."""
     builder, default_dtype = PS.CASES[case_name]
     dtype = dtype or default_dtype
     case = builder(jnp.dtype(dtype))
@@ -81,6 +102,7 @@ def variants(
     steps = {
         "plain": (case.plain_step, case.plain_args),
         "dynamic": (jsa.autoscale(step), case.scaled_args),
+        "packed": packed_step(jsa.autoscale(step), case.scaled_args),
         "delayed": (delayed, (history, *case.scaled_args)),
     }
     return {"case": case_name, "dtype": dtype, "sites": len(history.sites)}, steps
@@ -89,7 +111,7 @@ def variants(
 def measure(
     case_name: str, history_length: int, iters: int, dtype: str | None = None
 ) -> dict[str, Any]:
-    """One case's three variants (`dtype`: the scaled data's, default the case's own)."""
+    """One case's four variants (`dtype`: the scaled data's, default the case's own)."""
     row, steps = variants(case_name, history_length, dtype)
     runnable = {}
     for name, (fun, args) in steps.items():
@@ -121,7 +143,7 @@ def main() -> None:
         row = measure(case_name, args.history, args.iters)
         rows.append(row)
         plain = row["plain"]
-        for variant in ("plain", "dynamic", "delayed"):
+        for variant in ("plain", "dynamic", "packed", "delayed"):
             v = row[variant]
             print(
                 f"{case_name:<12} {row['sites']:>5} {variant:<8} {v['kernels']:>7} "

@@ -48,25 +48,6 @@ import program_size as PS  # noqa: E402
 DEFAULT_CASES = ("zoo-linen", "zoo-nnx", "zoo-equinox")
 
 
-def _packed(tree: Any) -> Any:
-    """`jsa.tree.pack_scales(tree)` where `tree` holds a ScaledArray (a batch stays as is)."""
-    if any(isinstance(leaf, jsa.ScaledArray) for leaf in jsa.tree.leaves(tree)):
-        return jsa.tree.pack_scales(tree)
-    return tree
-
-
-def packed_step(step: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
-    """`step` (an autoscaled step) taking and returning its ScaledArray trees packed with
-    `jsa.tree.pack_scales` (each top-level argument and result): the function and its
-    arguments."""
-
-    def stepped(*packed: Any) -> Any:
-        out = step(*jsa.tree.unpack_scales(packed))
-        return tuple(_packed(o) for o in out) if isinstance(out, tuple) else _packed(out)
-
-    return stepped, tuple(_packed(a) for a in args)
-
-
 def _buffers(tree: Any) -> int:
     return len(jax.tree_util.tree_leaves(tree))
 
@@ -77,7 +58,7 @@ def measure(case_name: str, iters: int, dtype: str | None = None) -> dict[str, A
     dtype = dtype or default_dtype
     case = builder(jnp.dtype(dtype))
     scaled_step = jax.jit(case.step("scaled"))
-    stepped, packed_args = packed_step(case.step("scaled"), case.args("scaled"))
+    stepped, packed_args = DS.packed_step(case.step("scaled"), case.args("scaled"))
     variants = {
         "plain": (jax.jit(case.step("plain")), case.args("plain")),
         "scaled": (scaled_step, case.args("scaled")),
