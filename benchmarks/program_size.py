@@ -706,7 +706,12 @@ def measure_variant(
     report("hlo_kernels", kernels)
     report("hlo_instructions", instructions)
     kinds = kernel_kinds(hlo_text)
-    report("hlo_scalar_kernels", kinds["scalar: read by kernels"] + kinds["scalar: step outputs"])
+    report(
+        "hlo_scalar_kernels",
+        kinds["scalar: read by kernels"]
+        + kinds["scalar: step outputs"]
+        + kinds["reduction to a scalar"],
+    )
     report("hlo_kernel_kinds", dict(kinds))
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
@@ -777,15 +782,31 @@ def _entry(hlo_text: str) -> list[tuple[str, str, str, list[str]]]:
     return rows
 
 
+def _reducing_fusions(hlo_text: str) -> set[str]:
+    """The ENTRY fusions whose fused computation reduces (`reduce` or `reduce-window`)."""
+    bodies = dict(re.findall(r"\n(%[\w.\-]+) \([^\n]*\{\n(.*?)\n\}", hlo_text, re.S))
+    reducing = {name for name, body in bodies.items() if re.search(r" reduce(-window)?\(", body)}
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    found = set()
+    for line in entry.splitlines():
+        match = re.search(r"calls=(%[\w.\-]+)", line)
+        if " = " in line and " fusion(" in line and match and match.group(1) in reducing:
+            found.add(line.split(" = ", 1)[0].strip().removeprefix("ROOT ").strip())
+    return found
+
+
 def kernel_kinds(hlo_text: str) -> collections.Counter[str]:
     """The kernels of an optimized HLO module (those `hlo_counts` counts), by kind.
 
     A kernel whose result is read only through bitcasts and tuple elements by the ENTRY's
     root tuple is a step output's kernel. GEMMs are library calls (`__cublas...`) and
     fusions whose backend kind names a GEMM; `gemm (fp8)` counts those with two FP8
-    operands.
+    operands. Reductions are XLA:GPU's input fusions and, on XLA:CPU, the loop and library
+    fusions that reduce (a dynamic scale's largest magnitude is a "reduction to a scalar"
+    on both).
     """
     rows = _entry(hlo_text)
+    reducing = _reducing_fusions(hlo_text)
     shape = {name: s for name, s, _, _ in rows}
     kind_of = {name: k for name, _, k, _ in rows}
     readers: dict[str, list[str]] = collections.defaultdict(list)
@@ -816,6 +837,9 @@ def kernel_kinds(hlo_text: str) -> collections.Counter[str]:
                 counts["reduction, several outputs"] += 1
             else:
                 counts["reduction to a scalar" if scalar else "reduction to a tensor"] += 1
+        elif name in reducing and (kind == "kLoop" or kind.startswith("kCustom:__ynn")):
+            # XLA:CPU's reductions: loop fusions, or library (YNNPACK) fusions.
+            counts["reduction to a scalar" if scalar else "reduction to a tensor"] += 1
         elif kind == "kLoop" and scalar:
             only_outputs = all(kind_of[r] == "tuple" for r in final_readers(name))
             counts["scalar: step outputs" if only_outputs else "scalar: read by kernels"] += 1

@@ -8,6 +8,7 @@ import json
 import jax
 import pytest
 
+import jax_scaled_arithmetics as jsa
 from tests.helpers import load_script
 
 
@@ -110,6 +111,11 @@ def test_kernel_kinds_sorts_every_kernel_of_a_compiled_step():
     hlo = jax.jit(step).lower(w, x).compile().as_text()
     kinds = program_size.kernel_kinds(hlo)
     assert sum(kinds.values()) == program_size.hlo_counts(hlo)[0] > 0
+    # A dynamic scale's largest magnitude is a reduction to a scalar on every backend.
+    x16 = jsa.as_scaled_array(jax.numpy.full((64, 64), 3.0), dtype=jax.numpy.float16)
+    rescaled = jax.jit(jsa.autoscale(lambda v: jsa.ops.dynamic_rescale_max(v * 5.0)))
+    kinds = program_size.kernel_kinds(rescaled.lower(x16).compile().as_text())
+    assert kinds["reduction to a scalar"] >= 1, kinds
 
 
 def test_program_size_reports_kernels_by_kind():
