@@ -2,7 +2,7 @@
 
 For each case of `benchmarks/program_size.py` named with `--cases` (default: the 2-block
 char GPT's Adam step and the three zoo training steps, float16 data with
-`scale_optimizer(adam)` where program_size says so), four variants of one training step:
+`scale_optimizer(adam)` where program_size says so), five variants of one training step:
 
 - plain: `jax.jit(step)` on float32 arrays;
 - dynamic: `jax.jit(jsa.autoscale(step))`, every sum and contraction at its own dynamic
@@ -10,12 +10,13 @@ char GPT's Adam step and the three zoo training steps, float16 data with
 - packed: the dynamic step taking and returning its ScaledArray trees packed by
   `jsa.tree.pack_scales` (`packed_step`: each tree's scales as one vector; same values);
 - delayed: `jax.jit(jsa.delayed_scaling(step))`, its top-level sums and contractions at the
-  scales of a history made by `step.init` (`--history` steps long).
+  scales of a history made by `step.init` (`--history` steps long);
+- delayed-packed: the delayed step with its ScaledArray trees packed as in "packed".
 
 Measured: the sites of the delayed step (sums and contractions with a history), the compiled
 program's kernels and instructions (program_size's `hlo_counts` of the optimized HLO) and its
 kernels by kind (`kernel_kinds`), the
-lower + compile time, and the median step time of the four compiled steps run in turn
+lower + compile time, and the median step time of the five compiled steps run in turn
 (`--iters` rounds after a warm-up). One process: compare the ratios of one run.
 
 Run:
@@ -46,6 +47,7 @@ if str(ROOT / "benchmarks") not in sys.path:  # run as a script or loaded by pat
 import program_size as PS  # noqa: E402
 
 DEFAULT_CASES = ("gpt2-adam", "zoo-linen", "zoo-nnx", "zoo-equinox")
+VARIANTS = ("plain", "dynamic", "packed", "delayed", "delayed-packed")
 
 
 def _compiled(fun: Any, args: tuple[Any, ...]) -> tuple[Any, float, int, int, dict[str, int]]:
@@ -88,6 +90,18 @@ def packed_step(step: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]
     return stepped, tuple(_packed(a) for a in args)
 
 
+def delayed_packed_step(delayed: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """`delayed` (a `jsa.delayed_scaling` step; `args` its history and the step's
+    arguments) taking and returning its ScaledArray trees packed, as `packed_step`."""
+
+    def stepped(history: Any, *packed: Any) -> Any:
+        out, history = delayed(history, *jsa.tree.unpack_scales(packed))
+        out = tuple(_packed(o) for o in out) if isinstance(out, tuple) else _packed(out)
+        return out, history
+
+    return stepped, (args[0], *(_packed(a) for a in args[1:]))
+
+
 def variants(
     case_name: str, history_length: int, dtype: str | None = None
 ) -> tuple[dict[str, Any], dict[str, tuple[Any, tuple[Any, ...]]]]:
@@ -104,6 +118,7 @@ def variants(
         "dynamic": (jsa.autoscale(step), case.scaled_args),
         "packed": packed_step(jsa.autoscale(step), case.scaled_args),
         "delayed": (delayed, (history, *case.scaled_args)),
+        "delayed-packed": delayed_packed_step(delayed, (history, *case.scaled_args)),
     }
     return {"case": case_name, "dtype": dtype, "sites": len(history.sites)}, steps
 
@@ -136,17 +151,17 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     print(f"# {platform.node()} {platform.machine()}, JAX {jax.__version__}, {jax.devices()[0]}")
-    header = f"{'case':<12} {'sites':>5} {'variant':<8} {'kernels':>7} {'x plain':>7}"
+    header = f"{'case':<12} {'sites':>5} {'variant':<14} {'kernels':>7} {'x plain':>7}"
     print(header + f" {'compile s':>9} {'step ms':>8} {'x plain':>7}")
     rows = []
     for case_name in args.cases.split(","):
         row = measure(case_name, args.history, args.iters)
         rows.append(row)
         plain = row["plain"]
-        for variant in ("plain", "dynamic", "packed", "delayed"):
+        for variant in VARIANTS:
             v = row[variant]
             print(
-                f"{case_name:<12} {row['sites']:>5} {variant:<8} {v['kernels']:>7} "
+                f"{case_name:<12} {row['sites']:>5} {variant:<14} {v['kernels']:>7} "
                 f"{v['kernels'] / plain['kernels']:>7.2f} {v['compile_s']:>9.2f} "
                 f"{v['step_ms']:>8.2f} {v['step_ms'] / plain['step_ms']:>7.2f}"
             )

@@ -9,7 +9,8 @@ Parts:
 
 1. `steps`: plain vs dynamic (`jax.jit(jsa.autoscale(step))`) vs packed (the dynamic step
    with its ScaledArray trees packed by `jsa.tree.pack_scales`) vs delayed
-   (`jsa.delayed_scaling`) training steps, by `benchmarks/delayed_scaling.py`'s `measure`:
+   (`jsa.delayed_scaling`) vs delayed and packed training steps, by
+   `benchmarks/delayed_scaling.py`'s `measure`:
    kernels of the compiled program (`program_size.hlo_counts`), lower + compile time and the
    median step time, and the kernels by kind (`program_size.kernel_kinds`: GEMMs, reductions
    to a scalar, kernels that write one scalar, ...). Cases: the zoo's Flax linen, NNX and

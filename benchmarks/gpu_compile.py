@@ -12,9 +12,10 @@ is). Checked against the lent H200 (its JAX 0.11.2, library at git `acbccbc`): t
 char GPT's plain Adam step has 80 kernels there and here, its scaled step 298 there and 296
 here (JAX 0.12); 2 blocks 135 and 135, 519 and 515.
 
-Per case of `benchmarks/program_size.py`, four variants of one step: plain (`jax.jit`),
+Per case of `benchmarks/program_size.py`, five variants of one step: plain (`jax.jit`),
 dynamic (`jsa.autoscale`), packed (the dynamic step with its ScaledArray trees passed and
-returned as `jsa.tree.pack_scales` packs them) and delayed (`jsa.delayed_scaling`).
+returned as `jsa.tree.pack_scales` packs them), delayed (`jsa.delayed_scaling`) and
+delayed-packed (both).
 Reported: kernels (the `hlo_counts` of program_size) and kernels by kind (its
 `kernel_kinds`): GEMMs (and how many have two FP8 operands), reductions (to a scalar, to a
 tensor, with several outputs), elementwise kernels on scalars (read only by the step's
@@ -125,7 +126,7 @@ def _compile(fun: Any, args: Any, sharding: jax.sharding.Sharding) -> dict[str, 
 
 
 def step_row(case_name: str, dtype: str | None, sharding: Any, history: int = 16) -> dict:
-    """Plain, dynamic, packed and delayed variants of one program_size case."""
+    """Plain, dynamic, packed, delayed and delayed-packed variants of one program_size case."""
     row, steps = delayed_scaling.variants(case_name, history, dtype)
     for name, (fun, args) in steps.items():
         row[name] = _compile(fun, args, sharding)

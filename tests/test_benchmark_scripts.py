@@ -29,12 +29,13 @@ def test_gpu_check_smoke_writes_every_number(tmp_path):
 
 
 @pytest.mark.slow
-def test_delayed_scaling_benchmark_measures_four_variants():
+def test_delayed_scaling_benchmark_measures_five_variants():
     bench = load_script("delayed_scaling_bench", "benchmarks/delayed_scaling.py")
     with jax.numpy_rank_promotion("allow"):  # the GPT model broadcasts biases implicitly
         row = bench.measure("block", 4, 1)
     assert row["sites"] > 0
-    for variant in ("plain", "dynamic", "packed", "delayed"):
+    assert set(bench.VARIANTS) == {"plain", "dynamic", "packed", "delayed", "delayed-packed"}
+    for variant in bench.VARIANTS:
         assert row[variant]["kernels"] > 0 and row[variant]["step_ms"] > 0
         assert sum(row[variant]["by_kind"].values()) == row[variant]["kernels"]
 

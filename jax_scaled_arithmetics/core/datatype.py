@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat, block_scales
+from .define import define_primitive
 from .dtypes import compute_dtype
 from .types import Array
 
@@ -27,6 +28,8 @@ __all__ = [
     "PackedScales",
     "pack_scales",
     "unpack_scales",
+    "stack_scalars",
+    "stack_scalars_p",
     "is_packed_or_scaled_leaf",
     "is_floating",
     "is_array",
@@ -363,19 +366,15 @@ def _packs(x: Any) -> bool:
     )
 
 
-# Traced scales are stacked in pieces of this many: XLA:CPU fuses the scalar computations
-# of at most 8 operands into the kernel that writes a vector (a concatenate of more leaves
-# each operand's computation a kernel of its own).
+# On XLA:CPU, traced scales are stacked in pieces of this many: XLA:CPU fuses the scalar
+# computations of at most 8 operands into the kernel that writes a vector (a concatenate
+# of more leaves each operand's computation a kernel of its own).
 _STACK_PIECE = 8
 
 
-def _stacked(scalars: list[Any]) -> Any:
-    """Float32 scalars as one vector. Traced, each piece of `_STACK_PIECE` is a chain of
-    selects (one kernel with the computations of its scales, where `jnp.stack` of many
-    scalars made each scale's last instructions a kernel of its own on XLA:CPU) and the
-    pieces are concatenated; the values are the same."""
-    if not any(_compat.is_tracer(s) for s in scalars):
-        return jnp.stack(scalars)
+def _stacked_in_pieces(*scalars: Any) -> Any:
+    """The XLA:CPU form of `stack_scalars_p`: each piece of `_STACK_PIECE` a chain of
+    selects (one kernel with the computations of its scalars), the pieces concatenated."""
     pieces = []
     for start in range(0, len(scalars), _STACK_PIECE):
         part = scalars[start : start + _STACK_PIECE]
@@ -385,6 +384,43 @@ def _stacked(scalars: list[Any]) -> Any:
             piece = lax.select(where == index, lax.broadcast(scalar, (len(part),)), piece)
         pieces.append(piece)
     return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, 0)
+
+
+def _stack_batch(primitive: Any, args: Any, dims: Any) -> Any:
+    size = next(np.shape(x)[d] for x, d in zip(args, dims) if d is not None)
+    columns = [
+        lax.broadcast(x, (size,)) if d is None else jnp.moveaxis(x, d, 0)
+        for x, d in zip(args, dims)
+    ]
+    return jnp.stack(columns, axis=1), 0
+
+
+def _stack_jvp(primitive: Any, primals: Any, tangents: Any) -> Any:
+    zeros = [_compat.instantiate_zeros(t) for t in tangents]
+    return primitive.bind(*primals), jnp.stack(zeros)
+
+
+# Float32 scalars as one vector, lowered per platform: `jnp.stack` (which XLA:GPU writes
+# in one kernel with each scalar's last instructions fused in), and on XLA:CPU the pieces
+# of `_stacked_in_pieces` (a `jnp.stack` of many computed scalars there is a kernel per
+# scalar; the select chains cost XLA:GPU a kernel per scalar instead: the zoo linen step
+# packed, 372 kernels against 318).
+stack_scalars_p = define_primitive(
+    "stack_scalars",
+    lambda *scalars: jnp.stack(scalars),
+    lambda *scalars: scalars[0].update(shape=(len(scalars),), dtype=np.float32, weak_type=False),
+    batching=_stack_batch,
+    jvp=_stack_jvp,
+    cpu_impl=_stacked_in_pieces,
+)
+
+
+def stack_scalars(scalars: list[Any]) -> Any:
+    """Float32 scalars as one vector (traced: `stack_scalars_p`, one kernel per platform's
+    form); the values of `jnp.stack`."""
+    if len(scalars) < 2 or not any(_compat.is_tracer(s) for s in scalars):
+        return jnp.stack(scalars)
+    return stack_scalars_p.bind(*_compat.match_varying(*scalars))
 
 
 def pack_scales(tree: Any) -> PackedScales:
@@ -418,7 +454,7 @@ def pack_scales(tree: Any) -> PackedScales:
     if any(isinstance(leaves[i].scale, jax.ShapeDtypeStruct) for i in positions):
         scales: Any = jax.ShapeDtypeStruct((len(positions),), jnp.float32)  # abstract tree
     elif positions:
-        scales = _stacked([jnp.asarray(leaves[i].scale, jnp.float32) for i in positions])
+        scales = stack_scalars([jnp.asarray(leaves[i].scale, jnp.float32) for i in positions])
     else:
         scales = jnp.zeros((0,), jnp.float32)
     packed = set(positions)

@@ -31,7 +31,8 @@ import numpy as np
 
 from . import _compat
 from .interpreter import autoscale, tracing_a_scaled_function
-from .scale_arithmetic import SCALE_MAX, SCALE_MIN, materialize_impl
+from .datatype import stack_scalars
+from .scale_arithmetic import SCALE_MAX, SCALE_MIN, scale_of_magnitude
 
 __all__ = ["ScaleHistory", "delayed_scaling", "recording", "site_recorder"]
 
@@ -42,11 +43,11 @@ class ScaleHistory:
     """The output scales of a step's sums and contractions at its last steps.
 
     Attributes:
-        scales: one float32 array `[length]` per site, newest step first: the site's
-            dynamic scale (the power of two of its output's largest finite magnitude) at
-            each step. An array per site, not one `[sites, length]` matrix: each site's
-            kernels then read arrays of their own, alike from site to site, which XLA
-            compiles once (a slice per site of one matrix makes every kernel distinct).
+        scales: one float32 array `[sites, length]`: row `i` holds site `i`'s dynamic
+            scale (the power of two of its output's largest finite magnitude) at each of
+            the last `length` steps, newest first. One array, so that a step reads all its
+            held scales from one small kernel and writes the new history in one more
+            (docs/benchmarks.md, "Delayed scaling").
         sites: one description per site (the output's dtype and shape), in program
             order; static (part of a compiled program's key), and checked at every call so
             that a history is never read by a program it was not made for.
@@ -58,25 +59,32 @@ class ScaleHistory:
         >>> _, history = step.init(jsa.as_scaled_array(jnp.array([3.0, 4.0], jnp.float16)))
         >>> history.sites  # one sum: its output's dtype and shape
         ('float32[]',)
-        >>> history.as_matrix()  # 25 is at scale 16, four steps long
+        >>> history.scales  # 25 is at scale 16, four steps long
         Array([[16., 16., 16., 16.]], dtype=float32)
     """
 
-    scales: tuple[Any, ...]
+    scales: Any
     sites: tuple[str, ...]
 
-    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[str, ...]]:
-        return tuple(self.scales), self.sites
+    def tree_flatten(self) -> tuple[tuple[Any], tuple[str, ...]]:
+        return (self.scales,), self.sites
 
     @classmethod
     def tree_unflatten(cls, sites: tuple[str, ...], children: Sequence[Any]) -> ScaleHistory:
-        return cls(tuple(children), sites)
+        return cls(children[0], sites)
 
     def as_matrix(self) -> Any:
-        """The scales as one float32 `[sites, length]` array (for reading, plotting)."""
-        if not self.scales:
-            return jnp.zeros((0, 0), jnp.float32)
-        return jnp.stack([jnp.asarray(s, jnp.float32) for s in self.scales])
+        """The scales as a float32 `[sites, length]` array (`scales`)."""
+        return jnp.asarray(self.scales, jnp.float32)
+
+
+def _held_scales(scales: Any, margin: np.float32) -> tuple[Any, Any]:
+    """Each site's held scale (its largest in `scales`, times the margin, clamped to
+    `[SCALE_MIN, SCALE_MAX]`) and that scale's reciprocal (exact: a power of two), as two
+    vectors computed together."""
+    held = jnp.max(jnp.asarray(scales, jnp.float32), axis=1) * margin
+    held = jnp.clip(held, np.float32(SCALE_MIN), np.float32(SCALE_MAX))
+    return held, np.float32(1.0) / held
 
 
 class _SiteRecorder:
@@ -88,15 +96,29 @@ class _SiteRecorder:
         self.margin = np.float32(2.0**margin)
         self.measured: list[Any] = []
         self.descriptions: list[str] = []
+        self.held: tuple[Any, Any] | None = None
+        if history is not None:
+            shape = np.shape(history.scales)
+            if len(shape) != 2 or shape[0] != len(history.sites) or shape[1] < 1:
+                raise ValueError(
+                    f"A ScaleHistory's scales are one [sites, length] array: "
+                    f"{len(history.sites)} sites here, scales of shape {shape}."
+                )
 
     def covers(self) -> bool:
         """Whether a value computed now belongs to the recorded call's own trace (not to
         the body of a loop, conditional or checkpoint traced within it)."""
         return _compat.current_trace() is self.trace
 
+    @property
+    def holding(self) -> bool:
+        """Whether the sites take held scales (a step), rather than their own (`init`)."""
+        return self.history is not None
+
     def record(self, measured: Any, description: str) -> tuple[Any, Any] | None:
-        """Record a site's measured scale; its held scale and that scale's reciprocal, or
-        None when making a history."""
+        """Record a site's measurement: its output's largest finite magnitude, or its
+        dynamic scale (`scale_of_magnitude` maps both to the scale). Returns the site's
+        held scale and that scale's reciprocal, or None when making a history."""
         index = len(self.measured)
         self.measured.append(measured)
         self.descriptions.append(description)
@@ -110,14 +132,15 @@ class _SiteRecorder:
                 f"contraction of {description} here, {found} in the history ({len(sites)} "
                 f"sites). Make a history for this step with its `init`."
             )
-        held = jnp.max(jnp.asarray(self.history.scales[index], jnp.float32)) * self.margin
-        held = jnp.clip(held, np.float32(SCALE_MIN), np.float32(SCALE_MAX))
-        # Materialised (`materialize_impl`): fused into each reader, the arithmetic would be
-        # compiled into every kernel that reads the held scale. The reciprocal is exact
-        # (a power of two).
-        return materialize_impl(held, scalars=True), materialize_impl(
-            np.float32(1.0) / held, scalars=True
-        )
+        if self.held is None:  # every site's, in one kernel, at the first site
+            self.held = _held_scales(self.history.scales, self.margin)
+        held, inverse = self.held
+        return held[index], inverse[index]
+
+    def _measured_scales(self) -> Any:
+        """This call's scales, one per site, as a float32 vector."""
+        magnitudes = [jnp.asarray(m, jnp.float32) for m in self.measured]
+        return scale_of_magnitude(stack_scalars(magnitudes))
 
     def next_history(self, history: ScaleHistory) -> ScaleHistory:
         """`history` with this call's scales as its newest step (the oldest dropped)."""
@@ -127,15 +150,18 @@ class _SiteRecorder:
                 f"and contractions in the history, {len(self.measured)} in this step. Make a "
                 f"history for this step with its `init`."
             )
-        scales = tuple(
-            jnp.concatenate([jnp.reshape(jnp.asarray(m, jnp.float32), (1,)), older[:-1]])
-            for m, older in zip(self.measured, history.scales, strict=True)
-        )
-        return ScaleHistory(scales, history.sites)
+        older = jnp.asarray(history.scales, jnp.float32)
+        if not self.measured:
+            return ScaleHistory(older, history.sites)
+        newest = self._measured_scales()[:, None]
+        return ScaleHistory(jnp.concatenate([newest, older[:, :-1]], axis=1), history.sites)
 
     def first_history(self, length: int) -> ScaleHistory:
         """A history of `length` steps, each this call's scales."""
-        scales = tuple(jnp.full((length,), m, jnp.float32) for m in self.measured)
+        if not self.measured:
+            return ScaleHistory(jnp.zeros((0, length), jnp.float32), ())
+        newest = self._measured_scales()[:, None]
+        scales = jnp.broadcast_to(newest, (len(self.measured), length))
         return ScaleHistory(scales, tuple(self.descriptions))
 
 

@@ -32,6 +32,8 @@ __all__ = [
     "SCALE_MAX",
     "dynamic_scale",
     "dynamic_scale_p",
+    "largest_finite_magnitude_p",
+    "scale_of_magnitude",
     "common_scale_p",
     "scale_divide_p",
     "scale_product_p",
@@ -462,18 +464,45 @@ def max_in_one_kernel(values: Array, axes: tuple[int, ...]) -> Array:
     return lax.reduce_max(_keeping_every_element(split), split_axes)
 
 
-def _dynamic_scale_bits(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> Array:
-    """The float32 bits of the power of two at or below the largest finite `|x| * factor`,
-    within [SCALE_MIN, SCALE_MAX] (1's bits when that is 0 or there is none)."""
+def _largest_finite_product(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> Array:
+    """The largest finite `|x| * factor` as a float32 scalar (0 where there is none)."""
     magnitude = lax.abs(x)
     if magnitude.dtype != F32 and magnitude.dtype != np.float64:
         magnitude = lax.convert_element_type(magnitude, F32)
     magnitude = magnitude * lax.convert_element_type(factor, magnitude.dtype)
     amax = largest_magnitude(magnitude, finite_only=True, one_kernel_on_cpu=one_kernel_on_cpu)
-    amax = lax.convert_element_type(amax, F32)
+    return lax.convert_element_type(amax, F32)
+
+
+def _scale_bits_of_magnitude(amax: Array) -> Array:
+    """Elementwise: the float32 bits of the power of two at or below `amax` (non-negative
+    and finite), within [SCALE_MIN, SCALE_MAX]; 1's bits where `amax` is 0."""
     bits = lax.bitcast_convert_type(amax, np.int32) & _EXPONENT_MASK
     bits = lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
-    return lax.select(amax > 0, bits, _ONE_BITS)
+    return lax.select(amax > 0, bits, lax.full_like(bits, _ONE_BITS))
+
+
+def scale_of_magnitude(amax: Array) -> Array:
+    """Elementwise: the dynamic scale of a tensor whose largest finite magnitude is `amax`
+    (float32, non-negative): the power of two at or below it within `[SCALE_MIN,
+    SCALE_MAX]`, 1 where it is 0. A dynamic scale is its own `scale_of_magnitude`, so a
+    vector may mix largest magnitudes and scales (`jsa.delayed_scaling`'s histories).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jax_scaled_arithmetics.core.scale_arithmetic import scale_of_magnitude
+        >>> scale_of_magnitude(jnp.array([5.0, 0.3, 0.0, 4.0]))
+        Array([4.  , 0.25, 1.  , 4.  ], dtype=float32)
+    """
+    amax = lax.convert_element_type(amax, F32)
+    return lax.bitcast_convert_type(_scale_bits_of_magnitude(amax), F32)
+
+
+def _dynamic_scale_bits(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> Array:
+    """The float32 bits of the power of two at or below the largest finite `|x| * factor`,
+    within [SCALE_MIN, SCALE_MAX] (1's bits when that is 0 or there is none)."""
+    amax = _largest_finite_product(x, factor, one_kernel_on_cpu=one_kernel_on_cpu)
+    return _scale_bits_of_magnitude(amax)
 
 
 def _dynamic_scale_impl(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> list[Array]:
@@ -528,6 +557,35 @@ dynamic_scale_p = define_primitive(
     # may copy into the kernels that read it (materialised, it was one kernel more per
     # dynamic scale, and no faster: docs/benchmarks.md).
     cpu_impl=functools.partial(_dynamic_scale_impl, one_kernel_on_cpu=True),
+)
+
+
+def _largest_finite_magnitude_batch(primitive: Any, args: Any, dims: Any) -> Any:
+    # One magnitude for the whole batch, as `dynamic_scale_p` takes one scale for it.
+    x, factor = args
+    x_dim, factor_dim = dims
+    if factor_dim is None:
+        return primitive.bind(x, factor), None
+    factor = jax.numpy.moveaxis(factor, factor_dim, 0)
+    if x_dim is None:
+        x = lax.broadcast(x, (factor.shape[0],))
+    else:
+        x = jax.numpy.moveaxis(x, x_dim, 0)
+    scaled = x * factor.reshape(factor.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
+    return primitive.bind(scaled, np.float32(1.0)), None
+
+
+# The largest finite `|x| * factor` (float32; 0 where there is none): a dynamic scale's
+# reduction without its epilogue, which `scale_of_magnitude` applies to many at once (the
+# sites of `jsa.delayed_scaling`, whose data does not wait for it). A measurement: its
+# derivative is zero.
+largest_finite_magnitude_p = define_primitive(
+    "largest_finite_magnitude",
+    _largest_finite_product,
+    lambda x, factor: _compat.scalar_aval_like(x, F32),
+    batching=_largest_finite_magnitude_batch,
+    jvp=zero_tangents,
+    cpu_impl=functools.partial(_largest_finite_product, one_kernel_on_cpu=True),
 )
 
 

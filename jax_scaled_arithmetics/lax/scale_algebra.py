@@ -41,6 +41,7 @@ from ..core.scale_arithmetic import (
     common_scale_p,
     dynamic_scale,
     dynamic_scale_p,
+    largest_finite_magnitude_p,
     is_pow2,
     mark_pow2,
     scale_divide_p,
@@ -439,13 +440,18 @@ def represent_dynamic(
         product = np.float32(static)
     elif static != 1.0:
         product = scale_mul(product, np.float32(static))
-    scale, ratio = dynamic_scale_p.bind(*_compat.match_varying(acc, product))
-    mark_pow2(scale)
-    if recorder is not None:
-        held = recorder.record(scale, description)
-        if held is not None:
-            scale, inverse = mark_pow2(held[0]), mark_pow2(held[1])
-            ratio = scale_mul(product, inverse)
+    if recorder is not None and recorder.holding:
+        # Measured for the next step's history only: the largest magnitude, whose epilogue
+        # the history applies to every site at once; the data takes the held scale.
+        magnitude = largest_finite_magnitude_p.bind(*_compat.match_varying(acc, product))
+        held, inverse = recorder.record(magnitude, description)  # type: ignore[misc]
+        scale = mark_pow2(held)
+        ratio = scale_mul(product, mark_pow2(inverse))
+    else:
+        scale, ratio = dynamic_scale_p.bind(*_compat.match_varying(acc, product))
+        mark_pow2(scale)
+        if recorder is not None:
+            recorder.record(scale, description)
     if is_pow2(product):
         mark_pow2(ratio)
     return ScaledArray((acc * ratio.astype(cdtype)).astype(dtype), scale)

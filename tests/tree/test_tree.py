@@ -272,6 +272,23 @@ def test_packing_many_computed_scales_costs_no_kernel_per_scale():
     _assert_same_tree(values.unpack(), jax.jit(rescale)(tree))
 
 
+def test_packing_lowers_to_one_stack_for_a_gpu_and_to_select_chains_for_a_cpu():
+    """XLA:GPU writes a `jnp.stack` of computed scales in one kernel, while select chains
+    cost it a kernel per scale (the zoo linen step packed, compiled for an H200: 318 kernels
+    against 372); XLA:CPU wants the chains (above). The lowering follows the platform."""
+    tree = [scaled_array(jnp.full((2,), 1.0, jnp.float16), 2.0**i) for i in range(12)]
+    doubled = jax.jit(lambda t: jtree.pack_scales([scaled_array(x.data, x.scale * 2) for x in t]))
+    traced = doubled.trace(tree)
+
+    def counts(platform):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        return text.count("stablehlo.select"), text.count("stablehlo.concatenate")
+
+    assert counts("cpu") == (10, 1)  # pieces of 8 and 4: 7 and 3 selects, concatenated
+    assert counts("cuda") == (0, 1)  # one stack
+    np.testing.assert_array_equal(doubled(tree).scales, [2.0 ** (i + 1) for i in range(12)])
+
+
 def test_asarray_and_as_scaled_array_read_a_packed_tree_as_its_values():
     tree = _mixed_tree()
     packed = jtree.pack_scales(tree)
