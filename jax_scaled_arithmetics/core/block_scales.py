@@ -109,7 +109,7 @@ materialize_p = define_primitive(
 materialize_on_cpu_p = define_primitive(
     "materialize_on_cpu",
     identity_on_operand_0,
-    lambda x: x,
+    lambda x, **_: x,
     batching=batch_along_operand_0,
     jvp=tangent_of_operand_0,
     cpu_impl=materialize_impl,
@@ -120,6 +120,12 @@ def materialize_on_cpu(x: Array) -> Array:
     """`x` unchanged; on XLA:CPU written once by the kernel that computes it and read from
     memory by every kernel that uses it (see `interpreter._computed_once`)."""
     return materialize_on_cpu_p.bind(x)
+
+
+def materialize_scalar_on_cpu(x: Array) -> Array:
+    """A scalar `x` unchanged; on XLA:CPU computed once, in a kernel of its own, and read
+    from memory by every kernel that uses it (rather than computed again in each)."""
+    return materialize_on_cpu_p.bind(x, scalars=True)
 
 
 def materialize_scalar(x: Array) -> Array:

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
 from .interpreter import autoscale, tracing_a_scaled_function
+from . import _compat, block_scales
 from .datatype import stack_scalars
 from .scale_arithmetic import SCALE_MAX, SCALE_MIN, scale_of_magnitude
 
@@ -78,13 +78,11 @@ class ScaleHistory:
         return jnp.asarray(self.scales, jnp.float32)
 
 
-def _held_scales(scales: Any, margin: np.float32) -> tuple[Any, Any]:
-    """Each site's held scale (its largest in `scales`, times the margin, clamped to
-    `[SCALE_MIN, SCALE_MAX]`) and that scale's reciprocal (exact: a power of two), as two
-    vectors computed together."""
+def _held_scales(scales: Any, margin: np.float32) -> Any:
+    """Each site's held scale: its largest in `scales`, times the margin, clamped to
+    `[SCALE_MIN, SCALE_MAX]`; one vector, computed in one kernel."""
     held = jnp.max(jnp.asarray(scales, jnp.float32), axis=1) * margin
-    held = jnp.clip(held, np.float32(SCALE_MIN), np.float32(SCALE_MAX))
-    return held, np.float32(1.0) / held
+    return jnp.clip(held, np.float32(SCALE_MIN), np.float32(SCALE_MAX))
 
 
 class _SiteRecorder:
@@ -96,7 +94,7 @@ class _SiteRecorder:
         self.margin = np.float32(2.0**margin)
         self.measured: list[Any] = []
         self.descriptions: list[str] = []
-        self.held: tuple[Any, Any] | None = None
+        self.held: Any = None
         if history is not None:
             shape = np.shape(history.scales)
             if len(shape) != 2 or shape[0] != len(history.sites) or shape[1] < 1:
@@ -115,10 +113,10 @@ class _SiteRecorder:
         """Whether the sites take held scales (a step), rather than their own (`init`)."""
         return self.history is not None
 
-    def record(self, measured: Any, description: str) -> tuple[Any, Any] | None:
+    def record(self, measured: Any, description: str) -> Any:
         """Record a site's measurement: its output's largest finite magnitude, or its
         dynamic scale (`scale_of_magnitude` maps both to the scale). Returns the site's
-        held scale and that scale's reciprocal, or None when making a history."""
+        held scale, or None when making a history."""
         index = len(self.measured)
         self.measured.append(measured)
         self.descriptions.append(description)
@@ -134,8 +132,11 @@ class _SiteRecorder:
             )
         if self.held is None:  # every site's, in one kernel, at the first site
             self.held = _held_scales(self.history.scales, self.margin)
-        held, inverse = self.held
-        return held[index], inverse[index]
+        # On XLA:CPU each site's scale is read from a kernel of its own: a slice of the
+        # vector fused into every kernel that reads it would make those kernels differ
+        # from site to site, and XLA:CPU compiles each distinct kernel on its own (the zoo
+        # steps compiled 1.3-1.9x slower).
+        return block_scales.materialize_scalar_on_cpu(self.held[index])
 
     def _measured_scales(self) -> Any:
         """This call's scales, one per site, as a float32 vector."""

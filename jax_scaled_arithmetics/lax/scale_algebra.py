@@ -444,9 +444,8 @@ def represent_dynamic(
         # Measured for the next step's history only: the largest magnitude, whose epilogue
         # the history applies to every site at once; the data takes the held scale.
         magnitude = largest_finite_magnitude_p.bind(*_compat.match_varying(acc, product))
-        held, inverse = recorder.record(magnitude, description)  # type: ignore[misc]
-        scale = mark_pow2(held)
-        ratio = scale_mul(product, mark_pow2(inverse))
+        scale = mark_pow2(recorder.record(magnitude, description))
+        ratio = scale_div(product, scale)
     else:
         scale, ratio = dynamic_scale_p.bind(*_compat.match_varying(acc, product))
         mark_pow2(scale)
