@@ -1,5 +1,6 @@
 """The measurement scripts of issue 43 (`benchmarks/gpu_check.py`, `delayed_scaling.py`,
-`scale_results.py`, `compile_profile.py`, `program_size.kernel_kinds`), run here at tiny
+`scale_results.py`, `compile_profile.py`, `kernel_profile.py`, `program_size.kernel_kinds`),
+run here at tiny
 sizes or on recorded output: they must work the first time a GPU is lent, and read XLA's
 output right."""
 
@@ -169,3 +170,50 @@ def test_compile_profile_splits_a_compile():
     assert run["outside_s"] == pytest.approx(run["compile_s"] - run["xla_compile_s"])
     assert run["compile_s"] >= run["xla_compile_s"] * 0.9  # wall time around XLA's own
     assert {"algsimp", "fusion", "copy-insertion"} <= set(run["by_pass"])
+
+
+# The ENTRY of an optimized XLA:CPU module (one split kernel) and the runtime's trace events.
+CPU_HLO = """HloModule jit_step
+
+ENTRY %main.2 (a.1: f32[], b.1: f32[4,64]) -> (f16[4,64], f32[4,64]) {
+  %a.1 = f32[] parameter(0)
+  %b.1 = f32[4,64]{1,0} parameter(1)
+  %multiply_fusion = f32[4,64]{1,0} fusion(%a.1, %b.1), kind=kLoop, calls=%f1, backend_config={"outer_dimension_partitions":[]}
+  %convert_divide_fusion = f16[4,64]{1,0} fusion(%a.1, %b.1), kind=kLoop, calls=%f2, backend_config={"outer_dimension_partitions":["2"]}
+  ROOT %tuple = (f16[4,64]{1,0}, f32[4,64]{1,0}) tuple(%convert_divide_fusion, %multiply_fusion)
+}
+"""  # noqa: E501
+TRACE = [
+    {"ph": "X", "name": "convert_divide_fusion", "dur": 20.0, "args": {"hlo_op": "convert_divide_fusion"}},
+    {"ph": "X", "name": "end: convert_divide_fusion", "dur": 0.2, "args": {}},
+    {"ph": "X", "name": "multiply_fusion", "dur": 2.0, "args": {"hlo_op": "multiply_fusion"}},
+    {"ph": "X", "name": "convert_divide_fusion", "dur": 30.0, "args": {"hlo_op": "convert_divide_fusion"}},
+    {"ph": "X", "name": "multiply_fusion", "dur": 1.0, "args": {"hlo_op": "multiply_fusion"}},
+    {"ph": "X", "name": "ThunkExecutor::Execute", "dur": 99.0, "args": {}},
+]  # fmt: skip  # noqa: E501
+
+
+def test_kernel_profile_sums_each_kernel_and_the_split_ones():
+    bench = load_script("kernel_profile", "benchmarks/kernel_profile.py")
+    kernels = bench.split_kernels(CPU_HLO)
+    assert kernels == {
+        "multiply_fusion": ("f32[4,64]", False),
+        "convert_divide_fusion": ("f16[4,64]", True),
+    }
+    times = bench.kernel_times(TRACE)
+    assert dict(times) == {"convert_divide_fusion": [20.0, 30.0], "multiply_fusion": [2.0, 1.0]}
+    summary = bench.summarize(kernels, times, rounds=2, top=1)
+    assert summary["kernels_run"] == 2 and summary["kernel_us"] == pytest.approx(26.5)
+    assert (summary["split_kernels"], summary["split_us"]) == (1, 25.0)
+    assert summary["longest"] == [
+        {"kernel": "convert_divide_fusion", "shape": "f16[4,64]", "split": True, "us": 25.0}
+    ]
+
+
+@pytest.mark.slow
+def test_kernel_profile_times_the_kernels_of_a_compiled_step():
+    bench = load_script("kernel_profile", "benchmarks/kernel_profile.py")
+    rows = bench.main(["--cases", "block", "--variants", "plain,packed", "--warmup", "1"])
+    for row in rows:
+        assert 0 < row["kernels_run"] <= row["kernels"] and row["kernel_us"] > 0
+        assert 0 <= row["split_us"] <= row["kernel_us"]

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .interpreter import autoscale, tracing_a_scaled_function
 from . import _compat, block_scales
 from .datatype import stack_scalars
+from .interpreter import autoscale, tracing_a_scaled_function
 from .scale_arithmetic import SCALE_MAX, SCALE_MIN, scale_of_magnitude
 
 __all__ = ["ScaleHistory", "delayed_scaling", "recording", "site_recorder"]
