@@ -466,6 +466,8 @@ def max_in_one_kernel(values: Array, axes: tuple[int, ...]) -> Array:
 
 def _largest_finite_product(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> Array:
     """The largest finite `|x| * factor` as a float32 scalar (0 where there is none)."""
+    if x.size == 0:  # no element: the reduction's identity would be -inf
+        return lax.full((), 0.0, F32)
     magnitude = lax.abs(x)
     if magnitude.dtype != F32 and magnitude.dtype != np.float64:
         magnitude = lax.convert_element_type(magnitude, F32)
@@ -520,6 +522,17 @@ _SCALE_MAX_BITS = np.int32((127 + 126) << 23)
 _ONE_BITS = np.int32(127 << 23)
 
 
+def _per_example_factor_applied(x: Array, x_dim: Any, factor: Array, factor_dim: int) -> Any:
+    """`(factor, x * factor)` with the batch axis first: a batched factor (one per
+    example) applied to its example's values (`x` broadcast when unbatched)."""
+    factor = jax.numpy.moveaxis(factor, factor_dim, 0)
+    if x_dim is None:
+        x = lax.broadcast(x, (factor.shape[0],))
+    else:
+        x = jax.numpy.moveaxis(x, x_dim, 0)
+    return factor, x * factor.reshape(factor.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
+
+
 def _dynamic_scale_batch(primitive: Any, args: Any, dims: Any) -> Any:
     # One scale for the whole batch: any positive scale represents the values, and one
     # that stays a scalar keeps `vmap`'s scales unbatched.
@@ -528,12 +541,7 @@ def _dynamic_scale_batch(primitive: Any, args: Any, dims: Any) -> Any:
     if factor_dim is None:
         return primitive.bind(x, factor), [None, None]
     # One factor per example: applied to its example's values; the ratio is per example.
-    factor = jax.numpy.moveaxis(factor, factor_dim, 0)
-    if x_dim is None:
-        x = lax.broadcast(x, (factor.shape[0],))
-    else:
-        x = jax.numpy.moveaxis(x, x_dim, 0)
-    scaled = x * factor.reshape(factor.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
+    factor, scaled = _per_example_factor_applied(x, x_dim, factor, factor_dim)
     scale, inverse = primitive.bind(scaled, np.float32(1.0))
     return [scale, factor.astype(F32) * inverse], [None, 0]
 
@@ -566,12 +574,7 @@ def _largest_finite_magnitude_batch(primitive: Any, args: Any, dims: Any) -> Any
     x_dim, factor_dim = dims
     if factor_dim is None:
         return primitive.bind(x, factor), None
-    factor = jax.numpy.moveaxis(factor, factor_dim, 0)
-    if x_dim is None:
-        x = lax.broadcast(x, (factor.shape[0],))
-    else:
-        x = jax.numpy.moveaxis(x, x_dim, 0)
-    scaled = x * factor.reshape(factor.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
+    _, scaled = _per_example_factor_applied(x, x_dim, factor, factor_dim)
     return primitive.bind(scaled, np.float32(1.0)), None
 
 

@@ -17,7 +17,9 @@ from jax_scaled_arithmetics.core.scale_arithmetic import (
     dynamic_scale,
     dynamic_scale_p,
     is_pow2,
+    largest_finite_magnitude_p,
     scale_divide_p,
+    scale_of_magnitude,
     scale_product_p,
     scale_root_p,
 )
@@ -126,6 +128,26 @@ def test_dynamic_scale_and_ratio(use_jit):
     assert [float(v) for v in bind(jnp.zeros(3), F32(1.0))] == [1.0, 1.0]
     # No magnitude at all: scale 1, so the ratio is the factor.
     assert [float(v) for v in bind(jnp.zeros((0, 3)), F32(4.0))] == [1.0, 4.0]
+
+
+@pytest.mark.parametrize("use_jit", USE_JIT)
+def test_largest_finite_magnitude_and_its_scale(use_jit):
+    """The reduction of a dynamic scale without its epilogue: the largest finite
+    `|x| * factor` (0 for none), a measurement with a zero derivative, shared by a vmapped
+    batch; `scale_of_magnitude` maps it (and a scale: it is its own) to the scale."""
+    bind = _maybe_jit(largest_finite_magnitude_p.bind, use_jit)
+    x = jnp.array([0.3, -5.0, jnp.inf, jnp.nan], jnp.float32)
+    assert float(bind(x, F32(2.0**-40))) == 5.0 * 2.0**-40
+    assert float(bind(jnp.zeros(3), F32(1.0))) == 0.0
+    assert float(bind(jnp.zeros((0, 3)), F32(4.0))) == 0.0
+    rows = jnp.array([[1.0, -3.0], [0.5, 7.0]], jnp.float32)
+    batched = jax.vmap(lambda r, f: largest_finite_magnitude_p.bind(r, f))(rows, jnp.array([2.0, 0.5]))
+    assert batched.tolist() == [6.0, 6.0]
+    assert jax.grad(lambda v: bind(v, F32(1.0)))(rows).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    magnitudes = jnp.array([5.0, 0.3, 0.0, 4.0, 2.0**-125, 3.0e38], jnp.float32)
+    scales = _maybe_jit(scale_of_magnitude, use_jit)(magnitudes)
+    assert scales.tolist() == [4.0, 0.25, 1.0, 4.0, SCALE_MIN, SCALE_MAX]
+    np.testing.assert_array_equal(scale_of_magnitude(scales), scales)
 
 
 def test_dynamic_scale_under_vmap_is_shared_by_the_batch():
@@ -321,6 +343,12 @@ def test_dynamic_scale_lowerings_agree_wherever_the_largest_magnitude_is(shape, 
         np.testing.assert_array_equal(cpu, default, err_msg=f"{shape} {name}")
         assert float(cpu[0]) == expected, (shape, name)
         assert float(cpu[1]) == 3.0 / expected, (shape, name)
+        # The same reduction without the epilogue (delayed scaling's sites), which
+        # `scale_of_magnitude` turns into the same scale.
+        cpu, default = _both_lowerings(largest_finite_magnitude_p, x, F32(3.0))
+        np.testing.assert_array_equal(cpu, default, err_msg=f"{shape} {name}")
+        assert float(cpu[0]) == largest, (shape, name)
+        assert float(scale_of_magnitude(cpu[0])) == expected, (shape, name)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernels")
