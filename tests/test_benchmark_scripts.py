@@ -183,14 +183,20 @@ ENTRY %main.2 (a.1: f32[], b.1: f32[4,64]) -> (f16[4,64], f32[4,64]) {
   ROOT %tuple = (f16[4,64]{1,0}, f32[4,64]{1,0}) tuple(%convert_divide_fusion, %multiply_fusion)
 }
 """  # noqa: E501
+
+
+def _event(name, dur, op=True):
+    return {"ph": "X", "name": name, "dur": dur, "args": {"hlo_op": name} if op else {}}
+
+
 TRACE = [
-    {"ph": "X", "name": "convert_divide_fusion", "dur": 20.0, "args": {"hlo_op": "convert_divide_fusion"}},
-    {"ph": "X", "name": "end: convert_divide_fusion", "dur": 0.2, "args": {}},
-    {"ph": "X", "name": "multiply_fusion", "dur": 2.0, "args": {"hlo_op": "multiply_fusion"}},
-    {"ph": "X", "name": "convert_divide_fusion", "dur": 30.0, "args": {"hlo_op": "convert_divide_fusion"}},
-    {"ph": "X", "name": "multiply_fusion", "dur": 1.0, "args": {"hlo_op": "multiply_fusion"}},
-    {"ph": "X", "name": "ThunkExecutor::Execute", "dur": 99.0, "args": {}},
-]  # fmt: skip  # noqa: E501
+    _event("convert_divide_fusion", 20.0),
+    _event("end: convert_divide_fusion", 0.2, op=False),
+    _event("multiply_fusion", 2.0),
+    _event("convert_divide_fusion", 30.0),
+    _event("multiply_fusion", 1.0),
+    _event("ThunkExecutor::Execute", 99.0, op=False),
+]
 
 
 def test_kernel_profile_sums_each_kernel_and_the_split_ones():

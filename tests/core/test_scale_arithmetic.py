@@ -141,7 +141,8 @@ def test_largest_finite_magnitude_and_its_scale(use_jit):
     assert float(bind(jnp.zeros(3), F32(1.0))) == 0.0
     assert float(bind(jnp.zeros((0, 3)), F32(4.0))) == 0.0
     rows = jnp.array([[1.0, -3.0], [0.5, 7.0]], jnp.float32)
-    batched = jax.vmap(lambda r, f: largest_finite_magnitude_p.bind(r, f))(rows, jnp.array([2.0, 0.5]))
+    factors = jnp.array([2.0, 0.5])
+    batched = jax.vmap(lambda r, f: largest_finite_magnitude_p.bind(r, f))(rows, factors)
     assert batched.tolist() == [6.0, 6.0]
     assert jax.grad(lambda v: bind(v, F32(1.0)))(rows).tolist() == [[0.0, 0.0], [0.0, 0.0]]
     magnitudes = jnp.array([5.0, 0.3, 0.0, 4.0, 2.0**-125, 3.0e38], jnp.float32)
