@@ -45,8 +45,8 @@ class ScaleHistory:
     Attributes:
         scales: one float32 array `[sites, length]`: row `i` holds site `i`'s dynamic
             scale (the power of two of its output's largest finite magnitude) at each of
-            the last `length` steps, newest first. One array, so that a step reads all its
-            held scales from one small kernel and writes the new history in one more
+            the last `length` steps, newest first. One array, so that a step computes all
+            its held scales in one small kernel and writes the new history in one more
             (docs/benchmarks.md, "Delayed scaling").
         sites: one description per site (the output's dtype and shape), in program
             order; static (part of a compiled program's key), and checked at every call so
