@@ -15,6 +15,7 @@ from jax import lax
 from . import _compat, block_scales
 from .define import define_primitive
 from .dtypes import compute_dtype
+from .scale_arithmetic import stacked_in_pieces
 from .types import Array
 
 DTypeLike = Any
@@ -366,26 +367,6 @@ def _packs(x: Any) -> bool:
     )
 
 
-# On XLA:CPU, traced scales are stacked in pieces of this many: XLA:CPU fuses the scalar
-# computations of at most 8 operands into the kernel that writes a vector (a concatenate
-# of more leaves each operand's computation a kernel of its own).
-_STACK_PIECE = 8
-
-
-def _stacked_in_pieces(*scalars: Any) -> Any:
-    """The XLA:CPU form of `stack_scalars_p`: each piece of `_STACK_PIECE` a chain of
-    selects (one kernel with the computations of its scalars), the pieces concatenated."""
-    pieces = []
-    for start in range(0, len(scalars), _STACK_PIECE):
-        part = scalars[start : start + _STACK_PIECE]
-        where = lax.iota(np.int32, len(part))
-        piece = lax.broadcast(part[0], (len(part),))
-        for index, scalar in enumerate(part[1:], 1):
-            piece = lax.select(where == index, lax.broadcast(scalar, (len(part),)), piece)
-        pieces.append(piece)
-    return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, 0)
-
-
 def _stack_batch(primitive: Any, args: Any, dims: Any) -> Any:
     size = next(np.shape(x)[d] for x, d in zip(args, dims) if d is not None)
     columns = [
@@ -402,7 +383,7 @@ def _stack_jvp(primitive: Any, primals: Any, tangents: Any) -> Any:
 
 # Float32 scalars as one vector, lowered per platform: `jnp.stack` (which XLA:GPU writes
 # in one kernel with each scalar's last instructions fused in), and on XLA:CPU the pieces
-# of `_stacked_in_pieces` (a `jnp.stack` of many computed scalars there is a kernel per
+# of `stacked_in_pieces` (a `jnp.stack` of many computed scalars there is a kernel per
 # scalar; the select chains cost XLA:GPU a kernel per scalar instead: the zoo linen step
 # packed, 372 kernels against 318).
 stack_scalars_p = define_primitive(
@@ -411,7 +392,7 @@ stack_scalars_p = define_primitive(
     lambda *scalars: scalars[0].update(shape=(len(scalars),), dtype=np.float32, weak_type=False),
     batching=_stack_batch,
     jvp=_stack_jvp,
-    cpu_impl=_stacked_in_pieces,
+    cpu_impl=stacked_in_pieces,
 )
 
 

@@ -30,9 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, block_scales
-from .datatype import stack_scalars
 from .interpreter import autoscale, tracing_a_scaled_function
-from .scale_arithmetic import SCALE_MAX, SCALE_MIN, scale_of_magnitude
+from .scale_arithmetic import (
+    SCALE_MAX,
+    SCALE_MIN,
+    largest_finite_magnitudes_p,
+    scale_of_magnitude,
+)
 
 __all__ = ["ScaleHistory", "delayed_scaling", "recording", "site_recorder"]
 
@@ -113,12 +117,13 @@ class _SiteRecorder:
         """Whether the sites take held scales (a step), rather than their own (`init`)."""
         return self.history is not None
 
-    def record(self, measured: Any, description: str) -> Any:
-        """Record a site's measurement: its output's largest finite magnitude, or its
-        dynamic scale (`scale_of_magnitude` maps both to the scale). Returns the site's
-        held scale, or None when making a history."""
+    def record(self, measured: Any, factor: Any, description: str) -> Any:
+        """Record a site's measurement, `measured * factor`: its output (whose largest
+        finite magnitude the next history takes), or its dynamic scale (`scale_of_magnitude`
+        maps both to the scale). Returns the site's held scale, or None when making a
+        history."""
         index = len(self.measured)
-        self.measured.append(measured)
+        self.measured.append((measured, factor))
         self.descriptions.append(description)
         if self.history is None:
             return None
@@ -139,9 +144,12 @@ class _SiteRecorder:
         return block_scales.materialize_scalar_on_cpu(self.held[index])
 
     def _measured_scales(self) -> Any:
-        """This call's scales, one per site, as a float32 vector."""
-        magnitudes = [jnp.asarray(m, jnp.float32) for m in self.measured]
-        return scale_of_magnitude(stack_scalars(magnitudes))
+        """This call's scales, one per site, as a float32 vector: every site's largest
+        magnitude from one primitive (whose XLA:GPU form finishes all the reductions in
+        one kernel), then their scales."""
+        operands = [operand for pair in self.measured for operand in pair]
+        magnitudes = largest_finite_magnitudes_p.bind(*_compat.match_varying(*operands))
+        return scale_of_magnitude(magnitudes)
 
     def next_history(self, history: ScaleHistory) -> ScaleHistory:
         """`history` with this call's scales as its newest step (the oldest dropped)."""

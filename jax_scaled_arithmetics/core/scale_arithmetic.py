@@ -32,7 +32,8 @@ __all__ = [
     "SCALE_MAX",
     "dynamic_scale",
     "dynamic_scale_p",
-    "largest_finite_magnitude_p",
+    "largest_finite_magnitudes_p",
+    "stacked_in_pieces",
     "scale_of_magnitude",
     "common_scale_p",
     "scale_divide_p",
@@ -568,27 +569,122 @@ dynamic_scale_p = define_primitive(
 )
 
 
-def _largest_finite_magnitude_batch(primitive: Any, args: Any, dims: Any) -> Any:
-    # One magnitude for the whole batch, as `dynamic_scale_p` takes one scale for it.
-    x, factor = args
-    x_dim, factor_dim = dims
-    if factor_dim is None:
-        return primitive.bind(x, factor), None
-    _, scaled = _per_example_factor_applied(x, x_dim, factor, factor_dim)
-    return primitive.bind(scaled, np.float32(1.0)), None
+# On XLA:CPU, scalars are stacked in pieces of this many: XLA:CPU fuses the scalar
+# computations of at most 8 operands into the kernel that writes a vector (a concatenate
+# of more leaves each operand's computation a kernel of its own).
+_STACK_PIECE = 8
 
 
-# The largest finite `|x| * factor` (float32; 0 where there is none): a dynamic scale's
-# reduction without its epilogue, which `scale_of_magnitude` applies to many at once (the
-# sites of `jsa.delayed_scaling`, whose data does not wait for it). A measurement: its
-# derivative is zero.
-largest_finite_magnitude_p = define_primitive(
-    "largest_finite_magnitude",
-    _largest_finite_product,
-    lambda x, factor: _compat.scalar_aval_like(x, F32),
-    batching=_largest_finite_magnitude_batch,
+def stacked_in_pieces(*scalars: Array) -> Array:
+    """Scalars as one vector in XLA:CPU's best form: each piece of `_STACK_PIECE` a chain
+    of selects (one kernel with the computations of its scalars), the pieces concatenated."""
+    pieces = []
+    for start in range(0, len(scalars), _STACK_PIECE):
+        part = scalars[start : start + _STACK_PIECE]
+        where = lax.iota(np.int32, len(part))
+        piece = lax.broadcast(part[0], (len(part),))
+        for index, scalar in enumerate(part[1:], 1):
+            piece = lax.select(where == index, lax.broadcast(scalar, (len(part),)), piece)
+        pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, 0)
+
+
+# A tensor of at most this many elements is reduced whole by `_partial_magnitudes`; a
+# larger one in rows of at least `_PARTIAL_ROW` elements (its trailing axes), at most
+# `_MOST_PARTIALS` rows.
+_WHOLE_REDUCTION = 2048
+_PARTIAL_ROW = 32
+_MOST_PARTIALS = 4096
+
+
+def _partial_magnitudes(x: Array, factor: Array) -> Array:
+    """A float32 vector whose largest element is the largest finite `|x| * factor` (0 where
+    there is none): a large tensor's rows reduced each (XLA:GPU's one-kernel row
+    reduction), or its whole in one element."""
+    if x.size == 0:
+        return lax.full((1,), 0.0, F32)
+    magnitude = lax.abs(x)
+    if magnitude.dtype != F32 and magnitude.dtype != np.float64:
+        magnitude = lax.convert_element_type(magnitude, F32)
+    magnitude = magnitude * lax.convert_element_type(factor, magnitude.dtype)
+    magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
+    row = magnitude.size  # a small tensor (or a scalar): reduced whole
+    if magnitude.size > _WHOLE_REDUCTION:
+        row, axis = 1, magnitude.ndim
+        while axis > 0 and (row < _PARTIAL_ROW or magnitude.size // row > _MOST_PARTIALS):
+            axis -= 1
+            row *= magnitude.shape[axis]
+    rows = magnitude.reshape((magnitude.size // row, row))
+    return lax.convert_element_type(lax.reduce_max(rows, (1,)), F32)
+
+
+def _pairs(operands: tuple[Any, ...]) -> list[tuple[Any, Any]]:
+    """`largest_finite_magnitudes_p`'s operands as `(tensor, factor)` pairs."""
+    if not operands or len(operands) % 2:
+        raise TypeError(
+            f"largest_finite_magnitudes takes (tensor, factor) pairs, got {len(operands)} operands."
+        )
+    return list(zip(operands[::2], operands[1::2]))
+
+
+def _largest_finite_magnitudes_impl(*operands: Array) -> Array:
+    """Each pair `(x, factor)`'s largest finite `|x| * factor`, as one float32 vector: every
+    tensor's rows reduced where it is written (no kernel of its own finishing each
+    reduction), the partial results of all of them reduced in one kernel."""
+    partials = [_partial_magnitudes(x, f) for x, f in _pairs(operands)]
+    if all(p.shape == (1,) for p in partials):
+        return lax.concatenate(partials, 0)
+    ends = np.cumsum([p.shape[0] for p in partials])
+    longest = max(p.shape[0] for p in partials)
+    # Each pair's partials as a row of one matrix, padded with 0 (read past the end).
+    where = np.full((len(partials), longest), ends[-1], np.int32)
+    for index, (end, p) in enumerate(zip(ends, partials)):
+        where[index, : p.shape[0]] = np.arange(end - p.shape[0], end)
+    flat = lax.concatenate(partials, 0)
+    padded = jax.numpy.take(flat, where, mode="fill", fill_value=0.0)
+    return lax.reduce_max(padded, (1,))
+
+
+def _largest_finite_magnitudes_cpu(*operands: Array) -> Array:
+    """XLA:CPU's form: each tensor's largest magnitude in one kernel (`largest_magnitude`),
+    the scalars stacked in pieces (XLA:CPU fuses no reduction with the kernel that writes
+    its tensor, so partial rows would only add a reduction per tensor there)."""
+    pairs = _pairs(operands)
+    scalars = [_largest_finite_product(x, f, one_kernel_on_cpu=True) for x, f in pairs]
+    return stacked_in_pieces(*scalars)
+
+
+def _largest_finite_magnitudes_batch(primitive: Any, args: Any, dims: Any) -> Any:
+    # One magnitude per pair for the whole batch, as `dynamic_scale_p` takes one scale for
+    # it: a batched tensor is reduced over its batch axis too; a batched factor is applied
+    # to its example's values first.
+    operands = []
+    for x, f, x_dim, f_dim in zip(args[::2], args[1::2], dims[::2], dims[1::2]):
+        if f_dim is None:
+            operands += [x, f]
+        else:
+            operands += [_per_example_factor_applied(x, x_dim, f, f_dim)[1], np.float32(1.0)]
+    return primitive.bind(*_compat.match_varying(*operands)), None
+
+
+def _largest_finite_magnitudes_abstract(*operands: Any) -> Any:
+    pairs = _pairs(operands)
+    return _compat.scalar_aval_like(operands[0], F32).update(shape=(len(pairs),))
+
+
+# The largest finite `|x| * factor` of each `(x, factor)` pair of its operands, as one
+# float32 vector (0 where there is none): dynamic scales' reductions without their
+# epilogue (`scale_of_magnitude`), for tensors whose data does not wait for them (the sites
+# of `jsa.delayed_scaling`, measured for the next step). One primitive for all of them so
+# that XLA:GPU finishes every tensor's reduction in one kernel (each large tensor's took a
+# kernel of its own). A measurement: its derivative is zero.
+largest_finite_magnitudes_p = define_primitive(
+    "largest_finite_magnitudes",
+    _largest_finite_magnitudes_impl,
+    _largest_finite_magnitudes_abstract,
+    batching=_largest_finite_magnitudes_batch,
     jvp=zero_tangents,
-    cpu_impl=functools.partial(_largest_finite_product, one_kernel_on_cpu=True),
+    cpu_impl=_largest_finite_magnitudes_cpu,
 )
 
 

@@ -42,7 +42,6 @@ from ..core.scale_arithmetic import (
     dynamic_scale,
     dynamic_scale_p,
     is_pow2,
-    largest_finite_magnitude_p,
     mark_pow2,
     scale_divide_p,
     scale_product_p,
@@ -434,23 +433,23 @@ def represent_dynamic(
         # without overflow by the static path, which moves the excess into the data. Still
         # a site (the sites of a program do not depend on its scales' values).
         if recorder is not None:
-            recorder.record(_clamped_dynamic_scale(acc, static), description)
+            recorder.record(_clamped_dynamic_scale(acc, static), np.float32(1.0), description)
         return represent(acc, factors, dtype)
     if product is None:
         product = np.float32(static)
     elif static != 1.0:
         product = scale_mul(product, np.float32(static))
     if recorder is not None and recorder.holding:
-        # Measured for the next step's history only: the largest magnitude, whose epilogue
-        # the history applies to every site at once; the data takes the held scale.
-        magnitude = largest_finite_magnitude_p.bind(*_compat.match_varying(acc, product))
-        scale = mark_pow2(recorder.record(magnitude, description))
+        # Measured for the next step's history only: the largest magnitude of
+        # `acc * product`, reduced with every other site's at the end of the step; the data
+        # takes the held scale.
+        scale = mark_pow2(recorder.record(acc, product, description))
         ratio = scale_div(product, scale)
     else:
         scale, ratio = dynamic_scale_p.bind(*_compat.match_varying(acc, product))
         mark_pow2(scale)
         if recorder is not None:
-            recorder.record(scale, description)
+            recorder.record(scale, np.float32(1.0), description)
     if is_pow2(product):
         mark_pow2(ratio)
     return ScaledArray((acc * ratio.astype(cdtype)).astype(dtype), scale)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.core import scale_arithmetic as SA
 from jax_scaled_arithmetics.core.scale_arithmetic import (
     SCALE_MAX,
     SCALE_MIN,
@@ -17,7 +18,7 @@ from jax_scaled_arithmetics.core.scale_arithmetic import (
     dynamic_scale,
     dynamic_scale_p,
     is_pow2,
-    largest_finite_magnitude_p,
+    largest_finite_magnitudes_p,
     scale_divide_p,
     scale_of_magnitude,
     scale_product_p,
@@ -130,25 +131,67 @@ def test_dynamic_scale_and_ratio(use_jit):
     assert [float(v) for v in bind(jnp.zeros((0, 3)), F32(4.0))] == [1.0, 4.0]
 
 
+def _magnitude_pairs():
+    """`(x, factor)` pairs and each one's largest finite `|x| * factor`: small and large
+    tensors (reduced whole, or in rows), inf and NaN among the values, no magnitude at all."""
+    rng = np.random.default_rng(0)
+    large = rng.normal(size=(8, 64, 48)).astype(np.float16)
+    large[3, 17, 5] = 300.0
+    large[0, 0, 0], large[7, 63, 47] = np.inf, np.nan
+    tall = rng.normal(size=(5000, 1)).astype(np.float32)
+    tall[4321, 0] = -64.0
+    wide = jnp.asarray(rng.normal(size=(3, 70000)), jnp.bfloat16)
+    pairs = [
+        (jnp.array([0.3, -5.0, jnp.inf, jnp.nan], jnp.float32), F32(2.0**-40), 5.0 * 2.0**-40),
+        (jnp.zeros(3), F32(1.0), 0.0),
+        (jnp.zeros((0, 3)), F32(4.0), 0.0),
+        (jnp.asarray(large), F32(0.5), 150.0),
+        (jnp.asarray(tall), F32(2.0**20), 2.0**26),
+        (wide, F32(1.0), float(jnp.max(jnp.abs(wide.astype(F32))))),
+        (F32(8.0), F32(1.0), 8.0),  # a dynamic scale: its own magnitude
+        (jnp.full((2, 2), jnp.inf), F32(1.0), 0.0),
+    ]
+    operands = [operand for x, factor, _ in pairs for operand in (x, factor)]
+    return operands, [expected for _, _, expected in pairs]
+
+
 @pytest.mark.parametrize("use_jit", USE_JIT)
-def test_largest_finite_magnitude_and_its_scale(use_jit):
-    """The reduction of a dynamic scale without its epilogue: the largest finite
-    `|x| * factor` (0 for none), a measurement with a zero derivative, shared by a vmapped
-    batch; `scale_of_magnitude` maps it (and a scale: it is its own) to the scale."""
-    bind = _maybe_jit(largest_finite_magnitude_p.bind, use_jit)
-    x = jnp.array([0.3, -5.0, jnp.inf, jnp.nan], jnp.float32)
-    assert float(bind(x, F32(2.0**-40))) == 5.0 * 2.0**-40
-    assert float(bind(jnp.zeros(3), F32(1.0))) == 0.0
-    assert float(bind(jnp.zeros((0, 3)), F32(4.0))) == 0.0
+def test_largest_finite_magnitudes_and_their_scales(use_jit):
+    """A dynamic scale's reduction without its epilogue, for many tensors at once: the
+    largest finite `|x| * factor` of each pair (0 for none), a measurement with a zero
+    derivative, shared by a vmapped batch; `scale_of_magnitude` maps it (and a scale: it is
+    its own) to the scale."""
+    operands, expected = _magnitude_pairs()
+    bind = _maybe_jit(largest_finite_magnitudes_p.bind, use_jit)
+    assert bind(*operands).tolist() == expected
     rows = jnp.array([[1.0, -3.0], [0.5, 7.0]], jnp.float32)
     factors = jnp.array([2.0, 0.5])
-    batched = jax.vmap(lambda r, f: largest_finite_magnitude_p.bind(r, f))(rows, factors)
-    assert batched.tolist() == [6.0, 6.0]
-    assert jax.grad(lambda v: bind(v, F32(1.0)))(rows).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    batched = jax.vmap(lambda r, f: largest_finite_magnitudes_p.bind(r, f, r, F32(1.0)))
+    assert batched(rows, factors).tolist() == [[6.0, 7.0], [6.0, 7.0]]
+    gradient = jax.grad(lambda v: jnp.sum(bind(v, F32(1.0), v * 2, F32(1.0))))(rows)
+    assert gradient.tolist() == [[0.0, 0.0], [0.0, 0.0]]
     magnitudes = jnp.array([5.0, 0.3, 0.0, 4.0, 2.0**-125, 3.0e38], jnp.float32)
     scales = _maybe_jit(scale_of_magnitude, use_jit)(magnitudes)
     assert scales.tolist() == [4.0, 0.25, 1.0, 4.0, SCALE_MIN, SCALE_MAX]
     np.testing.assert_array_equal(scale_of_magnitude(scales), scales)
+
+
+def test_largest_finite_magnitudes_lower_per_platform_to_the_same_values():
+    """XLA:GPU reduces each large tensor in rows and all the rows' results in one kernel
+    (a kernel of its own finished each tensor's reduction); XLA:CPU reduces each tensor
+    whole in one kernel and stacks the results. Both forms run here, for equal values."""
+    operands, expected = _magnitude_pairs()
+    gpu_form = jax.jit(SA._largest_finite_magnitudes_impl)(*operands)
+    cpu_form = jax.jit(SA._largest_finite_magnitudes_cpu)(*operands)
+    assert gpu_form.tolist() == cpu_form.tolist() == expected
+    traced = jax.jit(largest_finite_magnitudes_p.bind).trace(*operands)
+    lowered = {p: traced.lower(lowering_platforms=(p,)).as_text() for p in ("cuda", "cpu")}
+    # The rows' results gathered into one matrix for XLA:GPU; a stack of scalars (pieces of
+    # select chains) for XLA:CPU.
+    assert "stablehlo.gather" in lowered["cuda"] and "stablehlo.gather" not in lowered["cpu"]
+    assert lowered["cpu"].count("stablehlo.select") >= len(expected) - 1
+    with pytest.raises(TypeError, match="pairs"):
+        largest_finite_magnitudes_p.bind(jnp.ones(2))
 
 
 def test_dynamic_scale_under_vmap_is_shared_by_the_batch():
@@ -344,12 +387,12 @@ def test_dynamic_scale_lowerings_agree_wherever_the_largest_magnitude_is(shape, 
         np.testing.assert_array_equal(cpu, default, err_msg=f"{shape} {name}")
         assert float(cpu[0]) == expected, (shape, name)
         assert float(cpu[1]) == 3.0 / expected, (shape, name)
-        # The same reduction without the epilogue (delayed scaling's sites), which
-        # `scale_of_magnitude` turns into the same scale.
-        cpu, default = _both_lowerings(largest_finite_magnitude_p, x, F32(3.0))
+        # The same reduction without the epilogue (delayed scaling's sites: a large tensor
+        # in rows on XLA:GPU), which `scale_of_magnitude` turns into the same scale.
+        cpu, default = _both_lowerings(largest_finite_magnitudes_p, x, F32(3.0))
         np.testing.assert_array_equal(cpu, default, err_msg=f"{shape} {name}")
-        assert float(cpu[0]) == largest, (shape, name)
-        assert float(scale_of_magnitude(cpu[0])) == expected, (shape, name)
+        assert cpu[0].tolist() == [largest], (shape, name)
+        assert float(scale_of_magnitude(cpu[0])[0]) == expected, (shape, name)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernels")
