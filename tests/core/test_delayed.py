@@ -134,6 +134,24 @@ def test_a_delayed_step_costs_at_most_a_kernel_per_site_beyond_the_dynamic_step(
     assert kernels(step, history, params, x) <= dynamic + sites
 
 
+def test_every_site_is_measured_by_one_primitive_at_the_end_of_the_step():
+    """A site records its output; one `largest_finite_magnitudes` takes every site's at the
+    end of the step (on XLA:GPU all the tensors' partial reductions finish in one kernel
+    there), and its values are the measured scales of the next history."""
+    from jax_scaled_arithmetics.core.scale_arithmetic import largest_finite_magnitudes_p
+
+    params, x = mlp_inputs(np.dtype(np.float16), 1.0)
+    step = jsa.delayed_scaling(grad_step, history_length=4)
+    _, history = jax.jit(step.init)(params, x)
+    jaxpr = jax.make_jaxpr(step)(history, params, x).jaxpr
+    measured = [e for e in jaxpr.eqns if e.primitive is largest_finite_magnitudes_p]
+    assert len(measured) == 1 and len(measured[0].invars) == 2 * len(history.sites)
+    _, next_history = jax.jit(step)(history, params, x)
+    # The same inputs again: the newest column is the dynamic step's scales (`init`'s).
+    assert len(set(history.scales[:, 0].tolist())) > 1  # sites told apart by their scales
+    np.testing.assert_array_equal(next_history.scales[:, 0], history.scales[:, 0])
+
+
 def test_gradients_flow_through_a_delayed_step_as_through_autoscale():
     """`jax.grad` outside the transform: the gradient of the represented loss."""
     params, x = mlp_inputs(np.dtype(np.float32), 1.0)
