@@ -465,14 +465,19 @@ def max_in_one_kernel(values: Array, axes: tuple[int, ...]) -> Array:
     return lax.reduce_max(_keeping_every_element(split), split_axes)
 
 
+def _scaled_magnitudes(x: Array, factor: Array) -> Array:
+    """`|x| * factor`, computed in float32 (or float64)."""
+    magnitude = lax.abs(x)
+    if magnitude.dtype != F32 and magnitude.dtype != np.float64:
+        magnitude = lax.convert_element_type(magnitude, F32)
+    return magnitude * lax.convert_element_type(factor, magnitude.dtype)
+
+
 def _largest_finite_product(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> Array:
     """The largest finite `|x| * factor` as a float32 scalar (0 where there is none)."""
     if x.size == 0:  # no element: the reduction's identity would be -inf
         return lax.full((), 0.0, F32)
-    magnitude = lax.abs(x)
-    if magnitude.dtype != F32 and magnitude.dtype != np.float64:
-        magnitude = lax.convert_element_type(magnitude, F32)
-    magnitude = magnitude * lax.convert_element_type(factor, magnitude.dtype)
+    magnitude = _scaled_magnitudes(x, factor)
     amax = largest_magnitude(magnitude, finite_only=True, one_kernel_on_cpu=one_kernel_on_cpu)
     return lax.convert_element_type(amax, F32)
 
@@ -603,10 +608,7 @@ def _partial_magnitudes(x: Array, factor: Array) -> Array:
     reduction), or its whole in one element."""
     if x.size == 0:
         return lax.full((1,), 0.0, F32)
-    magnitude = lax.abs(x)
-    if magnitude.dtype != F32 and magnitude.dtype != np.float64:
-        magnitude = lax.convert_element_type(magnitude, F32)
-    magnitude = magnitude * lax.convert_element_type(factor, magnitude.dtype)
+    magnitude = _scaled_magnitudes(x, factor)
     magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
     row = magnitude.size  # a small tensor (or a scalar): reduced whole
     if magnitude.size > _WHOLE_REDUCTION:
