@@ -594,10 +594,10 @@ def stacked_in_pieces(*scalars: Array) -> Array:
     return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, 0)
 
 
-# A tensor of at most this many elements is reduced whole by `_partial_magnitudes`; a
-# larger one in rows of at least `_PARTIAL_ROW` elements (its trailing axes), at most
-# `_MOST_PARTIALS` rows.
-_WHOLE_REDUCTION = 2048
+# A tensor of at most this many elements is read as it is by `_partial_magnitudes` (its
+# elements are its partials); a larger one is reduced in rows of at least `_PARTIAL_ROW`
+# elements (its trailing axes), at most `_MOST_PARTIALS` rows.
+_READ_AS_IS = 2048
 _PARTIAL_ROW = 32
 _MOST_PARTIALS = 4096
 
@@ -605,17 +605,19 @@ _MOST_PARTIALS = 4096
 def _partial_magnitudes(x: Array, factor: Array) -> Array:
     """A float32 vector whose largest element is the largest finite `|x| * factor` (0 where
     there is none): a large tensor's rows reduced each (XLA:GPU's one-kernel row
-    reduction), or its whole in one element."""
+    reduction), a small tensor's elements as they are (a reduction of its own would be a
+    kernel of its own where XLA:GPU does not merge it with the tensor's producer, as after
+    another reduction: a bias's gradient)."""
     if x.size == 0:
         return lax.full((1,), 0.0, F32)
     magnitude = _scaled_magnitudes(x, factor)
     magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
-    row = magnitude.size  # a small tensor (or a scalar): reduced whole
-    if magnitude.size > _WHOLE_REDUCTION:
-        row, axis = 1, magnitude.ndim
-        while axis > 0 and (row < _PARTIAL_ROW or magnitude.size // row > _MOST_PARTIALS):
-            axis -= 1
-            row *= magnitude.shape[axis]
+    if magnitude.size <= _READ_AS_IS:
+        return lax.convert_element_type(magnitude.reshape(-1), F32)
+    row, axis = 1, magnitude.ndim
+    while axis > 0 and (row < _PARTIAL_ROW or magnitude.size // row > _MOST_PARTIALS):
+        axis -= 1
+        row *= magnitude.shape[axis]
     rows = magnitude.reshape((magnitude.size // row, row))
     return lax.convert_element_type(lax.reduce_max(rows, (1,)), F32)
 
@@ -631,8 +633,9 @@ def _pairs(operands: tuple[Any, ...]) -> list[tuple[Any, Any]]:
 
 def _largest_finite_magnitudes_impl(*operands: Array) -> Array:
     """Each pair `(x, factor)`'s largest finite `|x| * factor`, as one float32 vector: every
-    tensor's rows reduced where it is written (no kernel of its own finishing each
-    reduction), the partial results of all of them reduced in one kernel."""
+    large tensor's rows reduced where it is written (no kernel of its own finishing each
+    reduction), small tensors read as they are, and the partials of all of them reduced
+    in one kernel."""
     partials = [_partial_magnitudes(x, f) for x, f in _pairs(operands)]
     if all(p.shape == (1,) for p in partials):
         return lax.concatenate(partials, 0)

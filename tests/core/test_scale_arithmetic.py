@@ -177,9 +177,10 @@ def test_largest_finite_magnitudes_and_their_scales(use_jit):
 
 
 def test_largest_finite_magnitudes_lower_per_platform_to_the_same_values():
-    """XLA:GPU reduces each large tensor in rows and all the rows' results in one kernel
-    (a kernel of its own finished each tensor's reduction); XLA:CPU reduces each tensor
-    whole in one kernel and stacks the results. Both forms run here, for equal values."""
+    """XLA:GPU reduces each large tensor in rows and all the rows' results, with the small
+    tensors' elements, in one kernel (a kernel of its own finished each tensor's
+    reduction); XLA:CPU reduces each tensor whole in one kernel and stacks the results.
+    Both forms run here, for equal values."""
     operands, expected = _magnitude_pairs()
     gpu_form = jax.jit(SA._largest_finite_magnitudes_impl)(*operands)
     cpu_form = jax.jit(SA._largest_finite_magnitudes_cpu)(*operands)
@@ -189,6 +190,8 @@ def test_largest_finite_magnitudes_lower_per_platform_to_the_same_values():
     # The rows' results gathered into one matrix for XLA:GPU; a stack of scalars (pieces of
     # select chains) for XLA:CPU.
     assert "stablehlo.gather" in lowered["cuda"] and "stablehlo.gather" not in lowered["cpu"]
+    # For XLA:GPU a reduction per large tensor (3 of the 8) and the one of them all.
+    assert lowered["cuda"].count("applies stablehlo.maximum") == 3 + 1
     assert lowered["cpu"].count("stablehlo.select") >= len(expected) - 1
     with pytest.raises(TypeError, match="pairs"):
         largest_finite_magnitudes_p.bind(jnp.ones(2))
