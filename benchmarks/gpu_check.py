@@ -20,7 +20,9 @@ Parts:
    (`h + gelu(h @ w1) @ w2`, width `--width`, hidden 4x) on `--tokens` tokens, the gradient
    of a mean square and an SGD update. Variants: plain bfloat16 (`jax.jit`), scaled
    bfloat16 and scaled FP8 (E4M3 data for parameters and inputs; under `autoscale` every
-   matmul of FP8 data is a `dot_general` of FP8 operands with a float32 result). Reported:
+   matmul of FP8 data is a `dot_general` of FP8 operands with a float32 result), and both
+   scaled steps under `jsa.delayed_scaling` (no data waits for a reduction of a GEMM's
+   output; each output's largest magnitude is measured for the next step). Reported:
    step time, compile time, kernels, the FP8 `dot_general`s of the lowered program and, from
    the optimized HLO, the cuBLAS(Lt) GEMM calls and how many of them take FP8 operands.
 
@@ -141,6 +143,11 @@ def gemm_rows(width: int, tokens: int, blocks: int, iters: int) -> list[dict[str
             (jsa.as_scaled_array(params32, dtype=fp8), jsa.as_scaled_array(x32, dtype=fp8)),
         ),
     }
+    for dtype_name in ("bf16", "fp8"):  # the same steps at delayed scales
+        _, args = variants[f"scaled-{dtype_name}"]
+        delayed = jsa.delayed_scaling(_gemm_step)
+        _, history = jax.jit(delayed.init)(*args)
+        variants[f"delayed-{dtype_name}"] = (delayed, (history, *args))
     rows = []
     compiled_steps = {}
     for name, (fun, args) in variants.items():

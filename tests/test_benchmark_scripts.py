@@ -20,13 +20,14 @@ def test_gpu_check_smoke_writes_every_number(tmp_path):
     report = gpu_check.main(["--smoke", "--skip-steps", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     rows = {row["variant"]: row for row in report["gemm_bound"]["rows"]}
-    assert set(rows) == {"plain-bf16", "scaled-bf16", "scaled-fp8"}
+    assert set(rows) == {"plain-bf16", "scaled-bf16", "scaled-fp8", "delayed-bf16", "delayed-fp8"}
     # 2 blocks x 2 matmuls, forward and two backward products, less the input's gradient.
     for row in rows.values():
         assert row["dot_generals"] == 11 and row["step_ms"] > 0 and row["kernels"] > 0
         assert sum(row["by_kind"].values()) == row["kernels"]
-    assert rows["scaled-fp8"]["fp8_dot_generals"] == 11
-    assert rows["plain-bf16"]["fp8_dot_generals"] == rows["scaled-bf16"]["fp8_dot_generals"] == 0
+    assert rows["scaled-fp8"]["fp8_dot_generals"] == rows["delayed-fp8"]["fp8_dot_generals"] == 11
+    for variant in ("plain-bf16", "scaled-bf16", "delayed-bf16"):
+        assert rows[variant]["fp8_dot_generals"] == 0
 
 
 @pytest.mark.slow

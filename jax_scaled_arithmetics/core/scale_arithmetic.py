@@ -596,7 +596,8 @@ def stacked_in_pieces(*scalars: Array) -> Array:
 
 # A tensor of at most this many elements is read as it is by `_partial_magnitudes` (its
 # elements are its partials); a larger one is reduced in rows of at least `_PARTIAL_ROW`
-# elements (its trailing axes), at most `_MOST_PARTIALS` rows.
+# elements (its trailing axes; consecutive rows merged where there would be more than
+# `_MOST_PARTIALS`).
 _READ_AS_IS = 2048
 _PARTIAL_ROW = 32
 _MOST_PARTIALS = 4096
@@ -615,10 +616,16 @@ def _partial_magnitudes(x: Array, factor: Array) -> Array:
     if magnitude.size <= _READ_AS_IS:
         return lax.convert_element_type(magnitude.reshape(-1), F32)
     row, axis = 1, magnitude.ndim
-    while axis > 0 and (row < _PARTIAL_ROW or magnitude.size // row > _MOST_PARTIALS):
+    while axis > 0 and row < _PARTIAL_ROW:
         axis -= 1
         row *= magnitude.shape[axis]
-    rows = magnitude.reshape((magnitude.size // row, row))
+    # Too many rows: consecutive rows merged, the fewest at a time that leaves at most
+    # `_MOST_PARTIALS` (a reshape of the contiguous tensor, not a copy).
+    count = magnitude.size // row
+    merged = -(-count // _MOST_PARTIALS)
+    while count % merged:
+        merged += 1
+    rows = magnitude.reshape((count // merged, row * merged))
     return lax.convert_element_type(lax.reduce_max(rows, (1,)), F32)
 
 

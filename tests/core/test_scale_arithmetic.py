@@ -141,6 +141,10 @@ def _magnitude_pairs():
     tall = rng.normal(size=(5000, 1)).astype(np.float32)
     tall[4321, 0] = -64.0
     wide = jnp.asarray(rng.normal(size=(3, 70000)), jnp.bfloat16)
+    many_rows = rng.normal(size=(8192, 40)).astype(np.float16)  # rows merged in pairs
+    many_rows[8191, 39] = 1000.0
+    prime_rows = rng.normal(size=(4099, 32)).astype(np.float32)  # no merge fits: one row
+    prime_rows[0, 0] = -(2.0**50)
     pairs = [
         (jnp.array([0.3, -5.0, jnp.inf, jnp.nan], jnp.float32), F32(2.0**-40), 5.0 * 2.0**-40),
         (jnp.zeros(3), F32(1.0), 0.0),
@@ -148,6 +152,8 @@ def _magnitude_pairs():
         (jnp.asarray(large), F32(0.5), 150.0),
         (jnp.asarray(tall), F32(2.0**20), 2.0**26),
         (wide, F32(1.0), float(jnp.max(jnp.abs(wide.astype(F32))))),
+        (jnp.asarray(many_rows), F32(2.0**-10), 1000.0 * 2.0**-10),
+        (jnp.asarray(prime_rows), F32(2.0**60), 2.0**110),
         (F32(8.0), F32(1.0), 8.0),  # a dynamic scale: its own magnitude
         (jnp.full((2, 2), jnp.inf), F32(1.0), 0.0),
     ]
@@ -190,8 +196,10 @@ def test_largest_finite_magnitudes_lower_per_platform_to_the_same_values():
     # The rows' results gathered into one matrix for XLA:GPU; a stack of scalars (pieces of
     # select chains) for XLA:CPU.
     assert "stablehlo.gather" in lowered["cuda"] and "stablehlo.gather" not in lowered["cpu"]
-    # For XLA:GPU a reduction per large tensor (3 of the 8) and the one of them all.
-    assert lowered["cuda"].count("applies stablehlo.maximum") == 3 + 1
+    # For XLA:GPU a reduction per large tensor (5 of the 10) and the one of them all.
+    assert lowered["cuda"].count("applies stablehlo.maximum") == 5 + 1
+    # At most 4,096 rows: 8,192 rows of 40 reduced as 4,096 rows of 80.
+    assert "tensor<4096x80xf32>" in lowered["cuda"]
     assert lowered["cpu"].count("stablehlo.select") >= len(expected) - 1
     with pytest.raises(TypeError, match="pairs"):
         largest_finite_magnitudes_p.bind(jnp.ones(2))
