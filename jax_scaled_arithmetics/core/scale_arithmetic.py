@@ -33,6 +33,8 @@ __all__ = [
     "dynamic_scale",
     "dynamic_scale_p",
     "largest_finite_magnitudes_p",
+    "largest_of_each",
+    "partial_maxima",
     "stacked_in_pieces",
     "scale_of_magnitude",
     "common_scale_p",
@@ -603,16 +605,12 @@ _PARTIAL_ROW = 32
 _MOST_PARTIALS = 4096
 
 
-def _partial_magnitudes(x: Array, factor: Array) -> Array:
-    """A float32 vector whose largest element is the largest finite `|x| * factor` (0 where
-    there is none): a large tensor's rows reduced each (XLA:GPU's one-kernel row
-    reduction), a small tensor's elements as they are (a reduction of its own would be a
-    kernel of its own where XLA:GPU does not merge it with the tensor's producer, as after
-    another reduction: a bias's gradient)."""
-    if x.size == 0:
-        return lax.full((1,), 0.0, F32)
-    magnitude = _scaled_magnitudes(x, factor)
-    magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
+def partial_maxima(magnitude: Array) -> Array:
+    """A float32 vector whose largest element is the largest of `magnitude` (a non-empty
+    tensor of magnitudes: non-negative, or NaN): a large tensor's rows reduced each
+    (XLA:GPU's one-kernel row reduction), a small tensor's elements as they are (a
+    reduction of its own would be a kernel of its own where XLA:GPU does not merge it with
+    the tensor's producer, as after another reduction: a bias's gradient)."""
     if magnitude.size <= _READ_AS_IS:
         return lax.convert_element_type(magnitude.reshape(-1), F32)
     row, axis = 1, magnitude.ndim
@@ -629,6 +627,31 @@ def _partial_magnitudes(x: Array, factor: Array) -> Array:
     return lax.convert_element_type(lax.reduce_max(rows, (1,)), F32)
 
 
+def _partial_magnitudes(x: Array, factor: Array) -> Array:
+    """`partial_maxima` of the finite `|x| * factor` (0 where there is none)."""
+    if x.size == 0:
+        return lax.full((1,), 0.0, F32)
+    magnitude = _scaled_magnitudes(x, factor)
+    magnitude = lax.select(lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0))
+    return partial_maxima(magnitude)
+
+
+def largest_of_each(partials: list[Array]) -> Array:
+    """The largest element of each vector of `partials` (each from `partial_maxima`: 0 or
+    more, or NaN), as one float32 vector computed in one kernel on XLA:GPU: the vectors
+    gathered as the rows of one matrix, padded with 0 (read past the end), and reduced."""
+    if all(p.shape == (1,) for p in partials):
+        return lax.concatenate(partials, 0)
+    ends = np.cumsum([p.shape[0] for p in partials])
+    longest = max(p.shape[0] for p in partials)
+    where = np.full((len(partials), longest), ends[-1], np.int32)
+    for index, (end, p) in enumerate(zip(ends, partials)):
+        where[index, : p.shape[0]] = np.arange(end - p.shape[0], end)
+    flat = lax.concatenate(partials, 0)
+    padded = jax.numpy.take(flat, where, mode="fill", fill_value=0.0)
+    return lax.reduce_max(padded, (1,))
+
+
 def _pairs(operands: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     """`largest_finite_magnitudes_p`'s operands as `(tensor, factor)` pairs."""
     if not operands or len(operands) % 2:
@@ -643,18 +666,7 @@ def _largest_finite_magnitudes_impl(*operands: Array) -> Array:
     large tensor's rows reduced where it is written (no kernel of its own finishing each
     reduction), small tensors read as they are, and the partials of all of them reduced
     in one kernel."""
-    partials = [_partial_magnitudes(x, f) for x, f in _pairs(operands)]
-    if all(p.shape == (1,) for p in partials):
-        return lax.concatenate(partials, 0)
-    ends = np.cumsum([p.shape[0] for p in partials])
-    longest = max(p.shape[0] for p in partials)
-    # Each pair's partials as a row of one matrix, padded with 0 (read past the end).
-    where = np.full((len(partials), longest), ends[-1], np.int32)
-    for index, (end, p) in enumerate(zip(ends, partials)):
-        where[index, : p.shape[0]] = np.arange(end - p.shape[0], end)
-    flat = lax.concatenate(partials, 0)
-    padded = jax.numpy.take(flat, where, mode="fill", fill_value=0.0)
-    return lax.reduce_max(padded, (1,))
+    return largest_of_each([_partial_magnitudes(x, f) for x, f in _pairs(operands)])
 
 
 def _largest_finite_magnitudes_cpu(*operands: Array) -> Array:

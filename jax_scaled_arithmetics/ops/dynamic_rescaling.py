@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core import block_scales, registry
+from ..core import _compat, block_scales, registry
 from ..core.datatype import ScaledArray, is_array, is_floating, is_scaled_leaf
 from ..core.define import define_identity_primitive, define_primitive, zero_tangents
 from ..core.dtypes import compute_dtype
 from ..core.interpreter import autoscale
-from ..core.scale_arithmetic import largest_magnitude, mark_pow2
+from ..core.scale_arithmetic import largest_magnitude, largest_of_each, mark_pow2, partial_maxima
 from ..core.types import Array
 from ..lax.scaling_primitives import block_rebalance_by, rebalance_by, register_scaling_op
 
@@ -38,6 +38,7 @@ __all__ = [
     "rescale_tree",
     "match_layout",
     "rescale_factor_p",
+    "rescale_factors_p",
 ]
 
 ScaleShape = Sequence[int] | Callable[[tuple[int, ...]], Sequence[int]] | None
@@ -165,6 +166,11 @@ def _rescale_factor_impl(
         magnitude = jnp.mean(jnp.abs(data), axis=axes)
     else:
         magnitude = jnp.sqrt(jnp.mean(jnp.square(data), axis=axes))
+    return _factors_of_norm(magnitude, epsilon, shift)
+
+
+def _factors_of_norm(magnitude: Array, epsilon: float, shift: int) -> list[Array]:
+    """Elementwise: `rescale_factor_p`'s two outputs for a norm `magnitude` (float32)."""
     bits = _pow2_bits(magnitude, epsilon)
     # 2^(shift - e), kept a normal float32 (2^-126 .. 2^127) for extreme shifts and epsilons.
     out = np.int32(254 << 23) - bits + np.int32(shift << 23)
@@ -203,6 +209,65 @@ rescale_factor_p = define_primitive(
 )
 
 
+# `rescale_factors_p(*data; epsilon, shift)`: `rescale_factor_p` with the "max" norm over
+# every axis, for each operand (none empty), as `[factor_1, inverse_1, factor_2, ...]`:
+# the per-tensor rescales of a tree (an optimizer's state) together. On XLA:GPU every
+# operand's largest magnitude is finished in one kernel (`largest_of_each`: each large
+# tensor's rows reduced where it is written; each took one or two kernels of its own, and
+# XLA:GPU merged some across tensors of transposed shapes, with transposes in and out); on
+# XLA:CPU each operand as `rescale_factor_p` computes it.
+
+
+def _rescale_factors_impl(*data: Array, epsilon: float, shift: int) -> list[Array]:
+    partials = [partial_maxima(lax.abs(d.astype(jnp.float32))) for d in data]
+    factors, inverses = _factors_of_norm(largest_of_each(partials), epsilon, shift)
+    return [out[k] for k in range(len(data)) for out in (factors, inverses)]
+
+
+def _rescale_factors_cpu(*data: Array, epsilon: float, shift: int) -> list[Array]:
+    return [
+        out
+        for d in data
+        for out in _rescale_factor_impl(
+            d,
+            norm="max",
+            epsilon=epsilon,
+            shift=shift,
+            axes=tuple(range(d.ndim)),
+            one_kernel_on_cpu=True,
+        )
+    ]
+
+
+def _rescale_factors_abstract(*data: Any, **_: Any) -> list[Any]:
+    return [d.update(shape=(), dtype=_F32, weak_type=False) for d in data for _ in range(2)]
+
+
+def _rescale_factors_batch(
+    primitive: Any, args: Any, dims: Any, *, epsilon: float, shift: int
+) -> Any:
+    # Each operand as `rescale_factor_p` batches it: per example along a batched axis.
+    outs, out_dims = [], []
+    for data, dim in zip(args, dims):
+        if dim is not None:
+            data = jnp.moveaxis(data, dim, 0)
+        axes = tuple(range(0 if dim is None else 1, data.ndim))
+        outs += rescale_factor_p.bind(data, norm="max", epsilon=epsilon, shift=shift, axes=axes)
+        out_dims += [None if dim is None else 0] * 2
+    return outs, out_dims
+
+
+rescale_factors_p = define_primitive(
+    "rescale_factors",
+    _rescale_factors_impl,
+    _rescale_factors_abstract,
+    multiple_results=True,
+    batching=_rescale_factors_batch,
+    jvp=zero_tangents,  # a choice of representation: no derivative
+    cpu_impl=_rescale_factors_cpu,
+)
+
+
 def _rescale_per_tensor(x: ScaledArray, norm: str, epsilon: float, shift: int) -> ScaledArray:
     factor, inverse = rescale_factor_p.bind(
         jnp.asarray(x.data), norm=norm, epsilon=epsilon, shift=shift, axes=tuple(range(x.ndim))
@@ -237,6 +302,57 @@ def scaled_dynamic_rescale(
 
 
 registry.register_block_rule(dynamic_rescale_p, scaled_dynamic_rescale)
+
+
+# `dynamic_rescale_many_p(*xs; norm, epsilon, shift)`: `dynamic_rescale_p` (on each
+# operand's own layout) of every operand, in one equation, so that the per-tensor max
+# rescales of a tree take their factors from one `rescale_factors_p`.
+
+
+def _many_batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
+    return primitive.bind(*args, **params), list(dims)  # own layouts: per operand
+
+
+def _many_jvp(primitive: Any, primals: Any, tangents: Any, **params: Any) -> Any:
+    return primitive.bind(*primals, **params), [_compat.instantiate_zeros(t) for t in tangents]
+
+
+dynamic_rescale_many_p = define_primitive(
+    "dynamic_rescale_many",
+    lambda *xs, **_: list(xs),
+    lambda *xs, **_: list(xs),
+    multiple_results=True,
+    batching=_many_batch,
+    jvp=_many_jvp,
+)
+
+
+@register_scaling_op(
+    dynamic_rescale_many_p,
+    "dynamic_rescale of each operand, the per-tensor max factors computed together",
+    always_scaled=False,
+)
+def scaled_dynamic_rescale_many(*xs: Any, norm: str, epsilon: float, shift: int = 0) -> list[Any]:
+    together = [
+        i
+        for i, x in enumerate(xs)
+        if norm == "max" and isinstance(x, ScaledArray) and x.size and np.ndim(x.scale) == 0
+    ]
+    out = [
+        x
+        if i in together
+        else scaled_dynamic_rescale(x, norm=norm, epsilon=epsilon, layout=None, shift=shift)
+        for i, x in enumerate(xs)
+    ]
+    if together:
+        data = [jnp.asarray(xs[i].data) for i in together]
+        factors = rescale_factors_p.bind(*data, epsilon=epsilon, shift=shift)
+        for k, i in enumerate(together):
+            out[i] = rebalance_by(xs[i], factors[2 * k], mark_pow2(factors[2 * k + 1]))
+    return out
+
+
+registry.register_block_rule(dynamic_rescale_many_p, scaled_dynamic_rescale_many)
 
 
 # `match_layout_p(x, like)`: the identity on `x`'s value; inside `autoscale`, `x` as a
@@ -322,6 +438,17 @@ def rescale_tree(
     """Every floating leaf of `tree` rescaled so that each block's `norm` of the data is in
     `[2^shift, 2^(shift + 1))`."""
     epsilon = _check_epsilon(epsilon)
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_scaled_leaf)
+    rescaled = [i for i, x in enumerate(leaves) if _is_floating_array(x)]
+    if norm == "max" and scale_shape is None and len(rescaled) > 1:
+        # One equation for all: their per-tensor factors computed together.
+        params = dict(norm=norm, epsilon=float(epsilon), shift=int(shift))
+        many = functools.partial(dynamic_rescale_many_p.bind, **params)
+        xs = [leaves[i] for i in rescaled]
+        outs = autoscale(many)(*xs) if any(isinstance(x, ScaledArray) for x in xs) else many(*xs)
+        for i, x in zip(rescaled, outs):
+            leaves[i] = x
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def rescale(x: Any) -> Any:
         if not _is_floating_array(x):  # None (a frozen part's gradient), Python scalars...

@@ -185,15 +185,37 @@ def _store_state(
     data_exponent: int,
 ) -> Any:
     """Bring `new_state` back to the storage layout of `old_state` (inside autoscale)."""
+    norm = _LIBRARY_RESCALES.get(rescale) if rescale is not None else None
+    laid_out: list[Any] = []  # the stored leaves, on their layouts, for one rescale of all
 
     def store(new: Any, old: Any) -> Any:
         if not (old is not None and is_floating(old)):
             return new
         if _is_stored_scaled(old):
-            return _store_leaf(new, state_dtype, rescale, data_exponent, like=old)
+            if norm is None:
+                return _store_leaf(new, state_dtype, rescale, data_exponent, like=old)
+            laid_out.append(match_layout(new, old))
+            return _StoredSlot(len(laid_out) - 1)
         return stop_scaling(new, dtype=jnp.dtype(old.dtype))  # scalars: plain, original dtype
 
-    return jax.tree_util.tree_map(store, new_state, old_state, is_leaf=is_scaled_leaf)
+    stored = jax.tree_util.tree_map(store, new_state, old_state, is_leaf=is_scaled_leaf)
+    if norm is None or not laid_out:
+        return stored
+    # A library rescale with the shift, for the whole state at once (the per-tensor max
+    # factors computed together: `jsa.ops.rescale_tree`).
+    rescaled = rescale_tree(laid_out, norm, DEFAULT_EPSILON, None, shift=data_exponent)
+    return jax.tree_util.tree_map(
+        lambda x: rescaled[x.index].astype(state_dtype) if isinstance(x, _StoredSlot) else x,
+        stored,
+        is_leaf=lambda x: isinstance(x, _StoredSlot),
+    )
+
+
+class _StoredSlot:
+    """Where a stored state leaf goes back (its index among the rescaled leaves)."""
+
+    def __init__(self, index: int):
+        self.index = index
 
 
 def _to_storage(

@@ -296,3 +296,108 @@ def test_per_tensor_max_factor_is_the_same_in_both_lowerings(shape, dtype):
             largest = float(jnp.max(jnp.abs(data.astype(jnp.float32))))
             expected = 1.0 if special else 2.0 ** -np.floor(np.log2(largest))
             assert float(got[0]) == expected, (where, special)
+
+
+def _many_tensors():
+    """Tensors whose per-tensor factors `rescale_factors_p` computes together: small ones
+    (read as they are on XLA:GPU) and large ones (in rows; 8,192 rows merged in pairs), an
+    infinity, zeros, a scalar, three dtypes."""
+    rng = np.random.default_rng(7)
+    small = rng.uniform(-1e-3, 1e-3, (16, 8))
+    small[3, 4] = -7e-3
+    tall = rng.normal(size=(8192, 40)) * 2.0**20
+    tall[8000, 3] = 3e7
+    wide = rng.normal(size=(3, 5000))
+    wide[1, 1] = np.inf
+    square = rng.normal(size=(64, 64)) * 2.0**-30
+    return [
+        jnp.asarray(small, jnp.float16),
+        jnp.asarray(tall, jnp.float32),
+        jnp.asarray(wide, jnp.bfloat16),
+        jnp.asarray(square, jnp.float32),
+        jnp.zeros(5, jnp.float32),
+        jnp.asarray(7.0, jnp.float32),
+    ]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rescale_factors_of_many_tensors_are_each_tensors_own(jit):
+    """One equation for the per-tensor max factors of many tensors, in both lowerings (the
+    XLA:GPU one finishes every tensor's largest magnitude in one kernel; the XLA:CPU one
+    reduces each tensor as `rescale_factor_p` does): the factors of each tensor alone."""
+    from jax_scaled_arithmetics.ops.dynamic_rescaling import (
+        _rescale_factors_impl,
+        rescale_factors_p,
+    )
+
+    tensors = _many_tensors()
+    params = dict(epsilon=DEFAULT_EPSILON, shift=3)
+    gpu_form = _rescale_factors_impl
+    cpu_form = lambda *d: rescale_factors_p.bind(*d, **params)  # noqa: E731 (XLA:CPU's, jitted)
+    if jit:
+        gpu_form, cpu_form = (
+            jax.jit(gpu_form, static_argnames=("epsilon", "shift")),
+            jax.jit(cpu_form),
+        )
+    results = [gpu_form(*tensors, **params), cpu_form(*tensors)]
+    for k, data in enumerate(tensors):
+        own = rescale_factor_p.impl(data, norm="max", axes=tuple(range(data.ndim)), **params)
+        for result in results:
+            assert [float(result[2 * k]), float(result[2 * k + 1])] == [float(v) for v in own], k
+    assert float(results[0][2]) == 2.0 ** (3 - 24)  # 3e7 -> 2^24, shifted by 3
+    assert float(results[0][4]) == 2.0**3  # an infinity: the norm counts as 1
+    lowered = {
+        p: jax.jit(cpu_form).trace(*tensors).lower(lowering_platforms=(p,)).as_text()
+        for p in ("cuda", "cpu")
+    }
+    # For XLA:GPU a reduction per large tensor (3 of the 6) and the one of them all.
+    assert lowered["cuda"].count("applies stablehlo.maximum") == 3 + 1
+    assert "stablehlo.gather" in lowered["cuda"] and "stablehlo.gather" not in lowered["cpu"]
+
+
+def test_rescale_factors_under_vmap_are_per_example():
+    from jax_scaled_arithmetics.ops.dynamic_rescaling import rescale_factors_p
+
+    batch = jnp.array([[1.0, -2.0, 0.5], [1e-3, 2e-3, -4e-3]], jnp.float32)
+    shared = jnp.array([300.0, 1.0], jnp.float16)
+    params = dict(epsilon=DEFAULT_EPSILON, shift=0)
+    out = jax.vmap(lambda b: rescale_factors_p.bind(b, shared, **params))(batch)
+    assert out[0].tolist() == [0.5, 2.0**8] and out[1].tolist() == [2.0, 2.0**-8]
+    assert out[2].tolist() == [2.0**-8] * 2 and out[3].tolist() == [2.0**8] * 2
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rescale_tree_rescales_each_leaf_as_alone(jit):
+    """`dynamic_rescale_max` of a tree takes the per-tensor factors of its leaves together
+    (one `rescale_factors` equation in the autoscaled program), leaving each leaf as it
+    alone would be rescaled: per-tensor leaves of every dtype and wide scales, a
+    block-scaled one, a plain array and an integer; its derivative is the identity."""
+    rng = np.random.default_rng(3)
+    tree = {
+        "w": [
+            make_scaled(rng.normal(size=(32, 16)) * 1e-3, dtype, scale)
+            for dtype in FLOAT_DTYPES
+            for scale in (2.0**-60, 1.0, 2.0**50)
+        ],
+        "blocks": jsa.ScaledArray(
+            jnp.asarray(rng.normal(size=(4, 6)), jnp.float16), jnp.array([[0.5], [2.0]] * 2)
+        ),
+        "plain": jnp.asarray(rng.normal(size=3), jnp.float32),
+        "step": jnp.int32(4),
+    }
+    rescale = jax.jit(jsa.ops.dynamic_rescale_max) if jit else jsa.ops.dynamic_rescale_max
+    out = rescale(tree)
+    alone = jax.tree_util.tree_map(
+        jsa.ops.dynamic_rescale_max, tree, is_leaf=lambda x: isinstance(x, jsa.ScaledArray)
+    )
+    for got, want in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(alone)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    fn = jsa.autoscale(lambda t: jsa.ops.dynamic_rescale_max([a * 2.0 for a in t]))
+    jaxpr = jax.make_jaxpr(fn)(tree["w"])
+    names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert names.count("rescale_factors") == 1 and "rescale_factor" not in names
+    values = [jnp.array([1.0, -3.0]), jnp.array([[5.0]])]
+    grads = jax.grad(lambda v: sum(jnp.sum(a * a) for a in jsa.ops.dynamic_rescale_max(v)))(values)
+    for g, v in zip(grads, values):
+        np.testing.assert_array_equal(g, 2 * v)
