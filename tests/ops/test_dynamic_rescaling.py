@@ -401,3 +401,20 @@ def test_rescale_tree_rescales_each_leaf_as_alone(jit):
     grads = jax.grad(lambda v: sum(jnp.sum(a * a) for a in jsa.ops.dynamic_rescale_max(v)))(values)
     for g, v in zip(grads, values):
         np.testing.assert_array_equal(g, 2 * v)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rescale_tree_under_vmap_of_autoscale_is_each_leafs_own(jit):
+    """`jsa.vmap` of an autoscaled rescale of two leaves: the factors computed together are
+    batched per example as each leaf's alone are (the same outputs)."""
+    data = jnp.array([[1.0, -2.0, 0.5], [1e-3, 2e-3, -4e-3]], jnp.float32)
+    x = jsa.ScaledArray(data, jnp.float32(2.0))
+    y = jsa.ScaledArray(jnp.array([[300.0], [0.25]], jnp.float16), jnp.float32(0.5))
+    together = jsa.vmap(jsa.autoscale(lambda a, b: jsa.ops.dynamic_rescale_max([a * 1.0, b])))
+    alone = jsa.vmap(
+        jsa.autoscale(lambda a, b: [jsa.ops.dynamic_rescale_max(v) for v in (a * 1.0, b)])
+    )
+    got = (jax.jit(together) if jit else together)(x, y)
+    for g, w in zip(got, alone(x, y)):
+        np.testing.assert_array_equal(np.asarray(g.data), np.asarray(w.data))
+        np.testing.assert_array_equal(np.asarray(g.scale), np.asarray(w.scale))
