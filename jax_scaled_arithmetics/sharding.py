@@ -205,7 +205,7 @@ def state_like(optimizer: Any, params: Any, shardings: Any) -> Any:
     shapes = jax.eval_shape(optimizer.init, params)
     return optax.tree_map_params(
         optimizer,
-        lambda _, sharding: sharding,
+        like,  # a moment may be a ScaledArray where its parameter is not
         shapes,
         param_shardings,
         transform_non_params=lambda _: replicate,

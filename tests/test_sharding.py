@@ -417,6 +417,75 @@ def test_fsdp_moves_one_byte_per_parameter_and_bf16_gradients():
     assert any("bf16" in r for r in reduces), reduces  # b1, replicated: an all-reduce
 
 
+# A compiled program's collectives: (kind, result shape without layouts).
+_HLO_COLLECTIVE = re.compile(
+    r"=\s*(.*?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\("
+)
+
+
+def _collectives(jitted, *args):
+    text = jitted.lower(*args).compile().as_text()
+    found = [m.groups() for m in map(_HLO_COLLECTIVE.search, text.splitlines()) if m]
+    return [(kind, re.sub(r"\{[^}]*\}|/\*[^*]*\*/", "", shape)) for shape, kind in found]
+
+
+def _is_scalars(shape):
+    """Whether a collective's result is float32 scalars only ("f32[]" or a tuple of them)."""
+    return set(re.findall(r"\w+\[[^\]]*\]", shape)) == {"f32[]"}
+
+
+def test_gspmd_step_measures_scales_with_scalar_all_reduces_only():
+    """A `jit` with shardings (the SPMD partitioner, not `shard_map`): the scaled step's
+    scale measurements (its dynamic scales, `scale_optimizer`'s state rescales, the sites of
+    `delayed_scaling`) add scalar all-reduces to the plain step's collectives, never a
+    sharded tensor gathered whole (which their one-device forms, the tensors' partials
+    gathered into one vector, would)."""
+    import optax
+
+    params = _mlp_params()
+    x = _inputs()
+    shardings = {name: NamedSharding(MESH, spec) for name, spec in SPECS.items()}
+    replicated = NamedSharding(MESH, P())
+
+    def step(optimizer):
+        def update(p, state, x):
+            updates, state = optimizer.update(jax.grad(_mlp_loss)(p, x), state, p)
+            return optax.apply_updates(p, updates), state
+
+        return update
+
+    def compiled_collectives(fun, optimizer, p, *leading):
+        p_shardings = sharding.like(p, shardings)
+        s_shardings = sharding.state_like(optimizer, p, p_shardings)
+        state = jax.jit(optimizer.init, out_shardings=s_shardings)(p)
+        in_shardings = (replicated,) * len(leading) + (p_shardings, s_shardings, replicated)
+        return _collectives(jax.jit(fun, in_shardings=in_shardings), *leading, p, state, x)
+
+    plain = compiled_collectives(step(optax.adam(1e-3)), optax.adam(1e-3), params)
+    scaled_opt = jsa.optax.scale_optimizer(optax.adam(1e-3))
+    scaled = jsa.as_scaled_array(params)
+    dynamic = compiled_collectives(jsa.autoscale(step(scaled_opt)), scaled_opt, scaled)
+    delayed_step = jsa.delayed_scaling(step(scaled_opt), history_length=2)
+    _, history = jax.jit(delayed_step.init)(scaled, scaled_opt.init(scaled), x)
+    delayed = compiled_collectives(delayed_step, scaled_opt, scaled, history)
+    assert plain and not any(_is_scalars(shape) for _, shape in plain)
+    for found in (dynamic, delayed):
+        assert sorted(c for c in found if not _is_scalars(c[1])) == sorted(plain), found
+        assert {kind for kind, shape in found if _is_scalars(shape)} == {"all-reduce"}
+
+
+def test_state_like_of_plain_parameters_replicates_the_scales_of_scaled_moments():
+    import optax
+
+    optimizer = jsa.optax.scale_optimizer(optax.adam(1e-3))
+    shardings = {name: NamedSharding(MESH, spec) for name, spec in SPECS.items()}
+    spec = sharding.state_like(optimizer, _mlp_params(), shardings)
+    for name in SPECS:
+        mu = spec[0].mu[name]
+        assert mu.data.spec == SPECS[name] and mu.scale.spec == P(), name
+
+
 def test_gather_params_errors():
     bad = {"w1": "i", "b1": P(), "w2": P(None, "i"), "b2": P("i")}
 

@@ -53,25 +53,29 @@ def define_primitive(
     batching: Rule | None = None,
     jvp: Rule | None = None,
     cpu_impl: Callable[..., Any] | None = None,
+    partitioned_impl: Callable[..., Any] | None = None,
 ) -> _compat.Primitive:
     """A new primitive: `impl` is its implementation and, lowered with `mlir.lower_fun`, its
     XLA lowering; `abstract_eval` its abstract evaluation; `batching(primitive, args, dims,
     **params)` and `jvp(primitive, primals, tangents, **params)` its rules (omitted: the
     primitive cannot be vmapped / differentiated); `cpu_impl`, the same values computed
-    another way, its lowering on XLA:CPU for one device (a program the SPMD partitioner
-    splits over devices keeps `impl`: `cpu_impl`'s reshapes of a small tensor into short
-    axes would make it gather a sharded tensor whole)."""
+    another way, its lowering on XLA:CPU for one device; `partitioned_impl` (default
+    `impl`), the same values again, its lowering on every platform in a program the SPMD
+    partitioner splits over devices, where a form that reshapes a tensor into short axes
+    or concatenates tensors would make it gather a sharded tensor whole."""
     primitive = _compat.new_primitive(name, multiple_results)
     primitive.def_impl(impl)
     primitive.def_abstract_eval(abstract_eval)
-    _compat.register_lowering(primitive, impl, multiple_results=multiple_results)
+    _compat.register_lowering(
+        primitive, impl, multiple_results=multiple_results, partitioned_impl=partitioned_impl
+    )
     if cpu_impl is not None:
         _compat.register_lowering(
             primitive,
             cpu_impl,
             multiple_results=multiple_results,
             platform="cpu",
-            partitioned_impl=impl,
+            partitioned_impl=impl if partitioned_impl is None else partitioned_impl,
         )
     if batching is not None:
         _compat.register_batching(primitive, functools.partial(batching, primitive))

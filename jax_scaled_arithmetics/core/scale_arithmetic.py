@@ -669,6 +669,13 @@ def _largest_finite_magnitudes_impl(*operands: Array) -> Array:
     return largest_of_each([_partial_magnitudes(x, f) for x, f in _pairs(operands)])
 
 
+def _largest_finite_magnitudes_partitioned(*operands: Array) -> Array:
+    """The form for a program partitioned over devices: each tensor's largest magnitude a
+    reduction of its own (on each device its shard's, then one scalar all-reduce), where
+    gathering partials of tensors into one vector would gather sharded tensors whole."""
+    return jax.numpy.stack([_largest_finite_product(x, f) for x, f in _pairs(operands)])
+
+
 def _largest_finite_magnitudes_cpu(*operands: Array) -> Array:
     """XLA:CPU's form: each tensor's largest magnitude in one kernel (`largest_magnitude`),
     the scalars stacked in pieces (XLA:CPU fuses no reduction with the kernel that writes
@@ -709,6 +716,7 @@ largest_finite_magnitudes_p = define_primitive(
     batching=_largest_finite_magnitudes_batch,
     jvp=zero_tangents,
     cpu_impl=_largest_finite_magnitudes_cpu,
+    partitioned_impl=_largest_finite_magnitudes_partitioned,
 )
 
 

@@ -215,7 +215,9 @@ rescale_factor_p = define_primitive(
 # operand's largest magnitude is finished in one kernel (`largest_of_each`: each large
 # tensor's rows reduced where it is written; each took one or two kernels of its own, and
 # XLA:GPU merged some across tensors of transposed shapes, with transposes in and out); on
-# XLA:CPU each operand as `rescale_factor_p` computes it.
+# XLA:CPU, and in a program partitioned over devices (where gathering the operands' partials
+# into one vector would gather sharded tensors whole), each operand as `rescale_factor_p`
+# computes it: a partial reduction on each device and one scalar all-reduce.
 
 
 def _rescale_factors_impl(*data: Array, epsilon: float, shift: int) -> list[Array]:
@@ -224,7 +226,9 @@ def _rescale_factors_impl(*data: Array, epsilon: float, shift: int) -> list[Arra
     return [out[k] for k in range(len(data)) for out in (factors, inverses)]
 
 
-def _rescale_factors_cpu(*data: Array, epsilon: float, shift: int) -> list[Array]:
+def _rescale_factors_per_tensor(
+    *data: Array, epsilon: float, shift: int, one_kernel_on_cpu: bool = False
+) -> list[Array]:
     return [
         out
         for d in data
@@ -234,7 +238,7 @@ def _rescale_factors_cpu(*data: Array, epsilon: float, shift: int) -> list[Array
             epsilon=epsilon,
             shift=shift,
             axes=tuple(range(d.ndim)),
-            one_kernel_on_cpu=True,
+            one_kernel_on_cpu=one_kernel_on_cpu,
         )
     ]
 
@@ -264,7 +268,8 @@ rescale_factors_p = define_primitive(
     multiple_results=True,
     batching=_rescale_factors_batch,
     jvp=zero_tangents,  # a choice of representation: no derivative
-    cpu_impl=_rescale_factors_cpu,
+    cpu_impl=functools.partial(_rescale_factors_per_tensor, one_kernel_on_cpu=True),
+    partitioned_impl=_rescale_factors_per_tensor,
 )
 
 
