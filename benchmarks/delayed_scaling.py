@@ -50,9 +50,11 @@ DEFAULT_CASES = ("gpt2-adam", "zoo-linen", "zoo-nnx", "zoo-equinox")
 VARIANTS = ("plain", "dynamic", "packed", "delayed", "delayed-packed")
 
 
-def _compiled(fun: Any, args: tuple[Any, ...]) -> tuple[Any, float, int, int, dict[str, int]]:
+def _compiled(
+    fun: Any, args: tuple[Any, ...], compiler_options: dict[str, Any] | None = None
+) -> tuple[Any, float, int, int, dict[str, int]]:
     start = time.perf_counter()
-    compiled = jax.jit(fun).lower(*args).compile()
+    compiled = jax.jit(fun).lower(*args).compile(compiler_options=compiler_options)
     seconds = time.perf_counter() - start
     hlo = compiled.as_text()
     kernels, instructions = PS.hlo_counts(hlo)
@@ -124,13 +126,22 @@ def variants(
 
 
 def measure(
-    case_name: str, history_length: int, iters: int, dtype: str | None = None
+    case_name: str,
+    history_length: int,
+    iters: int,
+    dtype: str | None = None,
+    *,
+    only: tuple[str, ...] = VARIANTS,
+    compiler_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One case's four variants (`dtype`: the scaled data's, default the case's own)."""
+    """One case's variants (`dtype`: the scaled data's, default the case's own; `only`:
+    those of `VARIANTS` to measure), compiled with XLA's `compiler_options` if given."""
     row, steps = variants(case_name, history_length, dtype)
     runnable = {}
     for name, (fun, args) in steps.items():
-        compiled, seconds, kernels, instructions, by_kind = _compiled(fun, args)
+        if name not in only:
+            continue
+        compiled, seconds, kernels, instructions, by_kind = _compiled(fun, args, compiler_options)
         row[name] = {
             "compile_s": seconds,
             "kernels": kernels,

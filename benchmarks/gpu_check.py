@@ -26,6 +26,12 @@ Parts:
    step time, compile time, kernels, the FP8 `dot_general`s of the lowered program and, from
    the optimized HLO, the cuBLAS(Lt) GEMM calls and how many of them take FP8 operands.
 
+3. `cublas_steps`: the plain and delayed-packed steps of the char GPT and the zoo linen
+   step again, compiled with `xla_gpu_enable_triton_gemm` off (every GEMM a cuBLAS call):
+   XLA:GPU merges a site's measurement of a GEMM output with another reader of it only
+   when the GEMM is not a Triton fusion (docs/benchmarks.md, "Delayed scales on XLA:GPU"),
+   and the autotuner picks per GEMM; this shows what the choice costs or saves.
+
 The JSON holds the device, JAX's version, the git commit and every number; nothing is
 asserted (tests/benchmarks check the script on the CPU with `--smoke`).
 """
@@ -66,13 +72,16 @@ STEP_CASES = (
     ("gpt2-small", "float16"),
 )
 SMOKE_STEP_CASES = (("zoo-linen", "float16"),)
+CUBLAS_STEP_CASES = (("gpt2-adam", "float16"), ("zoo-linen", "float16"))
+CUBLAS_VARIANTS = ("plain", "delayed-packed")
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 
 
-def step_rows(cases: Any, iters: int) -> list[dict[str, Any]]:
+def step_rows(cases: Any, iters: int, **measure_options: Any) -> list[dict[str, Any]]:
     rows = []
     for case, dtype in cases:
         try:
-            rows.append(delayed_scaling.measure(case, 16, iters, dtype=dtype))
+            rows.append(delayed_scaling.measure(case, 16, iters, dtype=dtype, **measure_options))
         except Exception as error:  # noqa: BLE001  (one failing case does not end the run)
             rows.append({"case": case, "dtype": dtype, "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(rows[-1]), flush=True)
@@ -216,6 +225,12 @@ def main(argv: Any = None) -> dict[str, Any]:
     print(json.dumps(report), flush=True)
     if not args.skip_steps:
         report["steps"] = step_rows(SMOKE_STEP_CASES if args.smoke else STEP_CASES, args.iters)
+        report["cublas_steps"] = step_rows(
+            SMOKE_STEP_CASES if args.smoke else CUBLAS_STEP_CASES,
+            args.iters,
+            only=CUBLAS_VARIANTS,
+            compiler_options=NO_TRITON_GEMM,
+        )
     report["gemm_bound"] = {
         "width": args.width,
         "tokens": args.tokens,

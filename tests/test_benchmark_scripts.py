@@ -31,6 +31,22 @@ def test_gpu_check_smoke_writes_every_number(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpu_check_measures_the_steps_with_cublas_gemms():
+    gpu_check = load_script("gpu_check", "benchmarks/gpu_check.py")
+    (row,) = gpu_check.step_rows(
+        gpu_check.SMOKE_STEP_CASES,
+        1,
+        only=gpu_check.CUBLAS_VARIANTS,
+        compiler_options=gpu_check.NO_TRITON_GEMM,
+    )
+    assert "error" not in row, row.get("error")
+    measured = set(row) - {"case", "dtype", "sites"}
+    assert measured == set(gpu_check.CUBLAS_VARIANTS) == {"plain", "delayed-packed"}
+    for variant in measured:
+        assert row[variant]["kernels"] > 0 and row[variant]["step_ms"] > 0
+
+
+@pytest.mark.slow
 def test_delayed_scaling_benchmark_measures_five_variants():
     bench = load_script("delayed_scaling_bench", "benchmarks/delayed_scaling.py")
     with jax.numpy_rank_promotion("allow"):  # the GPT model broadcasts biases implicitly
