@@ -36,6 +36,8 @@ __all__ = [
     "is_array",
     "invalid_scale_values",
     "set_operator_transform",
+    "set_trace_conversions",
+    "scaled_leaf",
 ]
 
 
@@ -66,6 +68,24 @@ def set_operator_transform(
 ) -> None:
     """Install the transform that ScaledArray operators (`x * y`, `x[i]`, ...) run through."""
     _OPERATOR_TRANSFORM[:] = [(transform, tracing)]
+
+
+# How `as_scaled_array` and `asarray` convert a leaf inside a function that autoscale
+# traces, where every value is a plain stand-in (a ScaledArray object built there would
+# end up as the data of one, and `to_array` has nothing to act on): scaling primitives
+# that the interpreter runs (`lax/scaling_primitives.py`), as `scaled(x, scale, dtype,
+# scale_shape)` and `plain(x, dtype)`.
+_IN_TRACE: dict[str, Callable[..., Any]] = {}
+
+
+def set_trace_conversions(scaled: Callable[..., Any], plain: Callable[..., Any]) -> None:
+    """Install how `as_scaled_array` (`scaled`) and `asarray` (`plain`) convert one floating
+    leaf inside a function that autoscale traces."""
+    _IN_TRACE.update(scaled=scaled, plain=plain)
+
+
+def _tracing_scaled_function() -> bool:
+    return bool(_OPERATOR_TRANSFORM) and _OPERATOR_TRANSFORM[0][1]()
 
 
 def _autoscaled(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -566,6 +586,14 @@ def _as_scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: An
         # Python scalars (a dropout rate, an epsilon), None, functions and other objects of a
         # model's tree, and integer or boolean arrays, stay as they are.
         return x
+    if _IN_TRACE and _tracing_scaled_function():
+        return _IN_TRACE["scaled"](x, scale, dtype, scale_shape)
+    return scaled_leaf(x, scale, dtype, scale_shape)
+
+
+def scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: Any) -> ScaledArray:
+    """A floating array `x` as a ScaledArray (`as_scaled_array` of one leaf, wherever it is
+    called: a scaled rule's operands are values, not stand-ins)."""
     arr = _to_jax_array(x)
     out_dtype = arr.dtype if dtype is None else jnp.dtype(dtype)
     if scale_shape is not None:
@@ -615,6 +643,9 @@ def as_scaled_array(
     dicts, NNX `State` and `Param` wrappers, Equinox modules and their static fields), so
     `jax.tree.structure(out, is_leaf=jsa.is_scaled_leaf)` is the input's structure.
 
+    Inside a function that `autoscale` transforms it does the same to the values there: a
+    plain one becomes a ScaledArray, one computed from ScaledArrays stays as it is.
+
     Args:
         tree: a pytree of arrays.
         scale: optional scale (a float scalar, or a block scale) used for every floating
@@ -651,7 +682,9 @@ def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:
     """Convert every ScaledArray of a pytree to the plain array it represents.
 
     Floating arrays are cast when `dtype` is given; every other leaf (integer arrays,
-    Python scalars, `None`, non-array objects of an Equinox module) passes through.
+    Python scalars, `None`, non-array objects of an Equinox module) passes through. Inside a
+    function that `autoscale` transforms, a value computed from ScaledArrays becomes plain
+    there too.
 
     Examples:
         >>> import jax_scaled_arithmetics as jsa
@@ -664,6 +697,8 @@ def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:
             return x.to_array(dtype)
         if not is_array(x):
             return x
+        if _IN_TRACE and is_floating(x) and _tracing_scaled_function():
+            return _IN_TRACE["plain"](x, dtype)
         arr = jnp.asarray(x)
         if dtype is not None and is_floating(arr):
             arr = arr.astype(dtype)

@@ -377,7 +377,10 @@ def _leaf_aval(leaf: Any) -> Any:
 
 def _as_output(value: Any, mapped: bool = False) -> Any:
     """An output as users get it: a scale that rules folded at trace time (a NumPy scalar)
-    becomes a JAX array, like every other scale."""
+    becomes a JAX array, like every other scale, and so does an output the jaxpr holds as
+    a constant (a NumPy value there), as `jax.jit` returns it."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return jnp.asarray(value)
     if isinstance(value, ScaledArray) and isinstance(value.scale, (np.ndarray, np.generic)):
         value = ScaledArray(value.data, jnp.asarray(value.scale))
     if (

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import _compat, block_scales, registry
-from ..core.datatype import ScaledArray, is_floating
+from ..core.datatype import ScaledArray, is_floating, scaled_leaf, set_trace_conversions
 from ..core.define import (
     batch_along_operand_0,
     batch_along_operand_0_if_unbatched,
@@ -179,6 +179,69 @@ def stop_scaling(x: Array, dtype: Any = None) -> Array:
     if isinstance(x, ScaledArray):
         return x.to_array(dtype)
     return stop_scaling_p.bind(x, dtype=dtype)
+
+
+# --- as_scaled: `as_scaled_array` inside a function that autoscale traces ----------------
+
+
+def _as_scaled_impl(x: Array, *scale: Array, dtype: Any, scale_shape: Any) -> Array:
+    return x if dtype is None else jax.lax.convert_element_type(x, dtype)
+
+
+def _as_scaled_jvp(primitive: Any, primals: Any, tangents: Any, **params: Any) -> Any:
+    x_dot = _compat.instantiate_zeros(tangents[0])
+    return primitive.bind(*primals, **params), _as_scaled_impl(x_dot, **params)
+
+
+def _as_scaled_batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
+    if len(dims) > 1 and dims[1] is not None:
+        raise ValueError(
+            "as_scaled_array: the scale must be the same for the whole batch, but it is "
+            "batched by vmap."
+        )
+    return primitive.bind(*args, **params), dims[0]
+
+
+as_scaled_p = define_primitive(
+    "as_scaled",
+    _as_scaled_impl,
+    lambda x, *scale, dtype, scale_shape: (
+        x if dtype is None else x.update(dtype=jnp.dtype(dtype), weak_type=False)
+    ),
+    batching=_as_scaled_batch,
+    jvp=_as_scaled_jvp,
+)
+
+
+@register_scaling_op(as_scaled_p, "a value made scaled (as_scaled_array inside autoscale)")
+def scaled_as_scaled(x: Any, *scale: Any, dtype: Any, scale_shape: Any) -> Any:
+    if isinstance(x, ScaledArray):  # scaled already: kept, as `as_scaled_array` keeps it
+        return x if dtype is None else x.astype(dtype)
+    return scaled_leaf(x, _plain(scale[0]) if scale else None, dtype, scale_shape)
+
+
+registry.register_block_rule(as_scaled_p, scaled_as_scaled)
+
+
+def _bind_as_scaled(x: Array, scale: Any, dtype: Any, scale_shape: Any) -> Array:
+    """`as_scaled_array` of one floating leaf inside a function that autoscale traces: a
+    stand-in that the interpreter makes a ScaledArray (one that is scaled already stays as
+    it is), as outside."""
+    if isinstance(scale_shape, list):
+        scale_shape = tuple(scale_shape)
+    params = {"dtype": None if dtype is None else jnp.dtype(dtype), "scale_shape": scale_shape}
+    if scale is None:
+        return as_scaled_p.bind(x, **params)
+    return as_scaled_p.bind(x, jnp.asarray(scale, jnp.float32), **params)
+
+
+def _bind_stop_scaling(x: Array, dtype: Any) -> Array:
+    """`asarray` of one floating leaf inside a function that autoscale traces: the plain
+    array it represents."""
+    return stop_scaling_p.bind(x, dtype=None if dtype is None else jnp.dtype(dtype))
+
+
+set_trace_conversions(_bind_as_scaled, _bind_stop_scaling)
 
 
 # --- get_data_scale ----------------------------------------------------------------------

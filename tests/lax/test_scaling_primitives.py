@@ -125,3 +125,67 @@ def test_apply_to_data_maps_over_batched_keys(data_batched):
     got = jsa.autoscale(inner)(scaled, keys)
     assert float(got.scale) == 2.0**-40
     np.testing.assert_array_equal(got.data, out)  # the same values, the same keys
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_as_scaled_array_inside_autoscale_gives_one_scaled_array(dtype, use_jit):
+    """Inside a function autoscale traces, `as_scaled_array` makes a plain value scaled and
+    keeps a scaled one, as outside: never a ScaledArray whose data is a ScaledArray."""
+    x = make_scaled(np.array([[1.5, -2.0], [0.25, 3.0]]), dtype, 2.0**-20)
+
+    def fn(a):
+        return (
+            jsa.as_scaled_array(a * 2),  # scaled already: kept
+            jsa.as_scaled_array(jnp.zeros(a.shape, jnp.float32), dtype=dtype),
+            jsa.as_scaled_array(jnp.full((2,), 12.0), scale=4.0),
+            jsa.as_scaled_array(jnp.array([[3.0, 1.0], [0.25, 0.5]]), scale_shape=(2, 1)),
+        )
+
+    transformed = jax.jit(jsa.autoscale(fn)) if use_jit else jsa.autoscale(fn)
+    doubled, zeros, fixed, rows = transformed(x)
+    for out in (doubled, zeros, fixed, rows):
+        assert isinstance(out, jsa.ScaledArray)
+        assert isinstance(out.data, jax.Array) and isinstance(out.scale, jax.Array)
+    assert doubled.dtype == dtype and float(doubled.scale) == 2.0**-19
+    np.testing.assert_array_equal(
+        doubled.to_array(np.float32), np.array([[3.0, -4.0], [0.5, 6.0]]) * 2.0**-20
+    )
+    assert zeros.dtype == dtype and float(zeros.scale) == 1.0
+    np.testing.assert_array_equal(zeros.to_array(np.float32), np.zeros((2, 2)))
+    assert float(fixed.scale) == 4.0
+    np.testing.assert_array_equal(fixed.data, [3.0, 3.0])
+    np.testing.assert_array_equal(rows.scale, [[2.0], [0.5]])
+    np.testing.assert_array_equal(rows.data, [[1.5, 0.5], [0.5, 1.0]])
+
+
+def test_as_scaled_array_inside_autoscale_differentiates_as_the_identity():
+    x = make_scaled(np.array([1.0, -3.0]), np.float16, 2.0**-12)
+    grad = jsa.autoscale(jax.grad(lambda a: jnp.sum(jsa.as_scaled_array(a) ** 2)))(x)
+    np.testing.assert_array_equal(grad.to_array(np.float32), np.array([2.0, -6.0]) * 2.0**-12)
+    # Under vmap, a scale shared by the batch is fine; one per example is refused.
+    xs = jnp.ones((3, 2), jnp.float32)
+    out = jsa.autoscale(jax.vmap(lambda a: jsa.as_scaled_array(a, scale=2.0)))(xs)
+    np.testing.assert_array_equal(out.to_array(), np.ones((3, 2)))
+    with pytest.raises(ValueError, match="as_scaled_array: the scale must be the same for"):
+        jsa.autoscale(jax.vmap(lambda a, s: jsa.as_scaled_array(a, scale=s)))(xs, jnp.ones(3))
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_asarray_and_constants_inside_autoscale_come_out_plain(use_jit):
+    """`jsa.asarray` inside an autoscaled function returns the plain arrays it returns
+    outside, and an output the function computes from nothing is a JAX array (not the
+    NumPy constant the jaxpr holds), as under `jax.jit`."""
+    x = make_scaled(np.array([1.0, 2.0]), np.float16, 2.0**-3)
+
+    def fn(a):
+        return jsa.asarray({"a": a * 2, "b": a}, jnp.float32), jnp.float32(1.5), jnp.arange(2)
+
+    transformed = jax.jit(jsa.autoscale(fn)) if use_jit else jsa.autoscale(fn)
+    plain, constant, indices = transformed(x)
+    for out in (plain["a"], plain["b"], constant, indices):
+        assert isinstance(out, jax.Array) and not isinstance(out, np.ndarray)
+    assert plain["a"].dtype == jnp.float32
+    np.testing.assert_array_equal(plain["a"], [0.25, 0.5])
+    np.testing.assert_array_equal(plain["b"], [0.125, 0.25])
+    assert float(constant) == 1.5

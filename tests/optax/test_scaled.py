@@ -124,6 +124,35 @@ def test_init_stores_scaled_float16(name):
     _assert_tree_close(state, plain_state, 0.0, "init state")
 
 
+@pytest.mark.parametrize("name", ["adam", "clip_adam"])
+@pytest.mark.one_case
+def test_init_inside_autoscale_and_jit_is_init(name):
+    """`jax.jit(jsa.autoscale(opt.init))`, as a `create_train_state` function calls it,
+    builds the state `opt.init` builds (it failed with a TypeError of JAX's bind), and a
+    step from it matches."""
+    params, x, y = _problem()
+    opt = jsa_optax.scale_optimizer(OPTIMIZERS[name]())
+    s_params = _scaled_params(params)
+    expected = opt.init(s_params)
+    state = jax.jit(jsa.autoscale(opt.init))(s_params)
+    assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(expected)
+    for got, want in zip(_leaves(state), _leaves(expected)):
+        assert type(got) is type(want)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    @jax.jit
+    @jsa.autoscale
+    def step(params, state):
+        grads = jax.grad(_loss)(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return jsa_optax.apply_updates(params, updates), state
+
+    for got, want in zip(_leaves(step(s_params, state)), _leaves(step(s_params, expected))):
+        np.testing.assert_array_equal(_represented(got), _represented(want))
+
+
 @pytest.mark.parametrize(
     "name",
     # Adam, LAMB and clipped Adam in the default run: SGD and momentum store a subset of
