@@ -180,7 +180,17 @@ class ScaledArray:
         return value.astype(out_dtype)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = np.asarray(self.to_array())
+        try:
+            out = np.asarray(self.to_array())
+        except jax.errors.TracerArrayConversionError as error:
+            error.add_note(
+                "It was a ScaledArray of traced values (under jax.jit, grad or vmap) that a "
+                "function outside autoscale asked for its NumPy value (optax.apply_updates "
+                "does, with jnp.asarray). Take its value with x.to_array() or "
+                "jsa.asarray(tree), add ScaledArray updates with jsa.optax.apply_updates, "
+                "or run the step under jsa.autoscale."
+            )
+            raise
         return out if dtype is None else out.astype(dtype)
 
     def astype(self, dtype: DTypeLike) -> ScaledArray:

@@ -284,6 +284,31 @@ def test_plain_inputs_outside_autoscale_still_store_scaled():
     assert all(u.dtype == jnp.float32 for u in _leaves(updates))
 
 
+def test_scaled_updates_under_jit_outside_autoscale():
+    """Under `jax.jit` without autoscale, `jsa.optax.apply_updates` adds the ScaledArray
+    updates; `optax.apply_updates` asks for their NumPy value and fails, with a note that
+    says what to use instead."""
+    params, _, _ = _problem()
+    plain_grads, _ = _grads(params, 0)
+    opt = jsa_optax.scaled_state(optax.adam(1e-3))
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state):
+        updates, state = opt.update(plain_grads, state, params)
+        return jsa_optax.apply_updates(params, updates), updates
+
+    new_params, updates = step(params, state)
+    expected = jax.tree_util.tree_map(
+        lambda p, u: p + jnp.asarray(u.to_array()), params, updates, is_leaf=jsa.is_scaled_leaf
+    )
+    _assert_tree_close(new_params, expected, 1e-6, "params")
+    with pytest.raises(jax.errors.TracerArrayConversionError, match="jsa.optax.apply_updates"):
+        jax.jit(lambda p, s: optax.apply_updates(p, opt.update(plain_grads, s, p)[0]))(
+            params, state
+        )
+
+
 def test_rescaling_keeps_values():
     """Dynamic rescaling moves powers of two only: the stored values do not change."""
     params, _, _ = _problem()
