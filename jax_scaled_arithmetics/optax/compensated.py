@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
-from ..core.interpreter import autoscale
+from ..core.interpreter import autoscale, tracing_a_scaled_function
 from ..lax.scaling_primitives import apply_to_data
 from ..ops.dynamic_rescaling import dynamic_rescale_max
 from ..quantization import float_quantize
@@ -68,6 +68,16 @@ class KahanState(NamedTuple):
 
 def _is_leaf(x: Any) -> bool:
     return x is None or is_scaled_leaf(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ZerosOf:
+    """Zeros of `dtype` in place of the data (a Kahan buffer at `init`)."""
+
+    dtype: Any
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.zeros(jnp.shape(x), self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +171,12 @@ def kahan_summation(
     def buffer(p: Any) -> Any:
         if p is None or not is_floating(p):
             return None
-        dtype = compensation_dtype if compensation_dtype is not None else p.dtype
-        if isinstance(p, ScaledArray):
-            return ScaledArray(jnp.zeros(p.shape, dtype), jnp.ones((), jnp.float32))
+        dtype = jnp.dtype(compensation_dtype if compensation_dtype is not None else p.dtype)
+        if isinstance(p, ScaledArray) or tracing_a_scaled_function():
+            # Zeros on the parameter's scale, so in its block layout, as `update` stores
+            # the buffer; inside autoscale `p` stands for a value that may be scaled, and
+            # the buffer is scaled where it is.
+            return apply_to_data(_ZerosOf(dtype), p)
         return jnp.zeros(jnp.shape(p), dtype)
 
     def init_fn(params: Any) -> KahanState:

@@ -166,6 +166,48 @@ def test_scaled_parameters(compensation_dtype):
     assert isinstance(updates["w"], jsa.ScaledArray)
 
 
+@pytest.mark.parametrize("scale_shape", [None, (4, 1)])
+def test_init_state_keeps_its_layout_through_steps(scale_shape):
+    """The buffers `init` makes, outside autoscale or inside it (`jax.jit(jsa.autoscale(
+    opt.init))`), are those `update` stores: ScaledArrays in the parameter's block layout
+    for ScaledArray parameters, so a `lax.scan` over steps carries the state unchanged."""
+    values = (jnp.arange(32.0).reshape(4, 8) + 1).astype(jnp.bfloat16)
+    params = {"w": jsa.as_scaled_array(values, scale_shape=scale_shape), "b": jnp.ones(8)}
+    opt = jsa.optax.kahan_summation(optax.sgd(1e-3))
+    outside = opt.init(params)
+    inside = jax.jit(jsa.autoscale(opt.init))(params)
+
+    def layout(tree):
+        leaves = jax.tree_util.tree_leaves(tree)
+        return jax.tree_util.tree_structure(tree), [(x.shape, x.dtype) for x in leaves]
+
+    assert layout(inside) == layout(outside)
+    assert isinstance(outside.compensation["w"], jsa.ScaledArray)
+    assert not isinstance(outside.compensation["b"], jsa.ScaledArray)
+    for state in (outside, inside):
+        np.testing.assert_array_equal(represented(state.compensation["w"]), 0.0)
+
+    @jax.jit
+    @jsa.autoscale
+    def steps(params, state):
+        def body(carry, _):
+            params, state = carry
+            grads = jax.tree_util.tree_map(lambda p: p * 0 + 1e-3, params)
+            updates, state = opt.update(grads, state, params)
+            return (jsa.optax.apply_updates(params, updates), state), None
+
+        return jax.lax.scan(body, (params, state), None, length=3)[0]
+
+    for state in (outside, inside):
+        new_params, new_state = steps(params, state)
+        assert layout(new_state) == layout(outside)
+        np.testing.assert_allclose(
+            represented(new_params["w"]) + represented(new_state.compensation["w"]),
+            np.asarray(values, np.float64) - 3e-6,
+            rtol=2.0**-12,
+        )
+
+
 def test_update_needs_params():
     opt = jsa.optax.kahan_summation(optax.sgd(0.1))
     state = opt.init({"w": jnp.ones(2)})
