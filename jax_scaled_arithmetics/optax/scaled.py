@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from ..core.datatype import ScaledArray, as_scaled_array, is_floating, is_scaled_leaf
-from ..core.interpreter import autoscale, trace_notes
+from ..core.interpreter import autoscale, trace_notes, tracing_a_scaled_function
 from ..lax.scaling_primitives import rebalance, stop_scaling
 from ..ops.dynamic_rescaling import (
     DEFAULT_EPSILON,
@@ -233,6 +233,20 @@ def _to_storage(
     return autoscale(lambda v: _store_leaf(v, state_dtype, rescale, exp))(x)
 
 
+def _store_traced(
+    x: Any, like: Any, state_dtype: DTypeLike, rescale: Rescale | None, exp: int
+) -> Any:
+    """Inside autoscale: one initial state leaf to its storage layout, the block layout of
+    `like` (its parameter, or None) where it has one."""
+    if x is None or not _is_stored_scaled(x):
+        return x
+    if like is not None and np.shape(like) != np.shape(x):
+        like = None
+    return _store_leaf(
+        as_scaled_array(jnp.asarray(x, jnp.float32)), state_dtype, rescale, exp, like
+    )
+
+
 class _Layout:
     """A parameter's block scale shape (None: per tensor), as one pytree leaf."""
 
@@ -337,6 +351,18 @@ def scaled_state(
             is_leaf=is_scaled_leaf,
         )
         state = inner.init(plain)
+        if tracing_a_scaled_function():
+            # Inside autoscale the parameters' block layouts are not known yet: each state
+            # leaf that copies a parameter takes its layout when the step is interpreted.
+            likes = optax.tree_utils.tree_map_params(
+                inner, lambda _, p: p, state, params, transform_non_params=lambda _: None
+            )
+            return jax.tree_util.tree_map(
+                lambda x, like: _store_traced(x, like, state_dtype, rescale, exp),
+                state,
+                likes,
+                is_leaf=lambda x: x is None,
+            )
         return to_storage(state, _state_layouts(inner, params, state))
 
     def _update(updates: Any, state: Any, params: Any, extra_args: dict[str, Any]) -> Any:

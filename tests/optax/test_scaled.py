@@ -125,21 +125,25 @@ def test_init_stores_scaled_float16(name):
 
 
 @pytest.mark.parametrize("name", ["adam", "clip_adam"])
-@pytest.mark.one_case
-def test_init_inside_autoscale_and_jit_is_init(name):
+@pytest.mark.parametrize("per_row", [False, True])
+def test_init_inside_autoscale_and_jit_is_init(name, per_row):
     """`jax.jit(jsa.autoscale(opt.init))`, as a `create_train_state` function calls it,
-    builds the state `opt.init` builds (it failed with a TypeError of JAX's bind), and a
-    step from it matches."""
+    builds the state `opt.init` builds (it failed with a TypeError of JAX's bind), block
+    layouts of the parameters included, and a step from it matches."""
     params, x, y = _problem()
     opt = jsa_optax.scale_optimizer(OPTIMIZERS[name]())
     s_params = _scaled_params(params)
+    if per_row:  # a scale per row of each matrix
+        s_params = jsa.as_scaled_array(
+            jsa.asarray(s_params), dtype=jnp.float16, scale_shape=lambda s: s[:-1] + (1,)
+        )
     expected = opt.init(s_params)
     state = jax.jit(jsa.autoscale(opt.init))(s_params)
     assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(expected)
     for got, want in zip(_leaves(state), _leaves(expected)):
         assert type(got) is type(want)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-            assert a.dtype == b.dtype
+            assert (a.shape, a.dtype) == (b.shape, b.dtype)
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     @jax.jit
