@@ -50,7 +50,7 @@ import optax
 
 from ..core.datatype import ScaledArray, is_floating, is_scaled_leaf
 from ..core.dtypes import compute_dtype
-from ..core.interpreter import autoscale
+from ..core.interpreter import autoscale, tracing_a_scaled_function
 from ..ops.dynamic_rescaling import dynamic_rescale_max
 from . import scaled as _scaled
 from .scaled import default_data_exponent
@@ -312,11 +312,17 @@ def multi_steps(
         skip_state: Any = ()
         if should_skip_update_fn is not None:
             _, skip_state = should_skip_update_fn(zeros, gradient_step, plain)
+        if tracing_a_scaled_function():  # each parameter's block layout, once interpreted
+            acc_grads = jax.tree_util.tree_map(
+                lambda z, p: _scaled._store_traced(z, p, acc_dtype, rescale, exp), zeros, params
+            )
+        else:
+            acc_grads = acc_storage(zeros, tuple(_scale_shape(p) for p in _leaves(params)))
         return optax.MultiStepsState(
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=gradient_step,
             inner_opt_state=inner.init(params),
-            acc_grads=acc_storage(zeros, tuple(_scale_shape(p) for p in _leaves(params))),
+            acc_grads=acc_grads,
             skip_state=skip_state,
         )
 

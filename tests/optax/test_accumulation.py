@@ -342,6 +342,21 @@ def test_multi_steps_parameters(inner):
     _assert_close_to_ulp(state.inner_opt_state, expected_state, 2.0**-7)
 
 
+def test_multi_steps_init_inside_autoscale_is_init():
+    """`jax.jit(jsa.autoscale(opt.init))` stores the accumulators (and a scaled inner
+    state) as `opt.init` does, in the block layouts of per-row scaled parameters."""
+    values = (jnp.arange(32.0).reshape(4, 8) + 1).astype(jnp.bfloat16)
+    params = {"w": jsa.as_scaled_array(values, scale_shape=(4, 1)), "b": jnp.ones(8)}
+    opt = jsa.optax.multi_steps(jsa.optax.scale_optimizer(optax.adam(1e-3)), K)
+    outside = opt.init(params)
+    inside = jax.jit(jsa.autoscale(opt.init))(params)
+    assert jax.tree_util.tree_structure(inside) == jax.tree_util.tree_structure(outside)
+    assert outside.acc_grads["w"].scale.shape == (4, 1)
+    for a, b in zip(jax.tree_util.tree_leaves(inside), jax.tree_util.tree_leaves(outside)):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_multi_steps_forgets_the_last_rounds_scale():
     """float16 gradients 2**-30 below the first round's: `multi_steps` emits them; plain
     `optax.MultiSteps` keeps the accumulator at the largest scale it saw (the reset
