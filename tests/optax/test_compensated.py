@@ -192,7 +192,7 @@ def test_init_state_keeps_its_layout_through_steps(scale_shape):
     def steps(params, state):
         def body(carry, _):
             params, state = carry
-            grads = jax.tree_util.tree_map(lambda p: p * 0 + 1e-3, params)
+            grads = jax.tree_util.tree_map(lambda p: p * 0 + 10.0, params)  # steps of 0.01
             updates, state = opt.update(grads, state, params)
             return (jsa.optax.apply_updates(params, updates), state), None
 
@@ -201,9 +201,12 @@ def test_init_state_keeps_its_layout_through_steps(scale_shape):
     for state in (outside, inside):
         new_params, new_state = steps(params, state)
         assert layout(new_state) == layout(outside)
+        # Parameter and buffer sum to the float32 result: bfloat16 alone drops the steps
+        # below half its ulp (0.6% of the value here), the buffer's own rounding costs
+        # 2**-16 of it at most.
         np.testing.assert_allclose(
             represented(new_params["w"]) + represented(new_state.compensation["w"]),
-            np.asarray(values, np.float64) - 3e-6,
+            np.asarray(values, np.float64) - 0.03,
             rtol=2.0**-12,
         )
 
