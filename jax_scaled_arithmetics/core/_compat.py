@@ -436,6 +436,65 @@ def eqn_source_summary(eqn: JaxprEqn, exclude: str = "") -> str:
     return ""
 
 
+def _jax_hypot_with_unit_vector() -> Callable[..., Any] | None:
+    """JAX >= 0.12's `jnp.hypot` core: a `custom_jvp` function returning `(r, x1 / r, x2 / r)`
+    (None on earlier releases, whose `jnp.hypot` is ordinary `jax.numpy` code)."""
+    from jax._src.numpy import ufuncs
+
+    fun = getattr(ufuncs, "_hypot", None)
+    return fun if isinstance(fun, jax.custom_jvp) else None
+
+
+hypot_with_unit_vector: Callable[..., Any] | None = _jax_hypot_with_unit_vector()
+
+
+def jax_hypot_outputs(call_jaxpr: Any) -> tuple[int, ...] | None:
+    """Where a `custom_jvp_call`'s primal is `hypot_with_unit_vector` (`jnp.hypot`'s core on
+    JAX >= 0.12, known by the function name and file JAX traced it from): which of its
+    outputs `(r, x1 / r, x2 / r)` the call returns, in order (dead-code elimination drops
+    the unused ones); None otherwise, or where its form is not the one known here.
+
+    A unit-vector output is a `div` whose numerator is the selection, per element, among
+    `x`, `x * 2**k` and `x * 2**-k` of one operand: its first case leads to that operand.
+    """
+    if hypot_with_unit_vector is None:
+        return None
+    jaxpr = getattr(call_jaxpr, "jaxpr", call_jaxpr)
+    source = str(getattr(getattr(jaxpr, "debug_info", None), "func_src_info", "") or "")
+    if not (source.startswith("_hypot ") and "numpy" in source and "ufuncs.py" in source):
+        return None
+    if len(jaxpr.invars) != 2 or not jaxpr.outvars:
+        return None
+    producers = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    operands = [id(v) for v in jaxpr.invars]
+
+    def operand_of(var: Any) -> int | None:
+        for _ in range(8):
+            if id(var) in operands:
+                return operands.index(id(var))
+            eqn = producers.get(id(var))
+            if eqn is None or eqn.primitive.name not in ("select_n", "mul"):
+                return None
+            var = eqn.invars[1 if eqn.primitive.name == "select_n" else 0]
+        return None
+
+    roles = []
+    for var in jaxpr.outvars:
+        eqn = producers.get(id(var))
+        if eqn is None:
+            return None
+        if eqn.primitive.name != "div":
+            roles.append(0)
+            continue
+        which = operand_of(eqn.invars[0])
+        if which is None:
+            return None
+        roles.append(1 + which)
+    if roles != sorted(set(roles)):
+        return None
+    return tuple(roles)
+
+
 def accumulation_operands(lhs: Any, rhs: Any, acc_dtype: Any) -> tuple[Any, Any]:
     """Operands of a contraction accumulated in `acc_dtype`, as the backend can run it.
 

@@ -126,9 +126,10 @@ def _constant_scale(value: Any, dtype: Any) -> Any:
 
 
 def to_common_scale(
-    *xs: ScaledArray, constants: Sequence[Any] | None = None
+    *xs: ScaledArray, constants: Sequence[Any] | None = None, dtype: Any = None
 ) -> tuple[list[Array], Array]:
-    """Bring ScaledArrays to one common scale: returns their data at it, and the scale.
+    """Bring ScaledArrays to one common scale: returns their data at it (in `dtype`, default
+    each data's own), and the scale.
 
     The common scale is the largest scale of the operands, so every data is multiplied
     by `scale_i / common <= 1` and none overflows. An operand known to be a constant
@@ -146,7 +147,8 @@ def to_common_scale(
         # inf / NaN constants fit at any positive scale, but not at a zero one.
         common = np.float32(1.0)
         ratios = [at_scale_ratio(x.scale, common) for x in xs]
-    return [apply_ratio(x.data, ratio) for x, ratio in zip(xs, ratios, strict=True)], common
+    datas = [apply_ratio(x.data, ratio, dtype) for x, ratio in zip(xs, ratios, strict=True)]
+    return datas, common
 
 
 def _is_number(value: Any) -> bool:

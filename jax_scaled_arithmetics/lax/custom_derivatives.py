@@ -26,6 +26,7 @@ from ..core.subjaxpr import (
 )
 from .base import register_higher_order, safe_div
 from .control_flow import per_tensor
+from .elementwise import scaled_hypot_with_unit_vector
 
 # --- custom derivatives -------------------------------------------------------------------
 #
@@ -123,7 +124,8 @@ class _ScaledPrimal:
 
 @register_higher_order(
     _compat.custom_jvp_call_p,
-    remark="the user's JVP rule is kept, and run scaled",
+    remark="the user's JVP rule is kept, and run scaled; jnp.hypot's (JAX >= 0.12) at a "
+    "common scale",
 )
 def scaled_custom_jvp_call(
     *args: Any,
@@ -133,6 +135,11 @@ def scaled_custom_jvp_call(
     num_consts: int = 0,  # absent from JAX 0.11 when 0
 ) -> list[Any]:
     del symbolic_zeros
+    hypot_outputs = _compat.jax_hypot_outputs(call_jaxpr)
+    if hypot_outputs is not None and num_consts == 0:
+        outs = scaled_hypot_with_unit_vector(*args)
+        if outs is not None:
+            return [outs[i] for i in hypot_outputs]
     primal = _ScaledPrimal(call_jaxpr, args)
     known, in_specs, primal_values = primal.known, primal.in_specs, primal.values
     scaled_fun = jax.custom_jvp(primal.leaves)

@@ -20,6 +20,8 @@ Scale strategies:
   scales are statically equal, otherwise in float32 at a common scale.
 - polynomial (JAX >= 0.12): Horner's rule on the scaled operands, whose mul and add rules
   choose the scales.
+- `jnp.hypot` (JAX >= 0.12, a `custom_jvp` whose call `custom_derivatives.py` routes here):
+  computed in float32 at the operands' common scale `s`, output scale `2 s`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ..core import _compat, block_scales, registry
 from ..core.config import Pow2RoundMode, get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.pow2 import pow2_floor, pow2_round_up, static_pow2
+from ..core.promotion import promote_to_scaled
 from ..core.registry import operand_constants
 from ..core.types import Array
 from .base import (
@@ -44,6 +47,7 @@ from .base import (
     register_linear,
     register_unscaled_elementwise,
     select_whole_cases,
+    to_common_scale,
     zeros_where_scale_zero,
 )
 from .scale_algebra import (
@@ -218,6 +222,31 @@ def scaled_select_n(which: Any, *cases: Any, **params: Any) -> ScaledArray:
         return whole
     out: ScaledArray = _select_n_at_common_scale(which, *cases, **params)
     return out
+
+
+def scaled_hypot_with_unit_vector(x1: Any, x2: Any) -> list[ScaledArray] | None:
+    """`jnp.hypot`'s core on JAX >= 0.12, `(r, x1 / r, x2 / r)` with `r = hypot(x1, x2)`.
+
+    hypot is homogeneous: it runs in float32 on the operands at their common scale `s`,
+    and `r` takes scale `2 s` (`r <= sqrt(2) max(|x1|, |x2|)`: no overflow); the unit
+    vector has scale 1. Interpreted instead, the plain computation multiplies each element
+    by `2**k`, `2**-k` or 1 before squaring, whose selection at one scale per tensor
+    flushes the values far below the largest. None for block scales (interpreted then).
+    """
+    hypot = _compat.hypot_with_unit_vector
+    known = list(operand_constants()) or [None, None]
+    x1, x2 = (promote_to_scaled(x, k) for x, k in zip((x1, x2), known, strict=True))
+    if hypot is None or np.ndim(x1.scale) or np.ndim(x2.scale) or x1.dtype != x2.dtype:
+        return None
+    dtype = x1.dtype
+    (v1, v2), scale = to_common_scale(x1, x2, constants=known, dtype=compute_dtype(dtype))
+    r, u1, u2 = hypot(v1, v2)
+    one = np.float32(1.0)
+    return [
+        ScaledArray((r * 0.5).astype(dtype), scale_mul(scale, np.float32(2.0))),
+        ScaledArray(u1.astype(dtype), one),
+        ScaledArray(u2.astype(dtype), one),
+    ]
 
 
 @registry.register_scaled_op(
