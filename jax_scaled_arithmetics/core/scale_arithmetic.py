@@ -508,20 +508,22 @@ def scale_of_magnitude(amax: Array) -> Array:
     return lax.bitcast_convert_type(_scale_bits_of_magnitude(amax), F32)
 
 
-def _dynamic_scale_bits(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> Array:
-    """The float32 bits of the power of two at or below the largest finite `|x| * factor`,
-    within [SCALE_MIN, SCALE_MAX] (1's bits when that is 0 or there is none)."""
-    amax = _largest_finite_product(x, factor, one_kernel_on_cpu=one_kernel_on_cpu)
-    return _scale_bits_of_magnitude(amax)
-
-
 def _dynamic_scale_impl(x: Array, factor: Array, *, one_kernel_on_cpu: bool = False) -> list[Array]:
-    """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`."""
+    """(t, factor / t): t the power of two at or below the largest finite `|x| * factor`.
+
+    Where that is 0 (every value zero, infinite or NaN) t is SCALE_MIN and the ratio is
+    `factor`: the data is then what it would be at scale 1, zeros stay zeros and infinities
+    infinities, and the tensor does not lift a common scale it joins (a zero tensor at
+    scale 1 added to gradients at 2^-30 flushed them in float16).
+    """
     if x.size == 0:  # no magnitude: t = 1
         return [np.float32(1.0), lax.convert_element_type(factor, F32)]
-    bits = _dynamic_scale_bits(x, factor, one_kernel_on_cpu=one_kernel_on_cpu)
+    amax = _largest_finite_product(x, factor, one_kernel_on_cpu=one_kernel_on_cpu)
+    bits = lax.bitcast_convert_type(amax, np.int32) & _EXPONENT_MASK
+    bits = lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
     scale = lax.bitcast_convert_type(bits, F32)
-    inverse = lax.bitcast_convert_type(_TWO_127 - bits, F32)  # 2^-e, exactly
+    inverse_bits = lax.select(amax > 0, _TWO_127 - bits, lax.full_like(bits, _ONE_BITS))
+    inverse = lax.bitcast_convert_type(inverse_bits, F32)  # 2^-e, exactly
     return [scale, lax.convert_element_type(factor, F32) * inverse]
 
 
@@ -721,9 +723,9 @@ largest_finite_magnitudes_p = define_primitive(
 
 
 def dynamic_scale(y: Array) -> Array:
-    """The power of two at or below the largest finite `|y|` (1 when there is none, or it
-    is 0), within `[SCALE_MIN, SCALE_MAX]`: `y / dynamic_scale(y)` has its largest finite
-    magnitude in [1, 2). Excluded from autodiff (a choice of representation).
+    """The power of two at or below the largest finite `|y|` (SCALE_MIN when there is none,
+    or it is 0), within `[SCALE_MIN, SCALE_MAX]`: `y / dynamic_scale(y)` has its largest
+    finite magnitude in [1, 2). Excluded from autodiff (a choice of representation).
 
     Examples:
         >>> import jax.numpy as jnp

@@ -156,7 +156,8 @@ def _is_number(value: Any) -> bool:
 
 
 def dynamic_scale_of(y: Array, scale_dtype: Any = np.float32) -> Array:
-    """A power-of-two scale close to `max |y|` (1 where that is 0; infinities left out)."""
+    """A power-of-two scale close to `max |y|` (SCALE_MIN where that is 0; infinities left
+    out)."""
     return dynamic_scale(y).astype(scale_dtype)
 
 

@@ -42,8 +42,10 @@ from ..core.scale_arithmetic import (
     dynamic_scale,
     dynamic_scale_p,
     is_pow2,
+    largest_finite_magnitudes_p,
     mark_pow2,
     scale_divide_p,
+    scale_of_magnitude,
     scale_product_p,
     scale_root_p,
 )
@@ -332,11 +334,18 @@ def at_scale_ratio(scale_in: Any, scale_out: Any) -> Any:
     return scale_div(scale_in, scale_out)
 
 
+_F32_MIN_EXP = int(np.finfo(np.float32).minexp)
+
+
 def apply_ratio(data: Array, ratio: Any, dtype: Any = None) -> Array:
     """`data * ratio` in `dtype` (default: data's); nothing to do for a static ratio of 1."""
     dtype = data.dtype if dtype is None else dtype
     static = static_value(ratio) if not isinstance(ratio, float) else ratio
     if static is None:
+        if ml_dtypes.finfo(dtype).minexp > _F32_MIN_EXP:
+            # A ratio below the format's range (a tensor with no magnitude, at SCALE_MIN,
+            # joining others) would round to 0 there and turn its infinities into NaN.
+            return (data.astype(F32) * as_f32(ratio)).astype(dtype)
         return data.astype(dtype) * ratio.astype(dtype)
     if static == 1.0:
         return data.astype(dtype)
@@ -388,7 +397,8 @@ def _clamped_dynamic_scale(acc: Array, static: float) -> Array:
     clamped to `[SCALE_MIN, SCALE_MAX]` as the dynamic scale is."""
     half = float(2.0 ** np.clip(np.floor(np.log2(abs(static)) / 2), -126, 126))
     rest = float(np.clip(abs(static) / half, 2.0**-126, 2.0**126))
-    of_acc = dynamic_scale_p.bind(acc, np.float32(1.0))[0]
+    # A history's scale (1 where there is no magnitude, as `scale_of_magnitude` gives).
+    of_acc = scale_of_magnitude(largest_finite_magnitudes_p.bind(acc, np.float32(1.0)))[0]
     product = of_acc * np.float32(half) * np.float32(rest)
     return lax.clamp(np.float32(SCALE_MIN), product, np.float32(SCALE_MAX))
 
@@ -449,7 +459,10 @@ def represent_dynamic(
         scale, ratio = dynamic_scale_p.bind(*_compat.match_varying(acc, product))
         mark_pow2(scale)
         if recorder is not None:
-            recorder.record(scale, np.float32(1.0), description)
+            # Measured again for the history (its scale is 1 where the output is all zero,
+            # where the dynamic scale is SCALE_MIN: a held SCALE_MIN would overflow the
+            # site's first nonzero output).
+            recorder.record(acc, product, description)
     if is_pow2(product):
         mark_pow2(ratio)
     return ScaledArray((acc * ratio.astype(cdtype)).astype(dtype), scale)

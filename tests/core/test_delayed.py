@@ -308,3 +308,16 @@ def test_a_history_is_saved_and_restored_with_the_training_state(tmp_path):
     (y1, h1), (y2, h2) = step(history, w, 4 * v), step(restored, w, 4 * v)
     np.testing.assert_array_equal(np.asarray(y1.data), np.asarray(y2.data))
     np.testing.assert_array_equal(np.asarray(h1.as_matrix()), np.asarray(h2.as_matrix()))
+
+
+def test_a_site_that_is_zero_at_init_holds_scale_one():
+    """An all-zero output's dynamic scale is SCALE_MIN (it lifts no common scale), but its
+    history records 1, as `scale_of_magnitude` maps no magnitude: held at SCALE_MIN, the
+    site's first nonzero output would overflow float16."""
+    step = jsa.delayed_scaling(lambda w, v: w @ v)
+    w = jsa.as_scaled_array(jnp.full((4, 4), 1.5, jnp.float16))
+    _, history = step.init(w, jsa.as_scaled_array(jnp.zeros((4,), jnp.float16)))
+    np.testing.assert_array_equal(np.asarray(history.as_matrix()), np.ones((1, 16)))
+    y, _ = jax.jit(step)(history, w, jsa.as_scaled_array(jnp.ones((4,), jnp.float16)))
+    assert float(y.scale) == 1.0
+    np.testing.assert_array_equal(represented(y), np.full(4, 6.0))

@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_scaled_arithmetics as jsa
@@ -24,7 +25,7 @@ from jax_scaled_arithmetics.core.scale_arithmetic import (
     scale_product_p,
     scale_root_p,
 )
-from tests.helpers import lowered_divides
+from tests.helpers import assert_close, lowered_divides, make_scaled, represented
 
 F32 = np.float32
 USE_JIT = [False, True]
@@ -126,7 +127,13 @@ def test_dynamic_scale_and_ratio(use_jit):
     x = jnp.array([0.3, -5.0, jnp.inf, jnp.nan], jnp.float32)
     scale, ratio = bind(x, F32(2.0**-40))
     assert float(scale) == 2.0**-38 and float(ratio) == 0.25
-    assert [float(v) for v in bind(jnp.zeros(3), F32(1.0))] == [1.0, 1.0]
+    # All zero (or no finite nonzero value): SCALE_MIN, which lifts no common scale, and
+    # the ratio is the factor (zeros stay zeros, infinities infinities).
+    assert [float(v) for v in bind(jnp.zeros(3), F32(4.0))] == [SCALE_MIN, 4.0]
+    assert [float(v) for v in bind(jnp.array([0.0, jnp.inf, -jnp.inf]), F32(1.0))] == [
+        SCALE_MIN,
+        1.0,
+    ]
     # No magnitude at all: scale 1, so the ratio is the factor.
     assert [float(v) for v in bind(jnp.zeros((0, 3)), F32(4.0))] == [1.0, 4.0]
 
@@ -393,17 +400,21 @@ def test_dynamic_scale_lowerings_agree_wherever_the_largest_magnitude_is(shape, 
         x = jnp.asarray(values.reshape(shape), dtype)
         finite = np.abs(np.asarray(x, F32))[np.isfinite(np.asarray(x, F32))]
         largest = float(finite.max() * F32(3.0)) if finite.size else 0.0
-        expected = 2.0 ** np.floor(np.log2(largest)) if largest > 0 else 1.0
+        # No magnitude: SCALE_MIN (1 with no element at all), and the ratio is the factor.
+        expected = 2.0 ** np.floor(np.log2(largest)) if largest > 0 else SCALE_MIN
+        expected = expected if size else 1.0
         cpu, default = _both_lowerings(dynamic_scale_p, x, F32(3.0))
         np.testing.assert_array_equal(cpu, default, err_msg=f"{shape} {name}")
         assert float(cpu[0]) == expected, (shape, name)
-        assert float(cpu[1]) == 3.0 / expected, (shape, name)
+        assert float(cpu[1]) == (3.0 / expected if largest > 0 else 3.0), (shape, name)
         # The same reduction without the epilogue (delayed scaling's sites: a large tensor
         # in rows on XLA:GPU), which `scale_of_magnitude` turns into the same scale.
         cpu, default = _both_lowerings(largest_finite_magnitudes_p, x, F32(3.0))
         np.testing.assert_array_equal(cpu, default, err_msg=f"{shape} {name}")
         assert cpu[0].tolist() == [largest], (shape, name)
-        assert float(scale_of_magnitude(cpu[0])[0]) == expected, (shape, name)
+        # A history's scale, 1 where there is no magnitude (a held SCALE_MIN would overflow).
+        held = expected if largest > 0 else 1.0
+        assert float(scale_of_magnitude(cpu[0])[0]) == held, (shape, name)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernels")
@@ -480,3 +491,52 @@ def test_scale_product_of_any_scales_represents_the_product():
     )
     assert float(out) == SCALE_MAX
     np.testing.assert_allclose(float(out) * float(ratio), 0.5 * 1.9 * 2.0**127, rtol=1e-6)
+
+
+@pytest.mark.parametrize("use_jit", USE_JIT)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+def test_zeros_known_at_run_time_do_not_flush_the_tensor_they_join(dtype, use_jit):
+    """A tensor that is zero only at run time (a sum that cancels; the cotangent that
+    `clip_by_global_norm`'s scalar predicate zeroes, promoted by its dynamic scale) takes
+    SCALE_MIN, so a common scale with tiny values keeps them: at scale 1 it flushed float16
+    gradients at 2^-30, and clipping's gradient at 2^20 was 55% off."""
+    rng = np.random.default_rng(1)
+    x = make_scaled(rng.normal(size=8), dtype, 1.0)
+    g = make_scaled(rng.normal(size=8), dtype, 2.0**-30)
+
+    def cancelled_plus(x, g):
+        return jnp.sum(x - x, keepdims=True) + g
+
+    out = _maybe_jit(jsa.autoscale(cancelled_plus), use_jit)(x, g)
+    np.testing.assert_array_equal(represented(out), represented(g))
+
+    weights = np.cos(np.arange(32, dtype=np.float32)).reshape(4, 8)
+
+    def clipped_loss(u):
+        clipped = optax.clip_by_global_norm(0.5).update({"u": u}, optax.EmptyState())[0]
+        return jnp.sum(clipped["u"].astype(jnp.float32) * weights)
+
+    rtol = {np.dtype(np.float32): 1e-6, np.dtype(np.float16): 2e-3}.get(np.dtype(dtype), 1e-2)
+    for scale in (2.0**-20, 1.0, 2.0**20):
+        u = make_scaled(rng.normal(size=(4, 8)), dtype, scale)
+        grad = _maybe_jit(jsa.autoscale(jax.grad(clipped_loss)), use_jit)(u)
+        expected = jax.grad(clipped_loss)(jnp.asarray(represented(u), jnp.float32))
+        assert_close(grad, np.asarray(expected), rtol)
+
+
+@pytest.mark.parametrize("use_jit", USE_JIT)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+def test_infinities_of_a_tensor_without_magnitude_survive_a_common_scale(dtype, use_jit):
+    """An attention bias of zeros and -inf made inside the step (not a known constant) has
+    no finite magnitude, so scale SCALE_MIN: its ratio to the scores' scale is below float16's
+    range, and its -inf stay -inf (the product is taken in float32), never NaN."""
+    rng = np.random.default_rng(2)
+    scores = make_scaled(rng.normal(size=(4, 4)), dtype, 2.0**-19)
+    mask = np.tril(np.ones((4, 4), bool))
+
+    def biased(s, m):
+        return s + jnp.where(m, 0.0, -jnp.inf).astype(s.dtype)
+
+    out = _maybe_jit(jsa.autoscale(biased), use_jit)(scores, jnp.asarray(mask))
+    expected = np.where(mask, represented(scores), -np.inf)
+    np.testing.assert_array_equal(represented(out), expected)

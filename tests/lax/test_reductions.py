@@ -9,6 +9,7 @@ import pytest
 from jax import lax
 
 import jax_scaled_arithmetics as jsa
+from jax_scaled_arithmetics.core.scale_arithmetic import SCALE_MIN
 from jax_scaled_arithmetics.lax import reductions as reductions_module
 from tests.helpers import gradient_params, in_turn, make_scaled, one_dtype_each, represented
 from tests.lax.test_shape import (
@@ -174,7 +175,8 @@ def test_dynamic_policy_sum_scale_follows_the_sum(use_jit):
     np.testing.assert_array_equal(represented(out), np.full(3, 16 * 2.0**-20))
     assert float(cum.scale) == 2.0**-16
     np.testing.assert_array_equal(represented(cum)[-1], represented(out))
-    assert float(cancelled.scale) == 1.0 and float(cancelled.data) == 0.0  # zeros: scale 1
+    # Zeros: the smallest scale, which lifts no common scale they join.
+    assert float(cancelled.scale) == SCALE_MIN and float(cancelled.data) == 0.0
 
 
 def test_long_float16_sum_does_not_overflow():
