@@ -484,11 +484,16 @@ def _largest_finite_product(x: Array, factor: Array, *, one_kernel_on_cpu: bool 
     return lax.convert_element_type(amax, F32)
 
 
-def _scale_bits_of_magnitude(amax: Array) -> Array:
+def _clamped_power_bits(amax: Array) -> Array:
     """Elementwise: the float32 bits of the power of two at or below `amax` (non-negative
-    and finite), within [SCALE_MIN, SCALE_MAX]; 1's bits where `amax` is 0."""
+    and finite), within [SCALE_MIN, SCALE_MAX] (SCALE_MIN's where `amax` is 0)."""
     bits = lax.bitcast_convert_type(amax, np.int32) & _EXPONENT_MASK
-    bits = lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
+    return lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
+
+
+def _scale_bits_of_magnitude(amax: Array) -> Array:
+    """`_clamped_power_bits`, but 1's bits where `amax` is 0 (a history's scale)."""
+    bits = _clamped_power_bits(amax)
     return lax.select(amax > 0, bits, lax.full_like(bits, _ONE_BITS))
 
 
@@ -519,8 +524,7 @@ def _dynamic_scale_impl(x: Array, factor: Array, *, one_kernel_on_cpu: bool = Fa
     if x.size == 0:  # no magnitude: t = 1
         return [np.float32(1.0), lax.convert_element_type(factor, F32)]
     amax = _largest_finite_product(x, factor, one_kernel_on_cpu=one_kernel_on_cpu)
-    bits = lax.bitcast_convert_type(amax, np.int32) & _EXPONENT_MASK
-    bits = lax.clamp(_SCALE_MIN_BITS, bits, _SCALE_MAX_BITS)
+    bits = _clamped_power_bits(amax)
     scale = lax.bitcast_convert_type(bits, F32)
     inverse_bits = lax.select(amax > 0, _TWO_127 - bits, lax.full_like(bits, _ONE_BITS))
     inverse = lax.bitcast_convert_type(inverse_bits, F32)  # 2^-e, exactly
