@@ -325,11 +325,27 @@ def _check_hashable(value: Any, where: str) -> None:
         ) from None
 
 
+# A ScaledArray built by a function mapped over pytree leaves: `jax.tree.map` descends into
+# a ScaledArray, so it maps the data and the scale separately (an optax `init` does).
+_MAPPED_OVER_LEAVES = (
+    " Was it built by a function mapped over pytree leaves? jax.tree.map descends into a "
+    "ScaledArray and maps its data and its scale separately, as an optax optimizer's init "
+    "does on ScaledArray parameters. Initialise the state with "
+    "jsa.optax.scale_optimizer(tx).init(params), or from the values: "
+    "jsa.as_scaled_array(tx.init(jsa.asarray(params)))."
+)
+
+
 def _validate_scaled_input(x: ScaledArray, path: str) -> None:
     if not is_floating(x.data):
         raise TypeError(
             f"autoscale input {path}: ScaledArray data must be floating point, got "
-            f"{getattr(x.data, 'dtype', type(x.data))}."
+            f"{getattr(x.data, 'dtype', type(x.data))}.{_MAPPED_OVER_LEAVES}"
+        )
+    if not (hasattr(x.scale, "shape") or isinstance(x.scale, (int, float))):
+        raise TypeError(
+            f"autoscale input {path}: ScaledArray scale must be an array, got "
+            f"{type(x.scale).__name__}.{_MAPPED_OVER_LEAVES}"
         )
     if np.shape(x.scale) != ():
         scale_shape, data_shape = tuple(np.shape(x.scale)), tuple(np.shape(x.data))
@@ -344,7 +360,7 @@ def _validate_scaled_input(x: ScaledArray, path: str) -> None:
     if not is_floating(x.scale):
         raise TypeError(
             f"autoscale input {path}: ScaledArray scale must be floating point, got "
-            f"{getattr(x.scale, 'dtype', type(x.scale))}."
+            f"{getattr(x.scale, 'dtype', type(x.scale))}.{_MAPPED_OVER_LEAVES}"
         )
     problem = invalid_scale_values(x.scale)
     if problem is not None:

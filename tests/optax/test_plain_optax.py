@@ -172,3 +172,133 @@ def test_optax_losses_are_not_taken_for_an_optimizer():
     grads = jax.jit(jsa.autoscale(jax.grad(loss)))(logits)
     expected = jax.jit(jax.grad(loss))(jsa.asarray(logits, jnp.float32))
     np.testing.assert_allclose(jsa.asarray(grads, jnp.float32), expected, atol=2e-3)
+
+
+# Optimizers whose state starts filled with a non-zero constant: plain `tx.init` on
+# ScaledArrays maps the data and the scale separately, so the fill `c` would represent c * c.
+CONSTANT_FILLED = {
+    "adagrad": (lambda: optax.adagrad(1e-2, initial_accumulator_value=0.1), 0.1),
+    "yogi": (lambda: optax.yogi(1e-2), 1e-6),  # initial_accumulator_value=1e-6
+    "rmsprop": (lambda: optax.rmsprop(1e-3, initial_scale=0.5), 0.5),
+}
+
+
+def _init_from_values(tx, params):
+    return jsa.as_scaled_array(tx.init(jsa.asarray(params)))
+
+
+def _init_scale_optimizer(tx, params):
+    return tx.init(params)
+
+
+@pytest.mark.parametrize("init", [_init_from_values, _init_scale_optimizer], ids=["values", "so"])
+@pytest.mark.parametrize("name", sorted(CONSTANT_FILLED))
+def test_constant_filled_states_start_from_their_constant(name, init):
+    """The two initialisations the docs give for ScaledArray parameters: the state holds
+    the constant, and three autoscaled steps follow float32's."""
+    make, fill = CONSTANT_FILLED[name]
+    scaled = jsa.as_scaled_array({"w": W, "b": BIAS})
+    values = jsa.asarray(scaled, jnp.float32)
+    tx = make() if init is _init_from_values else jsa.optax.scale_optimizer(make(), jnp.float32)
+    state = init(tx, scaled)
+    filled = [
+        leaf
+        for leaf in jax.tree.leaves(state, is_leaf=jsa.is_scaled_leaf)
+        if isinstance(leaf, jsa.ScaledArray) and leaf.shape == W.shape
+    ]
+    assert filled and all(
+        np.allclose(jsa.asarray(leaf, jnp.float32), fill, rtol=1e-6) for leaf in filled
+    )
+    apply = optax.apply_updates if init is _init_from_values else jsa.optax.apply_updates
+
+    @jax.jit
+    @jsa.autoscale
+    def scaled_step(params, state):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        return apply(params, updates), state
+
+    ref_tx = make()
+    plain_step = jax.jit(make_step(ref_tx))
+    plain_state = ref_tx.init(values)
+    for _ in range(3):
+        scaled, state = scaled_step(scaled, state)
+        values, _, plain_state = plain_step(values, plain_state)
+    for key in ("w", "b"):
+        change = float(np.max(np.abs(values[key] - {"w": W, "b": BIAS}[key])))
+        np.testing.assert_allclose(
+            jsa.asarray(scaled[key], jnp.float32), values[key], rtol=0, atol=1e-4 * change
+        )
+
+
+def test_a_state_mapped_over_data_and_scale_is_refused_with_the_fixes():
+    """`zero_nans` keeps a boolean per parameter: its plain init on ScaledArrays makes
+    ScaledArrays of booleans, which the step refuses, naming both initialisations; both
+    then run."""
+    tx = optax.chain(optax.zero_nans(), optax.sgd(1e-2))
+    scaled = jsa.as_scaled_array({"w": W, "b": BIAS})
+
+    def step(params, state):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    with pytest.raises(
+        TypeError, match=r"found_nan\['b'\]: ScaledArray data must be floating"
+    ) as err:
+        jax.jit(jsa.autoscale(step))(scaled, tx.init(scaled))
+    message = str(err.value)
+    assert "jax.tree.map descends into a ScaledArray" in message
+    assert "jsa.optax.scale_optimizer(tx).init(params)" in message
+    assert "jsa.as_scaled_array(tx.init(jsa.asarray(params)))" in message
+    params, state = jax.jit(jsa.autoscale(step))(scaled, _init_from_values(tx, scaled))
+    assert not bool(state[0].found_nan["w"])
+    assert np.all(np.isfinite(jsa.asarray(params["w"], jnp.float32)))
+
+
+def _drift_case(scaled_tx, apply):
+    """Five steps of adaptive gradient clipping on parameters near 2^-20, whose gradients
+    (near 1) are clipped: the autoscaled step's parameters and float32's."""
+    make = lambda: optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(0.1))  # noqa: E731
+    small = {"w": W[:8, :16] * 2.0**-20, "b": W[8, 16:] * 2.0**-20}
+    target = W[16:24, :16] * 2.0**-20
+
+    def drift_loss(params):
+        fit = params["w"] * jnp.tanh(params["b"])[None, :] + params["w"] - target
+        return jnp.sum(fit**2) * 2.0**40
+
+    def step(tx, apply_updates):
+        def run_step(params, state):
+            updates, state = tx.update(jax.grad(drift_loss)(params), state, params)
+            return apply_updates(params, updates), state
+
+        return run_step
+
+    scaled = jsa.as_scaled_array(small)
+    values = jsa.asarray(scaled, jnp.float32)
+    tx, ref_tx = scaled_tx(make()), make()
+    scaled_step = jax.jit(jsa.autoscale(step(tx, apply)))
+    plain_step = jax.jit(step(ref_tx, optax.apply_updates))
+    state, plain_state = tx.init(scaled), ref_tx.init(values)
+    for _ in range(5):
+        scaled, state = scaled_step(scaled, state)
+        values, plain_state = plain_step(values, plain_state)
+    return small, scaled, values
+
+
+def test_scale_optimizer_follows_float32_where_plain_state_drifts():
+    """Parameters near 2^-20 with adaptive gradient clipping: the clipped case of a `where`
+    carries the unclipped case's larger scale into plain optax's parameters, and the next
+    step's gradients start from it (five steps flush them); with `scale_optimizer` and
+    `jsa.optax.apply_updates` each step rescales them, and the steps follow float32's."""
+    small, scaled, values = _drift_case(
+        lambda tx: jsa.optax.scale_optimizer(tx, jnp.float32), jsa.optax.apply_updates
+    )
+    for key in ("w", "b"):
+        change = float(np.max(np.abs(values[key] - small[key])))
+        assert change > 0
+        np.testing.assert_allclose(
+            jsa.asarray(scaled[key], jnp.float32), values[key], rtol=0, atol=1e-4 * change
+        )
+    # Plain optax on the same parameters: the documented drift (docs/design.md).
+    _, drifted, values = _drift_case(lambda tx: tx, optax.apply_updates)
+    error = np.max(np.abs(jsa.asarray(drifted["w"], jnp.float32) - values["w"]))
+    assert error > 0.1 * np.max(np.abs(values["w"]))
