@@ -418,3 +418,21 @@ def test_rescale_tree_under_vmap_of_autoscale_is_each_leafs_own(jit):
     for g, w in zip(got, alone(x, y)):
         np.testing.assert_array_equal(np.asarray(g.data), np.asarray(w.data))
         np.testing.assert_array_equal(np.asarray(g.scale), np.asarray(w.scale))
+
+
+def test_rescaling_brings_back_data_far_from_unit_range():
+    """Static rules take data near unit range (docs/design.md, numerical rules): data 2^-14
+    of its value compounds through `cumprod`'s products until the gradient's scale leaves
+    float32's range; rescaled first, the same step follows float32."""
+    values = np.random.default_rng(3).normal(size=(6, 8)).astype(np.float32)
+    far = jsa.scaled_array(values * 2.0**-14, 2.0**14)
+
+    def loss(x):
+        return jnp.sum(jnp.cumprod(x * 0.5 + 1, axis=-1) * jnp.linspace(0.5, 2.0, 8)[None, :])
+
+    expected = jax.grad(loss)(jnp.asarray(values))
+    scale = float(jnp.max(jnp.abs(expected)))
+    lost = jax.jit(jsa.autoscale(jax.grad(loss)))(far)
+    assert float(jnp.max(jnp.abs(lost.to_array(jnp.float32) - expected))) > 0.5 * scale
+    grad = jax.jit(jsa.autoscale(lambda x: jax.grad(loss)(jsa.ops.dynamic_rescale_max(x))))(far)
+    np.testing.assert_allclose(grad.to_array(jnp.float32), expected, rtol=1e-5, atol=1e-5 * scale)
