@@ -287,17 +287,17 @@ def _drift_case(scaled_tx, apply):
 def test_scale_optimizer_follows_float32_where_plain_state_drifts():
     """Parameters near 2^-20 with adaptive gradient clipping: the clipped case of a `where`
     carries the unclipped case's larger scale into plain optax's parameters, and the next
-    step's gradients start from it (five steps flush them); with `scale_optimizer` and
-    `jsa.optax.apply_updates` each step rescales them, and the steps follow float32's."""
-    small, scaled, values = _drift_case(
-        lambda tx: jsa.optax.scale_optimizer(tx, jnp.float32), jsa.optax.apply_updates
-    )
-    for key in ("w", "b"):
-        change = float(np.max(np.abs(values[key] - small[key])))
-        assert change > 0
-        np.testing.assert_allclose(
-            jsa.asarray(scaled[key], jnp.float32), values[key], rtol=0, atol=1e-4 * change
-        )
+    step's gradients start from it (five steps flush them); `jsa.optax.apply_updates`
+    rescales them each step (with plain optax or `scale_optimizer`), and the steps follow
+    float32's."""
+    for wrap in (lambda tx: jsa.optax.scale_optimizer(tx, jnp.float32), lambda tx: tx):
+        small, scaled, values = _drift_case(wrap, jsa.optax.apply_updates)
+        for key in ("w", "b"):
+            change = float(np.max(np.abs(values[key] - small[key])))
+            assert change > 0
+            np.testing.assert_allclose(
+                jsa.asarray(scaled[key], jnp.float32), values[key], rtol=0, atol=1e-4 * change
+            )
     # Plain optax on the same parameters: the documented drift (docs/design.md).
     _, drifted, values = _drift_case(lambda tx: tx, optax.apply_updates)
     error = np.max(np.abs(jsa.asarray(drifted["w"], jnp.float32) - values["w"]))
