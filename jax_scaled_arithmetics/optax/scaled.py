@@ -277,6 +277,21 @@ def _state_layouts(inner: Any, params: Any, state: Any) -> tuple[Any, ...] | Non
     return tuple(m.scale_shape for m in jax.tree_util.tree_leaves(marked, is_leaf=is_layout))
 
 
+def _like_gradients(new_updates: Any, gradients: Any) -> Any:
+    """Outside `autoscale`, the updates of plain gradients as plain arrays (their values),
+    as optax returns them: `optax.apply_updates` under `jax.jit` then takes them. Inside an
+    autoscaled step every leaf stays as the step's interpretation made it."""
+    if tracing_a_scaled_function():
+        return new_updates
+
+    def like(u: Any, g: Any) -> Any:
+        if isinstance(u, ScaledArray) and g is not None and not isinstance(g, ScaledArray):
+            return u.to_array(u.dtype)
+        return u
+
+    return jax.tree_util.tree_map(like, new_updates, gradients, is_leaf=is_scaled_leaf)
+
+
 def _outer_dtypes(tree: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda x: jnp.dtype(x.dtype) if hasattr(x, "dtype") else None, tree, is_leaf=is_scaled_leaf
@@ -304,8 +319,10 @@ def scaled_state(
     it runs in scaled arithmetic on the stored dtypes), then applies `rescale` to
     every new state leaf, shifts its data up by
     `2**data_exponent` and casts it to `state_dtype`. The updates come back with
-    the gradients' dtype. `update` wraps itself in :func:`~jax_scaled_arithmetics.autoscale`:
-    call it inside an autoscaled step, or directly on ScaledArrays.
+    the gradients' dtype, and outside `autoscale` as plain arrays for plain gradients (a
+    plain float32 step keeps `optax.apply_updates`, the state stored in float16). `update`
+    wraps itself in :func:`~jax_scaled_arithmetics.autoscale`: call it inside an autoscaled
+    step, or directly on ScaledArrays or plain arrays.
 
     Args:
         inner: the optax transformation whose state is stored scaled.
@@ -403,7 +420,8 @@ def scaled_state(
         return new_updates, new_state
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        return autoscale(_update)(updates, state, params, extra_args)
+        new_updates, new_state = autoscale(_update)(updates, state, params, extra_args)
+        return _like_gradients(new_updates, updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -446,7 +464,8 @@ def scale_optimizer(
                 updates = grad_rescale(updates)
             return inner.update(updates, state, params, **extra_args)
 
-        return autoscale(_update)(updates, state, params, extra_args)
+        new_updates, new_state = autoscale(_update)(updates, state, params, extra_args)
+        return _like_gradients(new_updates, updates), new_state
 
     return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 

@@ -288,27 +288,49 @@ def test_plain_inputs_outside_autoscale_still_store_scaled():
     assert all(u.dtype == jnp.float32 for u in _leaves(updates))
 
 
-def test_scaled_updates_under_jit_outside_autoscale():
-    """Under `jax.jit` without autoscale, `jsa.optax.apply_updates` adds the ScaledArray
-    updates; `optax.apply_updates` asks for their NumPy value and fails, with a note that
-    says what to use instead."""
+def test_updates_under_jit_outside_autoscale():
+    """Under `jax.jit` without autoscale: plain gradients get plain updates (their values),
+    so the FP16 state drops into a plain float32 step with `optax.apply_updates`; ScaledArray
+    gradients get ScaledArray updates, which `jsa.optax.apply_updates` adds and
+    `optax.apply_updates` refuses with a note that says what to use instead."""
     params, _, _ = _problem()
-    plain_grads, _ = _grads(params, 0)
+    plain_grads, scaled_grads = _grads(params, 0)
     opt = jsa_optax.scaled_state(optax.adam(1e-3))
+    ref = optax.adam(1e-3)
     state = opt.init(params)
 
     @jax.jit
     def step(params, state):
         updates, state = opt.update(plain_grads, state, params)
-        return jsa_optax.apply_updates(params, updates), updates
+        return optax.apply_updates(params, updates), updates
 
     new_params, updates = step(params, state)
+    assert not any(isinstance(u, jsa.ScaledArray) for u in jax.tree.leaves(updates))
+    expected = optax.apply_updates(params, ref.update(plain_grads, ref.init(params), params)[0])
+    _assert_tree_close(new_params, expected, 1e-6, "params")
+    # The same through scale_optimizer, whose update wraps scaled_state's.
+    wrapped = jsa_optax.scale_optimizer(optax.adam(1e-3))
+    wrapped_updates, _ = jax.jit(wrapped.update)(plain_grads, wrapped.init(params), params)
+    assert not any(isinstance(u, jsa.ScaledArray) for u in jax.tree.leaves(wrapped_updates))
+    _assert_tree_close(
+        optax.apply_updates(params, wrapped_updates), expected, 1e-6, "scale_optimizer"
+    )
+
+    @jax.jit
+    def scaled_step(params, state):
+        updates, state = opt.update(scaled_grads, state, params)
+        return jsa_optax.apply_updates(params, updates), updates
+
+    new_params, updates = scaled_step(params, state)
+    assert all(
+        isinstance(u, jsa.ScaledArray) for u in jax.tree.leaves(updates, is_leaf=jsa.is_scaled_leaf)
+    )
     expected = jax.tree_util.tree_map(
         lambda p, u: p + jnp.asarray(u.to_array()), params, updates, is_leaf=jsa.is_scaled_leaf
     )
     _assert_tree_close(new_params, expected, 1e-6, "params")
     with pytest.raises(jax.errors.TracerArrayConversionError, match="jsa.optax.apply_updates"):
-        jax.jit(lambda p, s: optax.apply_updates(p, opt.update(plain_grads, s, p)[0]))(
+        jax.jit(lambda p, s: optax.apply_updates(p, opt.update(scaled_grads, s, p)[0]))(
             params, state
         )
 
