@@ -337,6 +337,7 @@ def multi_steps(
         return new_updates, new_state._replace(acc_grads=stored)
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        return autoscale(_update)(updates, state, params, extra_args)
+        new_updates, new_state = autoscale(_update)(updates, state, params, extra_args)
+        return _scaled._like_gradients(new_updates, updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -393,3 +393,29 @@ def test_mismatched_microbatches():
         jsa.optax.accumulate_gradients(
             lambda p, b: p, jnp.ones(2), (jnp.zeros((4, 2)), jnp.zeros((3, 2)))
         )
+
+
+def test_multi_steps_on_plain_gradients_under_jit():
+    """Plain float32 parameters and gradients, the accumulator stored in float16, a plain
+    jitted step with `optax.apply_updates`: plain updates, and optax.MultiSteps' parameters
+    (the gradients are float16-representable, so the sums are exact)."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 8)}
+    grads = [{"w": jnp.linspace(0.5, 4.0, 8) * (k + 1)} for k in range(4)]
+    tx, ref = jsa.optax.multi_steps(optax.adam(1e-2), 2), optax.MultiSteps(optax.adam(1e-2), 2)
+
+    def make_step(tx):
+        @jax.jit
+        def step(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, updates
+
+        return step
+
+    step, ref_step = make_step(tx), make_step(ref)
+    state, ref_state, ref_params = tx.init(params), ref.init(params), params
+    for g in grads:
+        params, state, updates = step(params, state, g)
+        ref_params, ref_state, _ = ref_step(ref_params, ref_state, g)
+        assert not isinstance(updates["w"], jsa.ScaledArray)
+    np.testing.assert_allclose(params["w"], ref_params["w"], rtol=1e-6)
+    assert not np.allclose(params["w"], jnp.linspace(-1.0, 1.0, 8))
