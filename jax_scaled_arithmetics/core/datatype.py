@@ -15,7 +15,7 @@ from jax import lax
 from . import _compat, block_scales
 from .define import define_primitive
 from .dtypes import compute_dtype
-from .scale_arithmetic import stacked_in_pieces
+from .scale_arithmetic import scale_of_magnitude, stacked_in_pieces
 from .types import Array
 
 DTypeLike = Any
@@ -610,7 +610,9 @@ def scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: Any) -
         layout = _block_layout_for(arr.shape, scale_shape)
         scale = block_scales.block_pow2_scale(arr, layout)
     if scale is None:
-        return scaled_array(arr.astype(out_dtype), np.float32(1.0))
+        if not _narrower_range(out_dtype, arr.dtype):
+            return scaled_array(arr.astype(out_dtype), np.float32(1.0))
+        scale = _scale_that_fits(arr, out_dtype)
     scale_arr = jnp.asarray(scale, dtype=jnp.float32) if isinstance(scale, float) else scale
     scale_arr = _to_jax_array(scale_arr)
     if not is_floating(scale_arr):
@@ -623,6 +625,27 @@ def scaled_leaf(x: Any, scale: Any, dtype: DTypeLike | None, scale_shape: Any) -
     safe_scale = jnp.where(full_scale == 0, 1, full_scale).astype(compute)
     data = jnp.where(full_scale == 0, 0, arr.astype(compute) / safe_scale)
     return ScaledArray(data.astype(out_dtype), scale_arr)
+
+
+def _narrower_range(dtype: Any, than: Any) -> bool:
+    """Whether floating `dtype`'s exponent range is narrower than `than`'s (float16 and FP8
+    against float32; not bfloat16)."""
+    if not (jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(than, jnp.floating)):
+        return False
+    mine, theirs = jnp.finfo(dtype), jnp.finfo(than)
+    return bool(mine.maxexp < theirs.maxexp or mine.minexp > theirs.minexp)
+
+
+def _scale_that_fits(arr: Array, dtype: Any) -> Array:
+    """1 where `arr`'s largest finite magnitude is a normal number of `dtype` (or 0), else
+    the power of two at or below it: the data then fits `dtype` rather than overflowing it
+    or flushing to zero."""
+    magnitude = jnp.abs(arr.astype(compute_dtype(arr.dtype)))
+    amax = jnp.max(jnp.where(jnp.isfinite(magnitude), magnitude, 0), initial=0.0)
+    amax = amax.astype(jnp.float32)
+    info = jnp.finfo(dtype)
+    fits = (amax == 0) | ((amax <= float(info.max)) & (amax >= float(info.smallest_normal)))
+    return jnp.where(fits, np.float32(1.0), scale_of_magnitude(amax))
 
 
 def _block_layout_for(shape: tuple[int, ...], scale_shape: Any) -> tuple[int, ...]:
@@ -646,7 +669,11 @@ def as_scaled_array(
     """Convert the floating-point arrays of a pytree to ScaledArrays.
 
     Floating arrays (JAX or NumPy) become `ScaledArray(value / scale, scale)` (scale 1 by
-    default), so that the result represents the same values. Every other leaf passes
+    default), so that the result represents the same values. With a `dtype` of narrower
+    range (float16, FP8) and no `scale`, an array whose largest finite magnitude is beyond
+    the dtype's largest value or below its smallest normal one gets the power of two at or
+    below that magnitude instead of 1: its data fits rather than overflowing to inf or
+    flushing to 0. Every other leaf passes
     through unchanged: integer and boolean arrays, existing ScaledArrays, `None`, Python
     scalars (a model's dropout rate stays a Python float, static under `autoscale`) and
     non-array objects. Pytree nodes keep their types and metadata (Flax linen variable
@@ -675,6 +702,9 @@ def as_scaled_array(
         >>> x = jsa.as_scaled_array(jnp.array([2.0, 4.0]), scale=2.0)
         >>> x.data, x.scale
         (Array([1., 2.], dtype=float32), Array(2., dtype=float32))
+        >>> big = jsa.as_scaled_array(jnp.array([1e6, -3.0]), dtype=jnp.float16)  # > 65504
+        >>> big.scale, big.to_array(jnp.float32)
+        (Array(524288., dtype=float32), Array([ 9.99936e+05, -3.00000e+00], dtype=float32))
         >>> rows = jsa.as_scaled_array(jnp.array([[3.0, 1.0], [0.25, 0.5]]), scale_shape=(2, 1))
         >>> rows.scale.tolist(), rows.data.tolist()
         ([[2.0], [0.5]], [[1.5, 0.5], [0.5, 1.0]])

@@ -230,3 +230,38 @@ def test_is_floating_of_none_is_false():
     from jax_scaled_arithmetics.core.datatype import is_floating
 
     assert not is_floating(None) and is_floating(1.0) and not is_floating(3)
+
+
+@pytest.mark.parametrize(
+    "dtype, values",
+    [
+        (jnp.float16, [1e6, -3.0, 0.5]),  # beyond float16's 65504
+        (jnp.float16, [1e-7, -3e-8, 0.0]),  # below its smallest normal: flushed or subnormal
+        (jnp.float8_e4m3fn, [1000.0, 3.0, -0.25]),  # beyond E4M3's 448
+    ],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_as_scaled_array_to_a_narrow_dtype_fits_the_data(dtype, values, jit):
+    """Without a scale, values out of the narrow dtype's range get the power of two at or
+    below their largest magnitude: finite data, the values to the dtype's precision (scale
+    1 overflowed to inf or flushed to 0)."""
+    x = jnp.asarray(values, jnp.float32)
+    convert = lambda a: jsa.as_scaled_array(a, dtype=dtype)  # noqa: E731
+    out = jax.jit(convert)(x) if jit else convert(x)
+    amax = float(jnp.max(jnp.abs(x)))
+    assert out.dtype == dtype and float(out.scale) == 2.0 ** np.floor(np.log2(amax))
+    assert np.all(np.isfinite(np.asarray(out.data, np.float32)))
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(out.to_array(jnp.float32), x, rtol=eps, atol=eps * amax)
+    inside = jax.jit(jsa.autoscale(lambda a: jsa.asarray(convert(a) * 1.0, jnp.float32)))(x)
+    np.testing.assert_allclose(inside, x, rtol=eps, atol=eps * amax)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e5m2])
+def test_as_scaled_array_keeps_scale_one_where_the_data_fits(dtype):
+    """Values the dtype holds as normal numbers (or any value, for bfloat16's float32 range)
+    keep scale 1: the data is the cast values."""
+    x = jnp.asarray([0.75, -2.0, 100.0] if dtype != jnp.bfloat16 else [1e30, -1e-30])
+    out = jsa.as_scaled_array(x, dtype=dtype)
+    assert float(out.scale) == 1.0
+    np.testing.assert_array_equal(np.asarray(out.data), np.asarray(x.astype(dtype)))
