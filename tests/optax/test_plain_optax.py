@@ -302,3 +302,53 @@ def test_scale_optimizer_follows_float32_where_plain_state_drifts():
     _, drifted, values = _drift_case(lambda tx: tx, optax.apply_updates)
     error = np.max(np.abs(jsa.asarray(drifted["w"], jnp.float32) - values["w"]))
     assert error > 0.1 * np.max(np.abs(values["w"]))
+
+
+LONG_RUN = {
+    "adam": lambda: optax.adam(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+    "lamb": lambda: optax.lamb(1e-3),
+    "agc": lambda: optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(1e-2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LONG_RUN))
+def test_plain_optax_state_drift_is_bounded_at_unit_scale(name):
+    """200 steps of an MLP, float32 data at unit scale, plain optax and
+    `optax.apply_updates`: the scales drift (nothing resets them, docs/design.md) but the
+    data stays far inside float32's range and the parameters follow float32's."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(64, 4)), jnp.float32)
+    start = {
+        "w1": jnp.asarray(rng.normal(size=(16, 32)) / 4, jnp.float32),
+        "b1": jnp.zeros(32),
+        "w2": jnp.asarray(rng.normal(size=(32, 4)) / 6, jnp.float32),
+        "b2": jnp.zeros(4),
+    }
+
+    def mlp_loss(params):
+        hidden = jax.nn.gelu(x @ params["w1"] + params["b1"][None, :])
+        return jnp.mean((hidden @ params["w2"] + params["b2"][None, :] - y) ** 2)
+
+    tx = LONG_RUN[name]()
+
+    def step(params, state):
+        updates, state = tx.update(jax.grad(mlp_loss)(params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    plain_step, scaled_step = jax.jit(step), jax.jit(jsa.autoscale(step))
+    values, plain_state = start, tx.init(start)
+    scaled, state = jsa.as_scaled_array(start), jsa.as_scaled_array(tx.init(start))
+    for _ in range(200):
+        values, plain_state = plain_step(values, plain_state)
+        scaled, state = scaled_step(scaled, state)
+    for key in start:
+        change = float(jnp.max(jnp.abs(values[key] - start[key])))
+        np.testing.assert_allclose(
+            jsa.asarray(scaled[key], jnp.float32), values[key], rtol=0, atol=2e-5 * change
+        )
+    for leaf in jax.tree.leaves((scaled, state), is_leaf=jsa.is_scaled_leaf):
+        if isinstance(leaf, jsa.ScaledArray) and bool(jnp.any(leaf.data != 0)):
+            assert 2.0**-24 < float(jnp.max(jnp.abs(leaf.data))) < 2.0**24
