@@ -194,7 +194,9 @@ class ScaledArray:
         return out if dtype is None else out.astype(dtype)
 
     def astype(self, dtype: DTypeLike) -> ScaledArray:
-        """Cast the data to `dtype`, keeping the scale (the value is rounded to `dtype`)."""
+        """Cast the data to `dtype`, keeping the scale (the value is rounded to `dtype`; data
+        beyond its range overflows as a plain cast does: convert a float32 value to a
+        narrower format with `as_scaled_array(value, dtype=...)`, which fits the scale)."""
         return ScaledArray(jnp.asarray(self.data).astype(dtype), self.scale)
 
     def __repr__(self) -> str:
