@@ -215,6 +215,12 @@ def eqn_context(eqn: JaxprEqn) -> Any:
     return stack
 
 
+def replace_eqn(eqn: JaxprEqn, **fields: Any) -> JaxprEqn:
+    """A copy of `eqn` with some of its fields (`invars`, `outvars`, `params`...) replaced,
+    its source information and context kept."""
+    return eqn.replace(**fields)
+
+
 def get_bind_params(eqn: JaxprEqn) -> tuple[list[Any], dict[str, Any]]:
     """Split an equation's params into the positional sub-functions and keyword params of bind
     (every supported release passes sub-functions as the `subfuns` param: none positional)."""

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import _compat, block_scales, registry
 from .config import get_autoscale_config
@@ -29,6 +30,7 @@ from .registry import operand_constants
 from .scale_arithmetic import is_pow2, mark_pow2
 from .walker import (
     Frame,
+    Group,
     JaxprWalker,
     bind_equation,
     declare_rewrap,
@@ -201,6 +203,41 @@ def _vary_data_like(value: Any, aval: Any) -> Any:
     return _compat.vary_over(value, axes)
 
 
+def _transposed_dot(jaxpr: Any, index: int, uses: collections.Counter[Any]) -> Any:
+    """The `dot_general` equation that computes equation `index + 1`, a transpose of the
+    product equation `index` makes (and nothing else reads), in one: the same product of
+    the operands swapped, whose output axes (batch, rhs free, lhs free) are the
+    transpose's. None when the two equations are not such a pair.
+
+    Autodiff writes a matmul's weight gradient so (`transpose(dot_general(g, x))`); plain
+    XLA folds the transpose into the product, but a scaled product's data is the product
+    times a ratio, and XLA:CPU then writes it transposed in a pass of its own (a strided
+    copy of the weight-sized gradient)."""
+    dot, transpose = jaxpr.eqns[index], jaxpr.eqns[index + 1]
+    if dot.primitive is not lax.dot_general_p or transpose.primitive is not lax.transpose_p:
+        return None
+    out = dot.outvars[0]
+    if transpose.invars[0] is not out or uses[out] != 1 or any(v is out for v in jaxpr.outvars):
+        return None
+    params = dict(dot.params)
+    if params.get("out_sharding") is not None:
+        return None
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    nb = len(lb)
+    nl = len(dot.invars[0].aval.shape) - nb - len(lc)
+    nr = len(dot.invars[1].aval.shape) - nb - len(rc)
+    swapped = (*range(nb), *range(nb + nl, nb + nl + nr), *range(nb, nb + nl))
+    if tuple(transpose.params["permutation"]) != swapped:
+        return None
+    params["dimension_numbers"] = ((tuple(rc), tuple(lc)), (tuple(rb), tuple(lb)))
+    precision = params.get("precision")
+    if isinstance(precision, tuple) and len(precision) == 2:
+        params["precision"] = precision[::-1]
+    return _compat.replace_eqn(
+        dot, invars=dot.invars[::-1], outvars=list(transpose.outvars), params=params
+    )
+
+
 class _Autoscale(JaxprWalker):
     """`autoscale`'s walk: values are ScaledArrays or plain arrays; an equation with a
     ScaledArray operand (or a primitive that is always scaled) runs its scaled rule, any
@@ -224,6 +261,30 @@ class _Autoscale(JaxprWalker):
 
     def observers(self) -> Sequence[Any]:
         return equation_observers()
+
+    def groups(self, jaxpr: Any, context: _AutoscaleContext) -> Sequence[Group]:
+        """Each product whose output only a transpose reads (a weight gradient), offered
+        to `eval_group` as one product of the operands swapped."""
+        found = []
+        for index in range(len(jaxpr.eqns) - 1):
+            fused = _transposed_dot(jaxpr, index, context.uses)
+            if fused is not None:
+                found.append(
+                    Group(index, index + 2, fused, tuple(fused.invars), tuple(fused.outvars))
+                )
+        return found
+
+    def eval_group(self, group: Group, invals: list[Any], frame: Frame) -> list[Any] | None:
+        fused = group.key
+        scaled = [v for v in invals if isinstance(v, ScaledArray)]
+        # Block scales are laid out per operand (`block_rules`): left to the two equations.
+        if not scaled or any(np.ndim(v.scale) for v in scaled):
+            return None
+        with _compat.eqn_context(fused):
+            outs = self.eval_eqn(fused, invals, frame)
+        for observer in self.observers():
+            observer(fused, invals, outs)
+        return outs
 
     def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
         context: _AutoscaleContext = frame.context
