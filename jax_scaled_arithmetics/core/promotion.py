@@ -20,8 +20,9 @@ def promote_to_scaled(x: Any, known: Any = None) -> Any:
     """Promote an unscaled floating operand of a scaled equation to a ScaledArray.
 
     A statically known zero gets scale 0; a known scalar (or a broadcast of one)
-    gets a power-of-two scale so that its data is in [1, 2); any other array gets the
-    power of two of its largest finite magnitude (its data then in [1, 2), like every
+    gets a power-of-two scale so that its data is in [1, 2) (an infinity or NaN scale
+    1); any other array gets the power of two of its largest finite magnitude (its data
+    then in [1, 2), like every
     output of a sum or contraction: a plain value computed from constants, such as the
     cotangent a loss's mean sends back, joins scaled ones at its own magnitude), or
     scale 1 with `ScalePolicy.STATIC`. Non-floating values and ScaledArrays are returned
@@ -31,6 +32,11 @@ def promote_to_scaled(x: Any, known: Any = None) -> Any:
         return x
     config = get_autoscale_config()
     scale_dtype = config.scale_dtype
+    if known is not None and isinstance(known, (int, float)) and not np.isfinite(known):
+        # An inf or NaN (a mask's -inf) is itself at any positive scale: scale 1, so that
+        # its ratio to another operand's scale (2^-10 at scale 2^10) is never a float32
+        # subnormal, which XLA flushes to 0 (inf * 0 is NaN).
+        return ScaledArray(x, np.asarray(1.0, scale_dtype))
     if known is not None and isinstance(known, (int, float)) and np.isfinite(known):
         if known == 0:
             return ScaledArray(x, np.asarray(0.0, scale_dtype))

@@ -265,7 +265,12 @@ def _common_scale_impl(
     """(common, s_i / common...): common the power of two at or above the largest of the
     first `num_wanted` scales (that largest itself when `pow2` says they are powers of two);
     every operand (those after them too) gets its ratio to it, at most 1, exact. `finish`
-    is applied to the common scale before the ratios are formed from it."""
+    is applied to the common scale before the ratios are formed from it.
+
+    A ratio is at least float32's smallest normal number (0 for a zero scale): XLA flushes
+    a subnormal one to 0, and the infinities of an operand with no finite magnitude (a
+    mask of 0 and -inf, at SCALE_MIN) would become NaN at a common scale above 2^2. What
+    the floor changes in finite data is below 2^-125 of the common scale."""
     common = scales[0]
     for scale in scales[1:num_wanted]:
         common = lax.max(common, scale)
@@ -273,7 +278,15 @@ def _common_scale_impl(
         common = _pow2_up(common)
     common = finish(common)
     inverse = _reciprocal(common, pow2=True)
-    return [common, *(scale * inverse for scale in scales)]
+    return [common, *(_ratio(scale, inverse) for scale in scales)]
+
+
+_SMALLEST_NORMAL = np.float32(2.0**-126)
+
+
+def _ratio(scale: Array, inverse: Array) -> Array:
+    """`scale * inverse`, a float32 normal number or 0 (for a zero scale)."""
+    return lax.max(scale * inverse, lax.min(scale, _SMALLEST_NORMAL))
 
 
 def _common_scale_jvp(

@@ -196,3 +196,55 @@ def test_scanned_layer_norm_grad_with_small_variance(use_jit):
     for grad, ref in zip(grads, expected, strict=True):  # beta's is plain: sum(weights)
         assert np.all(np.isfinite(represented(grad)))
         assert_close(grad, np.asarray(ref), 2e-2, atol_rel=2e-2)
+
+
+# --- masks of infinities --------------------------------------------------------------------
+
+KEEP = (jnp.arange(8) < 5)[None]
+
+# What masks are written as: an -inf (or NaN) where entries are left out.
+MASKS = {
+    "where_neg_inf": lambda x: jnp.where(KEEP, x, -jnp.inf),
+    "where_nan": lambda x: jnp.where(KEEP, x, jnp.nan),
+    "additive_bias": lambda x: x + jnp.where(KEEP, 0.0, -jnp.inf),
+    "maximum_neg_inf": lambda x: jnp.maximum(x, jnp.full_like(x, -jnp.inf)),
+    "concatenate": lambda x: jnp.concatenate([x, jnp.full((x.shape[0], 2), -jnp.inf, x.dtype)], 1),
+    "pad": lambda x: jnp.pad(x, ((0, 0), (1, 1)), constant_values=-jnp.inf),
+    "softmax_where": lambda x: jax.nn.softmax(x, axis=-1, where=KEEP),
+    "softmax_bias": lambda x: jax.nn.softmax(x + jnp.where(KEEP, 0.0, -jnp.inf), axis=-1),
+    "logsumexp_where": lambda x: jax.nn.logsumexp(x, axis=-1, where=KEEP),
+    "max_where": lambda x: jnp.max(x, axis=-1, where=KEEP, initial=-jnp.inf),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16], ids=str)
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_masks_of_infinities_at_any_scale(mask, dtype):
+    """A mask's infinities stay infinities whatever the scale of what they join: an -inf
+    known scalar (scale 2^-124 before) or a 0/-inf bias (no finite magnitude: SCALE_MIN)
+    joined data at scale 2^3 or more with a ratio below float32's normal range, which XLA
+    flushed to 0, and `-inf * 0` made every masked softmax, logsumexp and max NaN."""
+    fun = MASKS[mask]
+    exponents = (-14, 0, 3, 10, 14) if dtype == np.float16 else (-60, 0, 3, 10, 40, 120)
+    data = _rng(mask).normal(size=(3, 8)).astype(dtype)
+    run = jax.jit(jsa.autoscale(fun))
+    for exponent in exponents:
+        x = jsa.scaled_array(data, np.float32(2.0**exponent))
+        expected = np.asarray(fun(jnp.asarray(represented(x), jnp.float32)))
+        out = np.asarray(represented(run(x)), np.float32)
+        for kind in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(kind(out), kind(expected), f"2^{exponent}: {out}")
+        assert_close(out, expected, 4e-2)
+        if mask.startswith("softmax"):
+            cotangent = jnp.asarray(_rng("cotangent").normal(size=expected.shape), dtype)
+            vjp = jax.jit(jsa.autoscale(lambda a, c: jax.vjp(fun, a)[1](c)[0]))
+            grad = represented(vjp(x, cotangent))
+            expected_grad = jax.vjp(fun, jnp.asarray(represented(x), jnp.float32))[1](
+                cotangent.astype(jnp.float32)
+            )
+            assert np.isfinite(grad).all(), f"2^{exponent}: {grad}"
+            # A saturated softmax's gradient is 0 up to float32's rounding (1e-23 at 2^14):
+            # an absolute tolerance against the unit cotangent, a few ulps of the dtype
+            # (measured up to 9e-3 in bfloat16, 4e-4 in float16).
+            atol = {np.float32: 1e-4, np.float16: 4e-3}.get(dtype, 3e-2)
+            np.testing.assert_allclose(grad, expected_grad[0], rtol=4e-2, atol=atol)
