@@ -872,3 +872,24 @@ def test_family_rule_made_for_each_primitive(primitive: Any, family: str, binary
         out = jsa.autoscale(primitive.bind)(a, b)
         want = primitive.bind(represented(a), represented(b))
         np.testing.assert_array_equal(np.asarray(represented(out)), np.asarray(want))
+
+
+def test_max_with_zero_keeps_the_scale_object():
+    """max(x, 0) is x or 0: x's scale as it is (no scale arithmetic, later adds with x share it)."""
+    x = make_scaled(np.array([1.0, -2.0, 0.5], np.float32), F16, 2.0**-20)
+    jaxpr = jax.make_jaxpr(jsa.autoscale(lambda a: jnp.maximum(a, 0.0) + a))(x)
+    assert "common_scale" not in str(jaxpr)
+
+
+def test_clip_of_an_infinity_at_a_scale_too_small_for_the_bound_stays_infinite():
+    """The documented trade-off (docs/design.md, numerical rules): at float16 scale 2^-20
+    the bound 3 does not fit x's data, so the output keeps x's scale (the finite elements'
+    precision) and an infinity stays infinite; where the bound fits, it is the bound."""
+    values = np.array([np.inf, -np.inf, 0.25, np.nan], np.float32)
+    fn = jax.jit(jsa.autoscale(lambda a: jnp.clip(a, -3.0, 3.0)))
+    tiny = fn(make_scaled(values, F16, 2.0**-20))
+    assert float(tiny.scale) == 2.0**-20
+    np.testing.assert_array_equal(represented(tiny)[:2], [np.inf, -np.inf])
+    fits = represented(fn(make_scaled(values, F16, 2.0**-8)))
+    np.testing.assert_array_equal(fits[:3], [3.0, -3.0, 0.25 * 2.0**-8])
+    assert np.isnan(fits[3])
