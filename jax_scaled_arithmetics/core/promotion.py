@@ -19,14 +19,13 @@ __all__ = ["promote_to_scaled"]
 def promote_to_scaled(x: Any, known: Any = None) -> Any:
     """Promote an unscaled floating operand of a scaled equation to a ScaledArray.
 
-    A statically known zero gets scale 0; a known scalar (or a broadcast of one)
-    gets a power-of-two scale so that its data is in [1, 2) (an infinity or NaN scale
-    1); any other array gets the power of two of its largest finite magnitude (its data
-    then in [1, 2), like every
-    output of a sum or contraction: a plain value computed from constants, such as the
-    cotangent a loss's mean sends back, joins scaled ones at its own magnitude), or
-    scale 1 with `ScalePolicy.STATIC`. Non-floating values and ScaledArrays are returned
-    unchanged.
+    A statically known zero gets scale 0; a known scalar (or a broadcast of one) gets a
+    power-of-two scale so that its data is in [1, 2) (an infinity or NaN scale 1); any
+    other array gets the power of two of its largest finite magnitude (its data then in
+    [1, 2), like every output of a sum or contraction: a plain value computed from
+    constants, such as the cotangent a loss's mean sends back, joins scaled ones at its
+    own magnitude), or scale 1 with `ScalePolicy.STATIC`. Non-floating values and
+    ScaledArrays are returned unchanged.
     """
     if isinstance(x, ScaledArray) or not is_floating(x):
         return x

@@ -269,8 +269,10 @@ def _common_scale_impl(
 
     A ratio is at least float32's smallest normal number (0 for a zero scale): XLA flushes
     a subnormal one to 0, and the infinities of an operand with no finite magnitude (a
-    mask of 0 and -inf, at SCALE_MIN) would become NaN at a common scale above 2^2. What
-    the floor changes in finite data is below 2^-125 of the common scale."""
+    mask of 0 and -inf, at SCALE_MIN) would become NaN at a common scale above 2^2. The
+    floor only meets an operand more than 2^126 below the common scale, whose finite data
+    was multiplied by 0 before and by 2^-126 now: below 2^-125 of the common scale for
+    data near unit range."""
     common = scales[0]
     for scale in scales[1:num_wanted]:
         common = lax.max(common, scale)
