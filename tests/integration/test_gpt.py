@@ -243,3 +243,35 @@ def test_float16_data_stays_in_range(problem):
     assert {row.phase for row in rows} == {"forward", "backward"}
     for row in rows:
         assert 2.0**-10 <= row.rms <= 2.0**8, (row.phase, row.primitive, row.source, row.rms)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_causal_attention_with_large_logits_is_finite(dtype):
+    """The model masks attention with `jnp.where(causal, scores, -jnp.inf)`. Once the
+    logits' scale reached 2^3 (weights 16x their initialisation here), the mask's ratio
+    to it was a float32 subnormal, XLA flushed it to 0, and `-inf * 0` made 94% of the
+    attention's outputs NaN; the gradient too."""
+    config = gpt.GPTConfig(n_layer=1, n_head=4, n_embd=64, block_size=16)
+    params = jax.jit(gpt.init_params, static_argnums=1)(jax.random.PRNGKey(0), config)
+    block = jax.tree_util.tree_map(lambda a: 16.0 * a, params["blocks"][0])
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 64))
+
+    def loss(p, x):
+        return jnp.sum(gpt.attention(x, p, config.n_head) ** 2)
+
+    scaled = jsa.as_scaled_array((block, x), dtype=dtype)
+    value, grads = jax.jit(jsa.autoscale(jax.value_and_grad(loss)))(*scaled)
+    plain = jax.tree_util.tree_map(
+        lambda a: jnp.asarray(jsa.asarray(a), jnp.float32), scaled, is_leaf=jsa.is_scaled_leaf
+    )
+    expected_value, expected_grads = jax.value_and_grad(loss)(*plain)
+    tol = 1e-4 if dtype == np.float32 else 2e-2
+    np.testing.assert_allclose(jsa.asarray(value, jnp.float32), expected_value, rtol=tol)
+    for (path, g), e in zip(_leaves(grads), jax.tree_util.tree_leaves(expected_grads)):
+        g = np.asarray(jsa.asarray(g, jnp.float32))
+        assert np.isfinite(g).all(), jax.tree_util.keystr(path)
+        if not np.any(e):  # a parameter of the block attention does not read
+            assert not np.any(g), jax.tree_util.keystr(path)
+            continue
+        err = np.max(np.abs(g - e)) / np.max(np.abs(e))
+        assert err <= tol, f"{jax.tree_util.keystr(path)}: {err:.3g}"
