@@ -1,8 +1,7 @@
 """The measurement scripts of issue 43 (`benchmarks/gpu_check.py`, `delayed_scaling.py`,
-`scale_results.py`, `compile_profile.py`, `kernel_profile.py`, `program_size.kernel_kinds`),
-run here at tiny
-sizes or on recorded output: they must work the first time a GPU is lent, and read XLA's
-output right."""
+`scale_results.py`, `compile_profile.py`, `kernel_profile.py`, `weight_gradient_layout.py`,
+`program_size.kernel_kinds`), run here at tiny sizes or on recorded output: they must work
+the first time a GPU is lent, and read XLA's output right."""
 
 import json
 
@@ -240,3 +239,17 @@ def test_kernel_profile_times_the_kernels_of_a_compiled_step():
     for row in rows:
         assert 0 < row["kernels_run"] <= row["kernels"] and row["kernel_us"] > 0
         assert 0 <= row["split_us"] <= row["kernel_us"]
+
+
+@pytest.mark.slow
+def test_weight_gradient_layout_benchmark_finds_the_copies_it_removes():
+    bench = load_script("weight_gradient_layout", "benchmarks/weight_gradient_layout.py")
+    row = bench.measure("nnx", 1)
+    assert set(bench.VARIANTS) == {"plain", "unfused", "fused"}
+    copies = {variant: row[variant]["transposing_copies"] for variant in bench.VARIANTS}
+    # Unfused, XLA:CPU writes each weight gradient transposed (2 Linear layers).
+    assert copies["fused"] == copies["plain"] < copies["unfused"], copies
+    assert row["fused"]["kernels"] <= row["unfused"]["kernels"]
+    assert row["largest_difference"] < 1e-6
+    for variant in bench.VARIANTS:
+        assert row[variant]["step_ms"] > 0
