@@ -15,7 +15,7 @@ from jax import lax
 from . import _compat, block_scales
 from .define import define_primitive
 from .dtypes import compute_dtype
-from .scale_arithmetic import scale_of_magnitude, stacked_in_pieces
+from .scale_arithmetic import largest_magnitude, scale_of_magnitude, stacked_in_pieces
 from .types import Array
 
 DTypeLike = Any
@@ -643,8 +643,8 @@ def _scale_that_fits(arr: Array, dtype: Any) -> Array:
     the power of two at or below it: the data then fits `dtype` rather than overflowing it
     or flushing to zero."""
     magnitude = jnp.abs(arr.astype(compute_dtype(arr.dtype)))
-    amax = jnp.max(jnp.where(jnp.isfinite(magnitude), magnitude, 0), initial=0.0)
-    amax = amax.astype(jnp.float32)
+    # At least 0: an empty array's maximum is -inf.
+    amax = jnp.maximum(largest_magnitude(magnitude, finite_only=True), 0).astype(jnp.float32)
     info = jnp.finfo(dtype)
     fits = (amax == 0) | ((amax <= float(info.max)) & (amax >= float(info.smallest_normal)))
     return jnp.where(fits, np.float32(1.0), scale_of_magnitude(amax))

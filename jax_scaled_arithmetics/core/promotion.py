@@ -31,12 +31,12 @@ def promote_to_scaled(x: Any, known: Any = None) -> Any:
         return x
     config = get_autoscale_config()
     scale_dtype = config.scale_dtype
-    if known is not None and isinstance(known, (int, float)) and not np.isfinite(known):
-        # An inf or NaN (a mask's -inf) is itself at any positive scale: scale 1, so that
-        # its ratio to another operand's scale (2^-10 at scale 2^10) is never a float32
-        # subnormal, which XLA flushes to 0 (inf * 0 is NaN).
-        return ScaledArray(x, np.asarray(1.0, scale_dtype))
-    if known is not None and isinstance(known, (int, float)) and np.isfinite(known):
+    if known is not None and isinstance(known, (int, float)):
+        if not np.isfinite(known):
+            # An inf or NaN (a mask's -inf) is itself at any positive scale: scale 1, so
+            # that its ratio to another operand's scale (2^-10 at scale 2^10) is never a
+            # float32 subnormal, which XLA flushes to 0 (inf * 0 is NaN).
+            return ScaledArray(x, np.asarray(1.0, scale_dtype))
         if known == 0:
             return ScaledArray(x, np.asarray(0.0, scale_dtype))
         mode = config.rounding_mode
