@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -528,6 +529,51 @@ def test_reshard_and_device_put_under_autoscale_move_data_and_place_scales():
     target = NamedSharding(MESH, P("i", None))
     text = str(jax.make_jaxpr(jsa.autoscale(lambda a: jax.device_put(a, target)))(x))
     assert "spec=P('i', None)" in text and "spec=P()" in text
+
+
+def _explicit_step(opt):
+    def step(params, opt_state, x):
+        loss, grads = jax.value_and_grad(_mlp_loss)(params, x)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    return step
+
+
+@pytest.mark.parametrize("variant", ["autoscale", "delayed_scaling"])
+def test_a_training_step_on_a_mesh_of_explicit_axes(variant):
+    """Data parallel over a mesh whose axes are explicit (JAX's sharding in types: every
+    value's type holds its partition spec), as `jax.make_mesh` and `jax.set_mesh` users
+    write it: the scaled step traces (a largest magnitude's scalar has a spec of its own, a
+    ScaledArray argument is traced with its data's sharding) and gives float32's loss and
+    gradients. (Before: `ValueError: Length of sharding.spec (2) must be equal to aval's
+    ndim (0)` at the first dot, and a scaled batch met replicated values of the plain
+    trace.)"""
+    mesh = jax.make_mesh((N,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+    opt = jsa.optax.scale_optimizer(optax.adam(1e-3))
+    step = _explicit_step(opt)
+    params, x = _mlp_params(), np.concatenate([_inputs()] * 2)
+    want_loss, want = _reference_value_and_grad()(params, x)
+    with jax.set_mesh(mesh):
+        replicated = jax.device_put(params, NamedSharding(mesh, P()))
+        scaled = jsa.as_scaled_array(replicated, dtype=jnp.float16)
+        batch = jsa.as_scaled_array(
+            jax.device_put(x, NamedSharding(mesh, P("i", None))), dtype=jnp.float16
+        )
+        opt_state = opt.init(scaled)
+        if variant == "autoscale":
+            new, _, loss, grads = jax.jit(jsa.autoscale(step))(scaled, opt_state, batch)
+        else:
+            delayed = jsa.delayed_scaling(step)
+            _, history = jax.jit(delayed.init)(scaled, opt_state, batch)
+            (new, _, loss, grads), _ = jax.jit(delayed)(history, scaled, opt_state, batch)
+    assert batch.data.sharding.spec == P("i", None)
+    np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(want_loss), rtol=2e-3)
+    for name in params:
+        got = np.asarray(grads[name].to_array(jnp.float32))
+        scale = np.max(np.abs(np.asarray(want[name])))
+        np.testing.assert_allclose(got, np.asarray(want[name]), rtol=2e-2, atol=2e-2 * scale)
+        assert np.all(np.isfinite(np.asarray(new[name].to_array(jnp.float32))))
 
 
 def _rowwise_fp8_loss(p, x):

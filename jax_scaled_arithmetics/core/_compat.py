@@ -368,13 +368,18 @@ def is_drop_var(var: Any) -> bool:
 
 
 def shape_dtype_struct(aval: Any) -> jax.ShapeDtypeStruct:
-    """A `ShapeDtypeStruct` for `aval` keeping its weak type and, inside `shard_map`, the
-    mesh axes it varies over (`manual_axis_type`, with the abstract-mesh sharding it needs),
-    so that a jaxpr traced over it types its operations as the original did."""
+    """A `ShapeDtypeStruct` for `aval` keeping its weak type, inside `shard_map` the mesh
+    axes it varies over (`manual_axis_type`, with the abstract-mesh sharding it needs), and
+    its sharding over a mesh's explicit axes, so that a jaxpr traced over it types its
+    operations as the original did."""
     kwargs: dict[str, Any] = {"weak_type": getattr(aval, "weak_type", False)}
     mat = getattr(aval, "mat", None)
+    sharding = getattr(aval, "sharding", None)
     if mat is not None and not getattr(mat, "empty", True):
-        kwargs.update(manual_axis_type=mat, sharding=getattr(aval, "sharding", None))
+        kwargs.update(manual_axis_type=mat, sharding=sharding)
+    elif any(entry is not None for entry in getattr(sharding, "spec", ())):
+        # Sharded over a mesh's explicit axes: the sharding is part of the value's type.
+        kwargs.update(sharding=sharding)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, **kwargs)
 
 
@@ -544,10 +549,29 @@ def eqn_name_stack(eqn: JaxprEqn) -> str:
     return str(eqn.source_info.name_stack)
 
 
+def aval_like(
+    aval: Any, shape: Sequence[int], dtype: Any, from_axes: Sequence[int | None] | None = None
+) -> Any:
+    """An abstract value of `shape` and `dtype` derived from `aval` (varying mesh axes kept,
+    so that a value computed from one inside `shard_map` is typed as varying where it
+    does). Its sharding keeps the partition spec entry of `aval`'s axis `from_axes[i]` for
+    its axis `i` (None, or no `from_axes`: replicated): over a mesh's explicit axes a
+    value's type holds its spec, one entry per axis."""
+    shape = tuple(shape)
+    update: dict[str, Any] = {"shape": shape, "dtype": jax.numpy.dtype(dtype), "weak_type": False}
+    sharding: Any = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and (len(spec) or shape):
+        entries = tuple(spec) + (None,) * (len(aval.shape) - len(spec))
+        axes = list(from_axes) if from_axes is not None else [None] * len(shape)
+        new_spec = [entries[a] if a is not None else None for a in axes]
+        update["sharding"] = sharding.update(spec=jax.sharding.PartitionSpec(*new_spec))
+    return aval.update(**update)
+
+
 def scalar_aval_like(aval: Any, dtype: Any) -> Any:
-    """A scalar abstract value of `dtype` derived from `aval` (varying mesh axes kept, so that
-    a scalar computed from a value inside `shard_map` is typed as varying where it does)."""
-    return aval.update(shape=(), dtype=jax.numpy.dtype(dtype), weak_type=False)
+    """A scalar abstract value of `dtype` derived from `aval` (`aval_like`)."""
+    return aval_like(aval, (), dtype)
 
 
 # How `jax.lax`'s binary operations make their operands vary alike inside `shard_map`:

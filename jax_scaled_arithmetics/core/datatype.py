@@ -421,7 +421,7 @@ def _stack_jvp(primitive: Any, primals: Any, tangents: Any) -> Any:
 stack_scalars_p = define_primitive(
     "stack_scalars",
     lambda *scalars: jnp.stack(scalars),
-    lambda *scalars: scalars[0].update(shape=(len(scalars),), dtype=np.float32, weak_type=False),
+    lambda *scalars: _compat.aval_like(scalars[0], (len(scalars),), np.float32),
     batching=_stack_batch,
     jvp=_stack_jvp,
     cpu_impl=stacked_in_pieces,

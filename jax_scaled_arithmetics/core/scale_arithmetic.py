@@ -721,7 +721,7 @@ def _largest_finite_magnitudes_batch(primitive: Any, args: Any, dims: Any) -> An
 
 def _largest_finite_magnitudes_abstract(*operands: Any) -> Any:
     pairs = _pairs(operands)
-    return _compat.scalar_aval_like(operands[0], F32).update(shape=(len(pairs),))
+    return _compat.aval_like(operands[0], (len(pairs),), F32)
 
 
 # The largest finite `|x| * factor` of each `(x, factor)` pair of its operands, as one

@@ -366,7 +366,8 @@ def _apply_to_data_abstract_eval(x: Any, *extra: Any, fn: Any) -> Any:
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         *[jax.ShapeDtypeStruct(e.shape, e.dtype) for e in extra],
     )
-    return x.update(shape=out.shape, dtype=out.dtype, weak_type=False)
+    same = tuple(out.shape) == tuple(x.shape)
+    return _compat.aval_like(x, out.shape, out.dtype, range(len(out.shape)) if same else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -194,8 +194,8 @@ def _rescale_factor_batch(
 
 
 def _rescale_factor_abstract(data: Any, *, axes: tuple[int, ...], **_: Any) -> list[Any]:
-    shape = tuple(d for i, d in enumerate(data.shape) if i not in axes)
-    return [data.update(shape=shape, dtype=_F32, weak_type=False)] * 2
+    kept = [i for i in range(len(data.shape)) if i not in axes]
+    return [_compat.aval_like(data, [data.shape[i] for i in kept], _F32, kept)] * 2
 
 
 rescale_factor_p = define_primitive(
@@ -244,7 +244,7 @@ def _rescale_factors_per_tensor(
 
 
 def _rescale_factors_abstract(*data: Any, **_: Any) -> list[Any]:
-    return [d.update(shape=(), dtype=_F32, weak_type=False) for d in data for _ in range(2)]
+    return [_compat.scalar_aval_like(d, _F32) for d in data for _ in range(2)]
 
 
 def _rescale_factors_batch(
