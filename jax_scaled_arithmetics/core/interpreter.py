@@ -221,7 +221,11 @@ def _transposed_dot(jaxpr: Any, index: int, uses: collections.Counter[Any]) -> A
         return None
     params = dict(dot.params)
     if params.get("out_sharding") is not None:
-        return None
+        # Traced under a mesh: the fused product is sharded as the transpose's output.
+        sharding = getattr(transpose.outvars[0].aval, "sharding", None)
+        if sharding is None:
+            return None
+        params["out_sharding"] = sharding
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     nb = len(lb)
     nl = len(dot.invars[0].aval.shape) - nb - len(lc)

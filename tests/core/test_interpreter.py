@@ -675,6 +675,34 @@ def test_a_products_transposes_other_than_the_swap_and_other_readers_are_kept(pe
         )
 
 
+def test_a_sharded_weight_gradient_is_one_product_sharded_as_the_transpose():
+    """Under a mesh of explicit axes every product carries its output's sharding: the fused
+    product takes the transpose's (the weights' columns over the mesh here), so the program
+    is the same product as without a mesh, and a `delayed_scaling` history made without a
+    mesh is read under one (its sites' shapes are the fused products')."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    loss, w_shape, x_shape = WEIGHT_GRADIENTS["matmul"]
+    rng = np.random.default_rng(5)
+    w = make_scaled(rng.normal(size=w_shape) / 3, np.float16, 2.0**-8)
+    x = make_scaled(rng.normal(size=x_shape), np.float16, 2.0**8)
+    mesh = jax.make_mesh((2,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+    grad = jax.grad(loss)
+    _, history = jsa.delayed_scaling(grad).init(w, x)
+    with jax.set_mesh(mesh):
+        columns = NamedSharding(mesh, P(None, "i"))
+        sw = jsa.scaled_array(jax.device_put(w.data, columns), w.scale)
+        jaxpr = jax.make_jaxpr(jsa.autoscale(grad))(sw, x)
+        out = jax.jit(jsa.autoscale(grad))(sw, x)
+        delayed, _ = jax.jit(jsa.delayed_scaling(grad))(history, sw, x)
+    assert _count(jaxpr, "transpose") == 0
+    assert out.data.sharding.spec == P(None, "i")
+    want = jax.grad(loss)(*plain((w, x)))
+    assert_close(out, want, 8 * RTOL[np.dtype(np.float16)])
+    assert_close(delayed, want, 8 * RTOL[np.dtype(np.float16)])
+
+
 def test_block_scaled_weight_gradient_keeps_its_two_equations():
     """Block scales are laid out per operand: the product and its transpose stay apart."""
     loss, w_shape, x_shape = WEIGHT_GRADIENTS["matmul"]
