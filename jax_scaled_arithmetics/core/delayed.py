@@ -10,10 +10,13 @@ data's path. The history is an explicit value (:class:`ScaleHistory`) that the s
 and returns, carried in the training state like an optimizer state.
 
 Each sum and contraction that the step's program runs at its top level is a *site*,
-numbered in program order. Those inside a loop (`scan`, `while`), a conditional (`cond`),
-a checkpointed function (`jax.checkpoint`), a custom derivative or a `jit` with shardings
-keep the dynamic scale (their bodies are traced apart from the step). A `jit` without
-shardings is inlined, so its sites count.
+numbered in program order. A site in the body of a top-level `scan` is a site at each
+iteration (layers stacked and scanned hold a scale each): the scan takes the held scales
+of its rows as one more scanned input and returns the body's measured scales as one more
+stacked output. Those inside a `while` loop, a conditional (`cond`), a checkpointed
+function (`jax.checkpoint`), a custom derivative, a `jit` with shardings or a scan within a
+scan's body keep the dynamic scale (their bodies are traced apart from the step). A `jit`
+without shardings is inlined, so its sites count.
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ class ScaleHistory:
             the last `length` steps, newest first. One array, so that a step computes all
             its held scales in one small kernel and writes the new history in one more
             (docs/benchmarks.md, "Delayed scaling").
-        sites: one description per site (the output's dtype and shape), in program
-            order; static (part of a compiled program's key), and checked at every call so
-            that a history is never read by a program it was not made for.
+        sites: one description per site (the output's dtype and shape; a scan body's
+            site once per iteration, as `scan 0 (12 iterations), iteration 3: float16[8,
+            64]`), in program order; static (part of a compiled program's key), and
+            checked at every call so that a history is never read by a program it was not
+            made for.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -90,15 +95,22 @@ def _held_scales(scales: Any, margin: np.float32) -> Any:
 
 
 class _SiteRecorder:
-    """The sites of one call's trace: the held scales it reads, the scales it measures."""
+    """The sites of one call's trace: the held scales it reads, the scales it measures.
+
+    A row of the history is a site at the call's top level, or a site of the body of a
+    top-level `scan` at one iteration (`scan_group`): the body's sites are measured in the
+    body, their scales stacked over the iterations as the scan's extra output."""
 
     def __init__(self, history: ScaleHistory | None, margin: int) -> None:
         self.trace = _compat.current_trace()
         self.history = history
         self.margin = np.float32(2.0**margin)
-        self.measured: list[Any] = []
+        # In program order: ("site", measured, factor), or ("rows", scales) for a scan
+        # body's sites at every iteration (a float32 vector, iteration-major).
+        self.entries: list[tuple[Any, ...]] = []
         self.descriptions: list[str] = []
         self.held: Any = None
+        self.scans = 0
         if history is not None:
             shape = np.shape(history.scales)
             if len(shape) != 2 or shape[0] != len(history.sites) or shape[1] < 1:
@@ -117,16 +129,14 @@ class _SiteRecorder:
         """Whether the sites take held scales (a step), rather than their own (`init`)."""
         return self.history is not None
 
-    def record(self, measured: Any, factor: Any, description: str) -> Any:
-        """Record a site's measurement, `measured * factor`: its output (whose largest
-        finite magnitude the next history takes), or its dynamic scale (`scale_of_magnitude`
-        maps both to the scale). Returns the site's held scale, or None when making a
-        history."""
-        index = len(self.measured)
-        self.measured.append((measured, factor))
-        self.descriptions.append(description)
-        if self.history is None:
-            return None
+    def _held_scales(self) -> Any:
+        if self.held is None:  # every site's, in one kernel, at the first site
+            assert self.history is not None
+            self.held = _held_scales(self.history.scales, self.margin)
+        return self.held
+
+    def _check_row(self, index: int, description: str) -> None:
+        assert self.history is not None
         sites = self.history.sites
         if index >= len(sites) or sites[index] != description:
             found = sites[index] if index < len(sites) else "no site"
@@ -135,54 +145,219 @@ class _SiteRecorder:
                 f"contraction of {description} here, {found} in the history ({len(sites)} "
                 f"sites). Make a history for this step with its `init`."
             )
-        if self.held is None:  # every site's, in one kernel, at the first site
-            self.held = _held_scales(self.history.scales, self.margin)
+
+    def record(self, measured: Any, factor: Any, description: str) -> Any:
+        """Record a site's measurement, `measured * factor`: its output (whose largest
+        finite magnitude the next history takes), or its dynamic scale (`scale_of_magnitude`
+        maps both to the scale). Returns the site's held scale, or None when making a
+        history."""
+        index = len(self.descriptions)
+        self.entries.append(("site", measured, factor))
+        self.descriptions.append(description)
+        if self.history is None:
+            return None
+        self._check_row(index, description)
         # On XLA:CPU each site's scale is read from a kernel of its own: a slice of the
         # vector fused into every kernel that reads it would make those kernels differ
         # from site to site, and XLA:CPU compiles each distinct kernel on its own (the zoo
         # steps compiled 1.3-1.9x slower).
-        return block_scales.materialize_scalar_on_cpu(self.held[index])
+        return block_scales.materialize_scalar_on_cpu(self._held_scales()[index])
+
+    def scan_group(self, length: int) -> _ScanSites | None:
+        """The sites of a top-level scan's body, one row per site and iteration: their held
+        scales (`[length, sites]`, read from the history's rows of this scan) and the
+        recorder the body is traced with. None for an empty scan."""
+        if length < 1:
+            return None
+        ordinal, self.scans = self.scans, self.scans + 1
+        prefix = f"scan {ordinal} ({length} iterations)"
+        index = len(self.descriptions)
+        held = None
+        count = 0
+        if self.history is not None:
+            sites = self.history.sites
+            while index + count < len(sites) and sites[index + count].startswith(prefix + ","):
+                count += 1
+            if not count and index < len(sites) and sites[index].startswith(f"scan {ordinal} ("):
+                raise ValueError(
+                    f"This ScaleHistory was made for another program: site {index} is "
+                    f"{sites[index]!r} in the history, a scan of {length} iterations here. "
+                    f"Make a history for this step with its `init`."
+                )
+            if count % length:
+                raise ValueError(
+                    f"This ScaleHistory was made for another program: {count} rows of "
+                    f"{prefix} from site {index}, not a multiple of its iterations. Make a "
+                    f"history for this step with its `init`."
+                )
+            if count:
+                held = self._held_scales()[index : index + count].reshape(length, -1)
+        return _ScanSites(self, prefix, length, index, count // length, held)
+
+    def add_rows(self, scales: Any, descriptions: Sequence[str]) -> None:
+        """A scan's body sites, measured at every iteration (`scales`, iteration-major)."""
+        index = len(self.descriptions)
+        if self.history is not None:
+            for offset, description in enumerate(descriptions):
+                self._check_row(index + offset, description)
+        self.entries.append(("rows", scales))
+        self.descriptions.extend(descriptions)
 
     def _measured_scales(self) -> Any:
-        """This call's scales, one per site, as a float32 vector: every site's largest
-        magnitude from one primitive (whose XLA:GPU form finishes all the reductions in
-        one kernel), then their scales."""
-        operands = [operand for pair in self.measured for operand in pair]
-        magnitudes = largest_finite_magnitudes_p.bind(*_compat.match_varying(*operands))
-        return scale_of_magnitude(magnitudes)
+        """This call's scales, one per row, as a float32 vector: every top-level site's
+        largest magnitude from one primitive (whose XLA:GPU form finishes all the
+        reductions in one kernel), then their scales; a scan body's rows as the scan
+        measured them."""
+        operands = [
+            operand for entry in self.entries if entry[0] == "site" for operand in entry[1:]
+        ]
+        sites = None
+        if operands:
+            magnitudes = largest_finite_magnitudes_p.bind(*_compat.match_varying(*operands))
+            sites = scale_of_magnitude(magnitudes)
+        if all(entry[0] == "site" for entry in self.entries):
+            return sites
+        pieces: list[Any] = []
+        start = run = 0
+        for entry in [*self.entries, ("end",)]:
+            if entry[0] == "site":
+                run += 1
+                continue
+            if run:
+                assert sites is not None
+                pieces.append(sites[start : start + run])
+                start, run = start + run, 0
+            if entry[0] == "rows":
+                pieces.append(jnp.asarray(entry[1], jnp.float32))
+        return jnp.concatenate(pieces)
 
     def next_history(self, history: ScaleHistory) -> ScaleHistory:
         """`history` with this call's scales as its newest step (the oldest dropped)."""
-        if len(self.measured) != len(history.sites):
+        if len(self.descriptions) != len(history.sites):
             raise ValueError(
                 f"This ScaleHistory was made for another program: {len(history.sites)} sums "
-                f"and contractions in the history, {len(self.measured)} in this step. Make a "
-                f"history for this step with its `init`."
+                f"and contractions in the history, {len(self.descriptions)} in this step. "
+                f"Make a history for this step with its `init`."
             )
         older = jnp.asarray(history.scales, jnp.float32)
-        if not self.measured:
+        if not self.descriptions:
             return ScaleHistory(older, history.sites)
         newest = self._measured_scales()[:, None]
         return ScaleHistory(jnp.concatenate([newest, older[:, :-1]], axis=1), history.sites)
 
     def first_history(self, length: int) -> ScaleHistory:
         """A history of `length` steps, each this call's scales."""
-        if not self.measured:
+        if not self.descriptions:
             return ScaleHistory(jnp.zeros((0, length), jnp.float32), ())
         newest = self._measured_scales()[:, None]
-        scales = jnp.broadcast_to(newest, (len(self.measured), length))
+        scales = jnp.broadcast_to(newest, (len(self.descriptions), length))
         return ScaleHistory(scales, tuple(self.descriptions))
+
+
+class _BodyRecorder:
+    """The sites of one trace of a scan's body: their held scales come in as the body's
+    extra input (`held`, one per site), their scales go out as its extra output."""
+
+    def __init__(self, held: Any, count: int | None) -> None:
+        self.trace = _compat.current_trace()
+        self.held = held
+        self.count = count  # the history's sites per iteration (None: making a history)
+        self.entries: list[tuple[Any, Any]] = []
+        self.descriptions: list[str] = []
+
+    def covers(self) -> bool:
+        return _compat.current_trace() is self.trace
+
+    @property
+    def holding(self) -> bool:
+        return self.count is not None
+
+    def record(self, measured: Any, factor: Any, description: str) -> Any:
+        index = len(self.entries)
+        self.entries.append((measured, factor))
+        self.descriptions.append(description)
+        if self.count is None:
+            return None
+        if index >= self.count:
+            raise ValueError(
+                f"This ScaleHistory was made for another program: a scan body has "
+                f"{index + 1} or more sums and contractions here, {self.count} in the "
+                f"history. Make a history for this step with its `init`."
+            )
+        return block_scales.materialize_scalar_on_cpu(self.held[index])
+
+    def scan_group(self, length: int) -> None:
+        """A scan within a scan's body keeps dynamic scales."""
+        return None
+
+    def measured_scales(self) -> Any:
+        """The body's sites' scales at this iteration (a float32 vector), or None."""
+        if not self.entries:
+            return None
+        operands = [operand for pair in self.entries for operand in pair]
+        magnitudes = largest_finite_magnitudes_p.bind(*_compat.match_varying(*operands))
+        return scale_of_magnitude(magnitudes)
+
+
+class _ScanSites:
+    """The rows of one top-level scan: `trace_body` wraps each trace of its body, `finish`
+    takes the stacked scales the scan returned."""
+
+    def __init__(
+        self, parent: _SiteRecorder, prefix: str, length: int, index: int, count: int, held: Any
+    ) -> None:
+        self.parent = parent
+        self.prefix = prefix
+        self.length = length
+        self.index = index
+        self.count = count
+        self.held = held  # [length, count] or None
+        self.body: _BodyRecorder | None = None
+
+    @property
+    def takes_held(self) -> bool:
+        """Whether the body takes the held scales as an extra scanned input."""
+        return self.held is not None
+
+    @contextlib.contextmanager
+    def trace_body(self, held_slice: Any) -> Iterator[_BodyRecorder]:
+        """Record the sites of the body being traced now (one round of a fixed point)."""
+        count = self.count if self.parent.holding else None
+        self.body = body = _BodyRecorder(held_slice, count)
+        with _recorded(body):
+            yield body
+        if count is not None and len(body.entries) != count:
+            raise ValueError(
+                f"This ScaleHistory was made for another program: a scan body has "
+                f"{len(body.entries)} sums and contractions here, {count} in the history. "
+                f"Make a history for this step with its `init`."
+            )
+
+    def finish(self, stacked: Any) -> None:
+        """The body's scales at every iteration (`[length, sites]`) become the scan's rows."""
+        assert self.body is not None
+        if not self.body.entries:
+            return
+        rows = [
+            f"{self.prefix}, iteration {i}: {description}"
+            for i in range(self.length)
+            for description in self.body.descriptions
+        ]
+        self.parent.add_rows(jnp.reshape(stacked, (-1,)), rows)
+
+
+_Recorder = _SiteRecorder | _BodyRecorder
 
 
 class _Recording(threading.local):
     def __init__(self) -> None:
-        self.stack: list[_SiteRecorder] = []
+        self.stack: list[_Recorder] = []
 
 
 _RECORDING = _Recording()
 
 
-def site_recorder() -> _SiteRecorder | None:
+def site_recorder() -> _Recorder | None:
     """The recorder of the `delayed_scaling` call being traced, when a value computed now
     is one of its sites (its own trace); else None (no such call, or inside a body)."""
     if not _RECORDING.stack:
@@ -197,10 +372,10 @@ def recording() -> bool:
 
 
 @contextlib.contextmanager
-def _recorded(recorder: _SiteRecorder) -> Iterator[_SiteRecorder]:
+def _recorded(recorder: _Recorder) -> Iterator[None]:
     _RECORDING.stack.append(recorder)
     try:
-        yield recorder
+        yield
     finally:
         _RECORDING.stack.pop()
 
@@ -229,9 +404,10 @@ def delayed_scaling(
     `history_length` steps. Outputs that shrink use less of the data format's range
     instead (an output 2**10 times smaller than its largest in the history has float16
     data below 2**-9, so its small entries reach float16's subnormals 10 binades
-    sooner). Sums and contractions inside loops, conditionals,
-    checkpointed functions, custom derivatives and `jit`s with shardings keep dynamic
-    scales; a `jit` without shardings is inlined.
+    sooner). A sum or contraction in the body of a top-level `scan` has a row of the
+    history per iteration. Those inside `while` loops, conditionals, checkpointed
+    functions, custom derivatives, `jit`s with shardings and scans within a scan's body
+    keep dynamic scales; a `jit` without shardings is inlined.
 
     Args:
         fun: the step to transform, as for :func:`autoscale`.
@@ -283,13 +459,15 @@ def delayed_scaling(
                 f"`step.init`), got {type(history).__name__}."
             )
         refuse_inside_autoscale()
-        with _recorded(_SiteRecorder(history, margin)) as recorder:
+        recorder = _SiteRecorder(history, margin)
+        with _recorded(recorder):
             out = scaled(*args, **kwargs)
             return out, recorder.next_history(history)
 
     def init(*args: Any, **kwargs: Any) -> tuple[Any, ScaleHistory]:
         refuse_inside_autoscale()
-        with _recorded(_SiteRecorder(None, margin)) as recorder:
+        recorder = _SiteRecorder(None, margin)
+        with _recorded(recorder):
             out = scaled(*args, **kwargs)
         return out, recorder.first_history(history_length)
 

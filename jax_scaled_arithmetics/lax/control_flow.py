@@ -39,6 +39,7 @@ the original construct over those leaves:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -181,31 +182,42 @@ def _trace_leaves(
     known: Sequence[Any],
     out_scaled: Sequence[bool | None],
     scale_shapes: Sequence[Any],
+    body_sites: Any = None,
 ) -> tuple[Any, tuple[bool, ...]]:
     """`trace_scaled_leaves`, each scaled output also brought to the scale shape given
-    (`()` per tensor, a block layout, or None: as it comes) with `to_scale_shape`."""
+    (`()` per tensor, a block layout, or None: as it comes) with `to_scale_shape`.
+
+    `body_sites`: a top-level scan's `delayed_scaling` sites (`scan_group`): the body then
+    takes their held scales as one more input leaf (when the history has them) and
+    returns their measured scales as one more output leaf (when it has sites)."""
     in_leaves, in_specs = flatten_scaled(abstract_args)
+    takes_held = body_sites is not None and body_sites.takes_held
+    extra_in = [jax.ShapeDtypeStruct((body_sites.count,), np.float32)] if takes_held else []
     out_specs_box: list[tuple[bool, ...]] = []
 
     def flat_fun(*flat: Any) -> list[Any]:
-        values = unflatten_scaled(flat, in_specs)
-        outs = []
-        for out, scaled, shape in zip(
-            registry.interpret_closed_jaxpr(closed_jaxpr, values, known),
-            out_scaled,
-            scale_shapes,
-            strict=True,
-        ):
-            if scaled is not None:
-                out = coerce_scaledness(out, scaled)
-            if shape is not None and isinstance(out, ScaledArray):
-                out = to_scale_shape(out, shape)
-            outs.append(out)
-        out_leaves, out_specs = flatten_scaled(outs)
+        values = unflatten_scaled(flat[: len(in_leaves)], in_specs)
+        held = flat[len(in_leaves)] if takes_held else None
+        sites = body_sites.trace_body(held) if body_sites is not None else contextlib.nullcontext()
+        with sites as body:
+            outs = []
+            for out, scaled, shape in zip(
+                registry.interpret_closed_jaxpr(closed_jaxpr, values, known),
+                out_scaled,
+                scale_shapes,
+                strict=True,
+            ):
+                if scaled is not None:
+                    out = coerce_scaledness(out, scaled)
+                if shape is not None and isinstance(out, ScaledArray):
+                    out = to_scale_shape(out, shape)
+                outs.append(out)
+            out_leaves, out_specs = flatten_scaled(outs)
+            measured = body.measured_scales() if body is not None else None
         out_specs_box.append(out_specs)
-        return out_leaves
+        return out_leaves if measured is None else [*out_leaves, measured]
 
-    traced = jax.make_jaxpr(flat_fun)(*in_leaves)
+    traced = jax.make_jaxpr(flat_fun)(*in_leaves, *extra_in)
     return traced, out_specs_box[-1]
 
 
@@ -254,6 +266,7 @@ def _loop_fixed_point(
     scale_avals: Sequence[Any],
     known: Sequence[Any],
     num_extra_outs: int,
+    body_sites: Any = None,
 ) -> tuple[Any, tuple[bool, ...], list[Any], tuple[bool, ...]]:
     """Trace a loop body until the carries' scaledness is stable.
 
@@ -273,7 +286,7 @@ def _loop_fixed_point(
         ]
         forced = [True if s else None for s in specs] + [None] * num_extra_outs
         traced, out_specs = _trace_leaves(
-            body, [*before, *carries, *after], known, forced, scale_shapes
+            body, [*before, *carries, *after], known, forced, scale_shapes, body_sites
         )
         new_specs = tuple(a or b for a, b in zip(specs, out_specs[: len(specs)], strict=True))
         if new_specs == specs:
@@ -347,6 +360,10 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
     ]
     scale_avals = [_scale_aval(c) for c in init]
     num_ys = len(jaxpr.out_avals) - num_carry
+    # Under `jsa.delayed_scaling`, a top-level scan's body sites take held scales too: one
+    # row of the history per site and iteration, scanned in and measured out.
+    recorder = delayed.site_recorder()
+    sites = recorder.scan_group(length) if recorder is not None else None
     body, carry_specs, carry_abs, out_specs = _loop_fixed_point(
         jaxpr,
         const_abs,
@@ -356,7 +373,9 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
         scale_avals,
         [*k_consts, *([None] * num_carry), *k_xs],
         num_ys,
+        sites,
     )
+    measures = sites is not None and sites.body is not None and bool(sites.body.entries)
     init_leaves = _init_leaves(init, carry_specs, k_init, scale_avals)
     const_leaves, _ = flatten_scaled(consts)
     carry_leaf_avals, _ = flatten_scaled(carry_abs)
@@ -366,6 +385,8 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
         xs_data.append(x.data if isinstance(x, ScaledArray) else x)
         if cut:
             xs_data.append(x.scale)
+    if sites is not None and sites.takes_held:
+        xs_data.append(sites.held)
 
     def body_fun(carry_leaves: list[Any], x_slices: list[Any]) -> tuple[list[Any], list[Any]]:
         x_leaves: list[Any] = []
@@ -376,6 +397,7 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
                 x_leaves.extend([data, next(slices) if cut else x.scale])
             else:
                 x_leaves.append(data)
+        x_leaves.extend(slices)  # the held scales of the body's sites, if any
         outs = _compat.jaxpr_as_fun(body)(*const_leaves, *carry_leaves, *x_leaves)
         carry_out = [
             _cast_like(o, a) for o, a in zip(outs[:n_carry], carry_leaf_avals, strict=True)
@@ -386,10 +408,16 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
     carry_leaves, ys_leaves = jax.lax.scan(
         body_fun, init_leaves, xs_data, length=length, reverse=reverse, unroll=unroll, **public
     )
+    if measures:
+        assert sites is not None
+        sites.finish(ys_leaves[-1])
+        ys_leaves = ys_leaves[:-1]
     # A scaled `y` whose scale does not depend on the carries or xs has one scale for all.
     n_const_leaves = len(const_leaves)
     mask = [i >= n_const_leaves for i in range(len(body.jaxpr.invars))]
     varying = outputs_depending_on(body.jaxpr, mask)[n_carry:]
+    if measures:
+        varying = varying[:-1]
     y_specs = out_specs[num_carry:]
     ys = unflatten_scaled(ys_leaves, y_specs)
     ys_varying = unflatten_scaled(varying, y_specs)

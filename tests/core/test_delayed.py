@@ -202,8 +202,9 @@ def test_a_scaled_adam_step_trains_with_the_history_in_its_state():
 
 
 def test_sites_are_the_top_level_sums_and_contractions():
-    """A jit without shardings is inlined (its sites count); a scan body and a cond branch
-    keep dynamic scales (they are traced apart); the static policy has no sites."""
+    """A jit without shardings is inlined (its sites count); a top-level scan's body sites
+    are one row per iteration; a cond branch keeps dynamic scales (traced apart); the
+    static policy has no sites."""
     w = jsa.as_scaled_array(jnp.eye(4, dtype=jnp.float16) * 3)
     v = jsa.as_scaled_array(jnp.ones((4,), jnp.float16))
 
@@ -214,16 +215,123 @@ def test_sites_are_the_top_level_sums_and_contractions():
         return jnp.sum(h)
 
     _, history = jsa.delayed_scaling(f).init(w, v)
-    assert history.sites == ("float16[4]", "float32[]")  # jnp.sum accumulates float16 in float32
-    # The loop and branch outputs are right at their own dynamic scales.
+    assert history.sites == (
+        "float16[4]",
+        "scan 0 (2 iterations), iteration 0: float16[4]",
+        "scan 0 (2 iterations), iteration 1: float16[4]",
+        "float32[]",  # jnp.sum accumulates float16 in float32
+    )
+    np.testing.assert_array_equal(history.scales[:, 0], [2.0, 8.0, 16.0, 256.0])
+    # The loop and branch outputs are right at the held and dynamic scales.
     (out, new) = jax.jit(jsa.delayed_scaling(f))(history, w, v)
     assert_close(out, np.float32(4 * 81.0), 1e-3)
+    np.testing.assert_array_equal(new.scales[:, 0], history.scales[:, 0])
     with jsa.AutoScaleConfig(policy=jsa.ScalePolicy.STATIC):
         _, static_history = jsa.delayed_scaling(f).init(w, v)
     assert static_history.sites == () and static_history.scales.shape == (0, 16)
     y, empty = jax.jit(jsa.delayed_scaling(lambda a: a * 2))(static_history, v)
     np.testing.assert_array_equal(represented(y), np.full(4, 2.0))
     assert empty.sites == () and empty.scales.shape == (0, 16)
+
+
+def stacked_loss(params, x):
+    """An MLP whose layers are stacked and run as a `lax.scan`, as deep models are."""
+
+    def layer(h, p):
+        return jax.nn.relu(h @ p["w"] + p["b"][None, :]), None
+
+    h, _ = jax.lax.scan(layer, x, params)
+    return jnp.mean(jnp.square(h))
+
+
+def stacked_inputs(dtype, scale):
+    """Three layers at weights 2^-2, 1 and 2^2 (a block scale, one per layer)."""
+    rng = np.random.default_rng(4)
+    gains = np.array([0.25, 1.0, 4.0], np.float32)[:, None, None]
+    w = jsa.scaled_array((rng.normal(size=(3, 6, 6)) / 3).astype(dtype), gains)
+    params = {"w": w, "b": make_scaled(rng.normal(size=(3, 6)), dtype, scale)}
+    return params, make_scaled(rng.normal(size=(5, 6)), dtype, scale)
+
+
+def stacked_grad_step(params, x):
+    return jax.value_and_grad(stacked_loss)(params, x)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("scale", STEP_SCALES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_a_scanned_models_sites_hold_one_scale_per_layer(dtype, scale, jit):
+    """The forward scan's and the backward (reversed) scan's sums and contractions are
+    rows of the history, one per layer: `init` is the dynamic step and records each
+    layer's own scale; a step from an input 8 times larger computes the dynamic step's
+    values at the held scales, and measures the dynamic step's scales."""
+    params, x = stacked_inputs(dtype, scale)
+    step = jsa.delayed_scaling(stacked_grad_step, history_length=2)
+    out, history = _maybe_jit(step.init, jit)(params, x)
+    dynamic = _maybe_jit(jsa.autoscale(stacked_grad_step), jit)(params, x)
+    for got, want in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(dynamic)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    scan_rows = [s for s in history.sites if s.startswith("scan")]
+    assert len(scan_rows) >= 9 and all("(3 iterations)" in s for s in scan_rows)
+    # Each layer's matmul has a scale of its own (weights 2^-2, 1, 2^2).
+    forward = np.asarray(history.scales)[[history.sites.index(s) for s in scan_rows[:3]], 0]
+    assert len(set(forward.tolist())) > 1
+
+    x2 = jsa.scaled_array(x.data, x.scale * 8)
+    (loss, grads), new = _maybe_jit(step, jit)(history, params, x2)
+    want_loss, want_grads = jax.jit(jsa.autoscale(stacked_grad_step))(params, x2)
+    assert_close(loss, represented(want_loss), RTOL[dtype] * 4)
+    for name in grads:
+        assert_close(grads[name], represented(want_grads[name]), RTOL[dtype] * 8, RTOL[dtype])
+        assert np.all(np.isfinite(np.asarray(grads[name].data, np.float32)))
+    _, dynamic_history = jax.jit(step.init)(params, x2)
+    np.testing.assert_array_equal(new.scales[:, 0], dynamic_history.scales[:, 0])
+    np.testing.assert_array_equal(new.scales[:, 1], history.scales[:, 0])
+    assert new.sites == history.sites
+
+
+def test_each_iteration_of_a_scan_takes_its_own_rows_held_scale():
+    """Row `i` of a scan's site is iteration `i`'s held scale: the stacked output of
+    `w_i @ v` has the held scales of its rows, and no dynamic scale is left in the body."""
+    from jax_scaled_arithmetics.core.scale_arithmetic import dynamic_scale_p
+
+    ws = jsa.as_scaled_array(jnp.ones((3, 2, 2), jnp.float16))
+    v = jsa.as_scaled_array(jnp.ones((2,), jnp.float16))
+    step = jsa.delayed_scaling(lambda ws, v: jax.lax.scan(lambda c, w: (c, w @ v), 0.0, ws)[1])
+    _, history = step.init(ws, v)
+    assert history.sites == tuple(
+        f"scan 0 (3 iterations), iteration {i}: float16[2]" for i in range(3)
+    )
+    held = jsa.ScaleHistory(jnp.array([[4.0], [8.0], [64.0]], jnp.float32), history.sites)
+    ys, new = jax.jit(step)(held, ws, v)
+    np.testing.assert_array_equal(np.ravel(ys.scale), [4.0, 8.0, 64.0])
+    np.testing.assert_array_equal(represented(ys), np.full((3, 2), 2.0))
+    np.testing.assert_array_equal(new.scales[:, 0], [2.0, 2.0, 2.0])
+    scans = [e for e in jax.make_jaxpr(step)(held, ws, v).jaxpr.eqns if e.primitive.name == "scan"]
+    body = scans[0].params["jaxpr"].jaxpr
+    assert not [e for e in body.eqns if e.primitive is dynamic_scale_p]
+    assert [e for e in jax.make_jaxpr(step.init)(ws, v).jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def test_a_scan_within_a_scan_body_keeps_dynamic_scales():
+    ws = jsa.as_scaled_array(jnp.ones((2, 2, 2), jnp.float16))
+    v = jsa.as_scaled_array(jnp.ones((2,), jnp.float16))
+
+    def f(ws, v):
+        def outer(c, w):
+            inner = jax.lax.scan(lambda d, _: (w @ d, None), c, None, length=2)[0]
+            return w @ inner, None
+
+        return jax.lax.scan(outer, v, ws)[0]
+
+    out, history = jsa.delayed_scaling(f).init(ws, v)
+    assert history.sites == (
+        "scan 0 (2 iterations), iteration 0: float16[2]",
+        "scan 0 (2 iterations), iteration 1: float16[2]",
+    )
+    y, _ = jax.jit(jsa.delayed_scaling(f))(history, ws, v)
+    np.testing.assert_array_equal(represented(y), np.full(2, 64.0))
+    np.testing.assert_array_equal(represented(out), np.full(2, 64.0))
 
 
 def test_a_history_of_another_program_is_refused_naming_the_fix():
@@ -246,6 +354,21 @@ def test_a_history_of_another_program_is_refused_naming_the_fix():
     _, two_sites = two.init(w, jnp.ones((3,), jnp.float16))
     with pytest.raises(ValueError, match=r"2 sums and contractions in the history, 1 in this"):
         step(two_sites, w, jnp.ones((3,), jnp.float16))
+    one = jsa.delayed_scaling(lambda ws, v: jax.lax.scan(lambda c, w: (w @ c, None), v, ws)[0])
+    deeper = jsa.delayed_scaling(
+        lambda ws, v: jax.lax.scan(lambda c, w: (w @ (w @ c), None), v, ws)[0]
+    )
+    ws = jsa.as_scaled_array(jnp.ones((2, 3, 3), jnp.float16))
+    _, one_history = one.init(ws, jnp.ones((3,), jnp.float16))
+    with pytest.raises(
+        ValueError, match=r"a scan body has 2 or more sums and contractions here, 1 in"
+    ):
+        deeper(one_history, ws, jnp.ones((3,), jnp.float16))
+    _, deeper_history = deeper.init(ws, jnp.ones((3,), jnp.float16))
+    with pytest.raises(ValueError, match=r"a scan body has 1 sums and contractions here, 2 in"):
+        one(deeper_history, ws, jnp.ones((3,), jnp.float16))
+    with pytest.raises(ValueError, match=r"site 0 is 'scan 0 \(2 iterations\).*a scan of 3 iter"):
+        one(one_history, jsa.as_scaled_array(jnp.ones((3, 3, 3), jnp.float16)), jnp.ones(3))
     with pytest.raises(
         TypeError, match="first argument of a delayed_scaling step is its ScaleHistory"
     ):
