@@ -14,7 +14,8 @@ char GPT's Adam step and the three zoo training steps, float16 data with
 - delayed-packed: the delayed step with its ScaledArray trees packed as in "packed".
 
 Measured: the sites of the delayed step (sums and contractions with a history), the compiled
-program's kernels and instructions (program_size's `hlo_counts` of the optimized HLO) and its
+program's kernels and instructions (program_size's `hlo_counts` of the optimized HLO), the
+kernels one call launches (`launched_kernels`: a loop's body once per iteration) and its
 kernels by kind (`kernel_kinds`), the
 lower + compile time, and the median step time of the five compiled steps run in turn
 (`--iters` rounds after a warm-up). One process: compare the ratios of one run.
@@ -52,13 +53,19 @@ VARIANTS = ("plain", "dynamic", "packed", "delayed", "delayed-packed")
 
 def _compiled(
     fun: Any, args: tuple[Any, ...], compiler_options: dict[str, Any] | None = None
-) -> tuple[Any, float, int, int, dict[str, int]]:
+) -> tuple[Any, float, dict[str, Any]]:
     start = time.perf_counter()
     compiled = jax.jit(fun).lower(*args).compile(compiler_options=compiler_options)
     seconds = time.perf_counter() - start
     hlo = compiled.as_text()
     kernels, instructions = PS.hlo_counts(hlo)
-    return compiled, seconds, kernels, instructions, dict(PS.kernel_kinds(hlo).most_common())
+    counts = {
+        "kernels": kernels,
+        "launched": PS.launched_kernels(hlo),
+        "instructions": instructions,
+        "by_kind": dict(PS.kernel_kinds(hlo).most_common()),
+    }
+    return compiled, seconds, counts
 
 
 def median_times(steps: dict[str, tuple[Any, tuple[Any, ...]]], iters: int) -> dict[str, float]:
@@ -141,13 +148,8 @@ def measure(
     for name, (fun, args) in steps.items():
         if name not in only:
             continue
-        compiled, seconds, kernels, instructions, by_kind = _compiled(fun, args, compiler_options)
-        row[name] = {
-            "compile_s": seconds,
-            "kernels": kernels,
-            "instructions": instructions,
-            "by_kind": by_kind,
-        }
+        compiled, seconds, counts = _compiled(fun, args, compiler_options)
+        row[name] = {"compile_s": seconds, **counts}
         runnable[name] = (compiled, args)
     for name, seconds in median_times(runnable, iters).items():
         row[name]["step_ms"] = 1e3 * seconds
@@ -163,7 +165,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"# {platform.node()} {platform.machine()}, JAX {jax.__version__}, {jax.devices()[0]}")
     header = f"{'case':<12} {'sites':>5} {'variant':<14} {'kernels':>7} {'x plain':>7}"
-    print(header + f" {'compile s':>9} {'step ms':>8} {'x plain':>7}")
+    print(
+        header + f" {'launched':>8} {'x plain':>7} {'compile s':>9} {'step ms':>8} {'x plain':>7}"
+    )
     rows = []
     for case_name in args.cases.split(","):
         row = measure(case_name, args.history, args.iters)
@@ -173,7 +177,8 @@ def main() -> None:
             v = row[variant]
             print(
                 f"{case_name:<12} {row['sites']:>5} {variant:<14} {v['kernels']:>7} "
-                f"{v['kernels'] / plain['kernels']:>7.2f} {v['compile_s']:>9.2f} "
+                f"{v['kernels'] / plain['kernels']:>7.2f} {v['launched']:>8} "
+                f"{v['launched'] / plain['launched']:>7.2f} {v['compile_s']:>9.2f} "
                 f"{v['step_ms']:>8.2f} {v['step_ms'] / plain['step_ms']:>7.2f}"
             )
     if args.json is not None:

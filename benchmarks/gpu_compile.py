@@ -16,7 +16,9 @@ Per case of `benchmarks/program_size.py`, five variants of one step: plain (`jax
 dynamic (`jsa.autoscale`), packed (the dynamic step with its ScaledArray trees passed and
 returned as `jsa.tree.pack_scales` packs them), delayed (`jsa.delayed_scaling`) and
 delayed-packed (both).
-Reported: kernels (the `hlo_counts` of program_size) and kernels by kind (its
+Reported: kernels (the `hlo_counts` of program_size: the ENTRY computation's), the kernels
+one call launches (its `launched_kernels`: a loop body once per iteration, as a model
+written as a `lax.scan` over layers runs its layers) and kernels by kind (its
 `kernel_kinds`): GEMMs (and how many have two FP8 operands), reductions (to a scalar, to a
 tensor, with several outputs), elementwise kernels on scalars (read only by the step's
 outputs, or by other kernels), on tensors, and the rest by opcode. `--gemm` adds the
@@ -119,6 +121,7 @@ def _compile(fun: Any, args: Any, sharding: jax.sharding.Sharding) -> dict[str, 
     kernels, instructions = PS.hlo_counts(hlo)
     return {
         "kernels": kernels,
+        "launched": PS.launched_kernels(hlo),
         "instructions": instructions,
         "by_kind": dict(PS.kernel_kinds(hlo).most_common()),
         "cpu_compile_s": time.perf_counter() - start,

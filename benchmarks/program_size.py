@@ -749,6 +749,52 @@ def hlo_counts(text: str) -> tuple[int, int]:
     return kernels, instructions
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s")
+_TRIP_COUNT = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def launched_kernels(text: str) -> int:
+    """The kernels one call of a compiled step launches, from its optimized HLO text: the
+    ENTRY computation's kernels (as `hlo_counts` counts them), each `while` replaced by its
+    body's kernels times its known trip count and its condition's times one more (a
+    loop's count unknown to XLA: once). A model whose layers are a `lax.scan` runs its
+    layers' kernels inside such a loop, which `hlo_counts` does not look into."""
+    computations: dict[str, list[str]] = {}
+    entry = current = None
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            match = _COMPUTATION.match(line)
+            current = match.group(1) if match else None
+            if current is not None:
+                computations[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+        elif current is not None and " = " in line:
+            computations[current].append(line.split(" = ", 1)[1])
+
+    def count(name: str) -> int:
+        total = 0
+        for rhs in computations.get(name.lstrip("%"), []):
+            match = re.search(r"(?:^|\s)([a-z][a-z0-9_-]*)\(", rhs)
+            if match is None or match.group(1) in _NOT_KERNELS:
+                continue
+            if match.group(1) != "while":
+                total += 1
+                continue
+            body = re.search(r"body=%?([\w.\-]+)", rhs)
+            condition = re.search(r"condition=%?([\w.\-]+)", rhs)
+            trips = _TRIP_COUNT.search(rhs)
+            n = int(trips.group(1)) if trips else 1
+            total += n * count(body.group(1)) if body else 0
+            total += (n + 1) * count(condition.group(1)) if condition else 0
+        return total
+
+    return count(entry) if entry is not None else 0
+
+
 _SCALAR = re.compile(r"^\(?[a-z0-9]+\[\]")
 
 

@@ -136,6 +136,29 @@ def test_kernel_kinds_sorts_every_kernel_of_a_compiled_step():
     assert kinds["reduction to a scalar"] >= 1, kinds
 
 
+def test_launched_kernels_counts_a_loop_body_per_iteration():
+    """A scan's body runs its kernels once per iteration: the ENTRY computation holds one
+    `while` whatever the length, and `launched_kernels` counts its body times the trip count
+    (and its condition once more)."""
+    program_size = load_script("program_size", "benchmarks/program_size.py")
+    w = jax.numpy.ones((16, 16))
+
+    def layers(n):
+        def f(x):
+            return jax.lax.scan(lambda c, _: (jax.numpy.sin(c @ w) * 2.0, None), x, None, n)[0]
+
+        return jax.jit(f).lower(jax.numpy.ones((4, 16))).compile().as_text()
+
+    three, six = layers(3), layers(6)
+    assert program_size.hlo_counts(three)[0] == program_size.hlo_counts(six)[0]
+    per_iteration = (program_size.launched_kernels(six) - program_size.launched_kernels(three)) // 3
+    assert per_iteration >= 2  # the product, and the sine (its condition too, on some backends)
+    assert program_size.launched_kernels(six) == (
+        program_size.launched_kernels(three) + 3 * per_iteration
+    )
+    assert program_size.launched_kernels(three) >= program_size.hlo_counts(three)[0] + 2
+
+
 def test_program_size_reports_kernels_by_kind():
     """`measure_variant` of the MLP case: the kernels by kind add up to the kernels, and
     the scaled step's scalar kernels (its materialised scales) are among them."""

@@ -42,7 +42,9 @@ Delayed-scaling modes (`--mode delayed` runs fp32, scaled-fp16, scaled-fp8 and t
                      scaled-fp16 / scaled-fp8 with the step under `jsa.delayed_scaling`:
                      each top-level sum and contraction at the largest of its 16 previous
                      dynamic scales; the scale history is carried beside the Adam state,
-                     made by the first (dynamic) step.
+                     made by the first (dynamic) step. With `--scan-layers` (the blocks
+                     stacked and run as a `lax.scan`) each layer's sites hold their own
+                     scales (a row of the history per layer).
 
 4-bit modes (`--mode fp4` runs fp32 and all of them): float32 parameters and Adam, the loss
 wrapped in `jsa.ops.simulate_fp4(loss_fn, ...)` (the linear layers' three matmuls with 4-bit
@@ -169,6 +171,7 @@ class TrainConfig:
     eval_every: int = 25
     eval_batches: int = 8
     own_numerics: bool = True  # also the final validation loss with the mode's numerics
+    scan_layers: bool = False  # blocks stacked (`gpt.stack_blocks`) and run as a lax.scan
 
     def model(self, vocab_size: int) -> gpt.GPTConfig:
         return gpt.GPTConfig(
@@ -277,9 +280,10 @@ def _float32_loss(params: Any, x: Any, y: Any, model: gpt.GPTConfig) -> Any:
     return gpt.loss_fn(params, x, y, model)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _init_params(key: jax.Array, model: gpt.GPTConfig) -> Any:
-    return gpt.init_params(key, model)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _init_params(key: jax.Array, model: gpt.GPTConfig, scan_layers: bool = False) -> Any:
+    params = gpt.init_params(key, model)
+    return gpt.stack_blocks(params) if scan_layers else params
 
 
 @jax.jit
@@ -476,7 +480,7 @@ def train(
     lr = DEFAULT_MODE_LR.get(mode, config.lr) if lr is None else lr
     corpus = CharData.from_text(text)
     model = config.model(len(corpus.vocab))
-    params32 = _init_params(jax.random.PRNGKey(config.seed), model)
+    params32 = _init_params(jax.random.PRNGKey(config.seed), model, config.scan_layers)
     offsets = train_offsets(len(corpus.train), config)
     val_batches = [
         windows(corpus.val, o, config.block_size) for o in eval_offsets(len(corpus.val), config)
@@ -565,7 +569,7 @@ def step_cost(
     config = TrainConfig() if config is None else config
     corpus = CharData.from_text(text)
     model = config.model(len(corpus.vocab))
-    params32 = _init_params(jax.random.PRNGKey(config.seed), model)
+    params32 = _init_params(jax.random.PRNGKey(config.seed), model, config.scan_layers)
     x, y = windows(corpus.train, train_offsets(len(corpus.train), config)[0], config.block_size)
     runs = {
         name: setup_mode(name, params32, model, DEFAULT_MODE_LR.get(name, config.lr), config.seed)
@@ -650,6 +654,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         help="folder with tiny-shakespeare's input.txt or input.txt.gz (default: "
         f"${datasets.DATA_DIR_ENV}, then the cache, then a download)",
     )
+    parser.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="stack the blocks and run them as a lax.scan over layers (as deep models are)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--step-cost",
@@ -669,6 +678,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         seed=args.seed,
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
+        scan_layers=args.scan_layers,
     )
     mode_lr = _parse_mode_lr(args.mode_lr)
     text = datasets.tinyshakespeare(args.data_dir)

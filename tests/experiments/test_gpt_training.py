@@ -211,3 +211,22 @@ def test_delayed_modes_start_with_the_dynamic_step_and_stay_close(runs):
         np.testing.assert_allclose(
             logs[mode]["train_loss"], dynamic["train_loss"], atol=0.05, err_msg=mode
         )
+
+
+@pytest.mark.slow
+def test_scanned_layers_train_as_the_unrolled_model_delayed_too(text):
+    """`--scan-layers`: the blocks stacked and run as a `lax.scan`. float32 trains as the
+    unrolled model does; the delayed FP16 mode's first step is the scanned dynamic step's,
+    and the later ones stay within its precision."""
+    config = dataclasses.replace(CONFIG, n_layer=2, own_numerics=False)
+    scanned = dataclasses.replace(config, scan_layers=True)
+    logs = {}
+    with jax.numpy_rank_promotion("allow"):
+        for mode in ("fp32", "scaled-fp16", "scaled-fp16-delayed"):
+            logs[mode] = train_gpt.train(mode, text, scanned, progress=False)
+        unrolled = train_gpt.train("fp32", text, config, progress=False)
+    np.testing.assert_allclose(logs["fp32"]["train_loss"], unrolled["train_loss"], rtol=1e-5)
+    delayed, dynamic = logs["scaled-fp16-delayed"], logs["scaled-fp16"]
+    assert delayed["train_loss"][0] == dynamic["train_loss"][0]
+    np.testing.assert_allclose(delayed["train_loss"], dynamic["train_loss"], atol=0.05)
+    assert delayed["config"]["scan_layers"] is True
