@@ -11,11 +11,14 @@ Parts:
    with its ScaledArray trees packed by `jsa.tree.pack_scales`) vs delayed
    (`jsa.delayed_scaling`) vs delayed and packed training steps, by
    `benchmarks/delayed_scaling.py`'s `measure`:
-   kernels of the compiled program (`program_size.hlo_counts`), lower + compile time and the
+   kernels of the compiled program (`program_size.hlo_counts`) and those one step launches
+   (`program_size.launched_kernels`: a scanned model's layers once per iteration), lower +
+   compile time and the
    median step time, and the kernels by kind (`program_size.kernel_kinds`: GEMMs, reductions
    to a scalar, kernels that write one scalar, ...). Cases: the zoo's Flax linen, NNX and
    Equinox steps and the 2-block char GPT's Adam step, with float16 and bfloat16 data;
-   GPT-2-small's shape with float16 data.
+   GPT-2-small's shape with float16 data, unrolled and as a `lax.scan` over its layers
+   (where `delayed_scaling` holds a scale per layer).
 2. `gemm_bound`: a step whose time is its matmuls: `--blocks` residual MLP blocks
    (`h + gelu(h @ w1) @ w2`, width `--width`, hidden 4x) on `--tokens` tokens, the gradient
    of a mean square and an SGD update. Variants: plain bfloat16 (`jax.jit`), scaled
@@ -70,6 +73,7 @@ STEP_CASES = (
     ("zoo-equinox", "bfloat16"),
     ("gpt2-adam", "bfloat16"),
     ("gpt2-small", "float16"),
+    ("gpt2-small-scan", "float16"),
 )
 SMOKE_STEP_CASES = (("zoo-linen", "float16"),)
 CUBLAS_STEP_CASES = (("gpt2-adam", "float16"), ("zoo-linen", "float16"))
