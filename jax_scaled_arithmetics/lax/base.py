@@ -34,7 +34,6 @@ from .scale_algebra import (
     at_scale_ratio,
     common_ratios,
     dynamic_scale,
-    represent,
     represent_dynamic,
     scale_div,
     scale_mul,
@@ -100,21 +99,6 @@ def unscaled_value(x: ScaledArray, dtype: Any = None) -> Array:
     if static_value(scale) == 1.0:
         return x.data.astype(dtype)
     return x.data.astype(dtype) * jnp.asarray(scale).astype(dtype)
-
-
-def static_scale(scale: Any) -> float | None:
-    """The value of a concrete scalar scale, or None for a traced one."""
-    return static_value(scale)
-
-
-def scale_product(data: Array, factors: Sequence[tuple[Any, int]], dtype: Any) -> ScaledArray:
-    """`data` at the scale `prod(scale ** power for scale, power in factors)`.
-
-    See :func:`jax_scaled_arithmetics.lax.scale_algebra.represent`: the product is clamped to
-    float32's range only where it could leave it, the rest multiplying the data, so that
-    values beyond float32's range become +-inf (or 0) elementwise as in plain float32.
-    """
-    return represent(data, factors, dtype)
 
 
 def _constant_scale(value: Any, dtype: Any) -> Any:
@@ -383,15 +367,6 @@ def nonzero_or_one(scale: Array) -> Array:
     scale = as_f32(scale)
     usable = (scale > 0) & (scale < np.float32(np.inf))
     return lax.select(usable, scale, np.float32(1.0))
-
-
-def finite_dynamic_scale(y: Array) -> Array:
-    """A power-of-two scale near the largest finite `|y|` (1 when there is none, or it is 0).
-
-    Infinities and NaNs are left out, so that one of them does not push every
-    other element of the output to zero or infinity.
-    """
-    return dynamic_scale(y)
 
 
 def smallest_scale_for(bound: float, dtype: Any) -> float:
