@@ -30,8 +30,9 @@ Run:
 
     gpt2-small's plain step takes ~20 s on 2 CPU cores: `--cases gpt2-small --warmup 1 --iters 3`.
 
-Cases (`--cases`, default: all but gpt2-small, gpt2-small-scan and gpt12-adam, which are
-slow: opt in):
+Cases (`--cases`, default: all but gpt2-small, gpt2-small-scan, gpt2-small-scan-remat,
+gpt12-adam and gpt8-scan-remat, which are slow or for the delayed-scaling benchmarks: opt
+in):
     mlp: MLP 784-1024x4-10, batch 256, SGD step.
     cnn: 2 conv layers (28x28x1), relu, average and max pooling, dense; batch 64, SGD step.
     block: one pre-norm GPT block (experiments/gpt/model.py; d 128, 4 heads, T 64, batch 16),
@@ -39,6 +40,8 @@ slow: opt in):
     gpt-adam, gpt2-adam, gpt4-adam, gpt8-adam, gpt12-adam: char GPT with 1, 2, 4, 8 or 12
         blocks (same shapes, unrolled), optax.adam step.
     gpt8-scan: gpt8-adam with the blocks stacked and run as a lax.scan over layers.
+    gpt8-scan-remat: gpt8-scan with each block under `jax.checkpoint` (recomputed in the
+        backward pass).
     gpt-adam-channel: gpt-adam with block scales, one per output channel, on every
         parameter and Adam moment of rank >= 2.
     gpt-scaled-opt: char GPT, 1 block; scaled: `jsa.optax.scale_optimizer(optax.adam)` and
@@ -62,9 +65,10 @@ slow: opt in):
     nnx: Flax NNX Linear-LayerNorm-Linear (784-512-10), batch 64, SGD step on `nnx.split`'s state.
     gpt2-small: 12 blocks, d 768, 12 heads, T 256, batch 4, vocab 50257, optax.adam step.
     gpt2-small-scan: the same with its blocks as a lax.scan over layers.
+    gpt2-small-scan-remat: gpt2-small-scan with each block checkpointed.
 
 The data dtype of the scaled variant is `--dtype`, by default float32, except float16 for
-gpt-scaled-opt, gpt-scaled-opt-channel, gpt2-small and gpt2-small-scan. The header line gives
+gpt-scaled-opt, gpt-scaled-opt-channel and the gpt2-small cases. The header line gives
 the machine, the git commit and the number of uncommitted changes under
 jax_scaled_arithmetics/ (the numbers are of the working tree).
 """
@@ -320,6 +324,12 @@ def case_gpt8_scan(dtype: Any) -> Case:
     return _gpt_adam_case(_gpt_config(8), 16, dtype, scan=True)
 
 
+def case_gpt8_scan_remat(dtype: Any) -> Case:
+    """The 8-block scanned char GPT with each block checkpointed (`jax.checkpoint`)."""
+    config = dataclasses.replace(_gpt_config(8), remat=True)
+    return _gpt_adam_case(config, 16, dtype, scan=True)
+
+
 def case_gpt_scaled_opt(dtype: Any) -> Case:
     """Char GPT, 1 block; scaled: jsa.optax.scale_optimizer(adam); plain: optax.adam, float32."""
     return _gpt_scaled_opt_case(dtype, lambda params: _scaled(params, dtype))
@@ -387,6 +397,14 @@ def case_gpt2_small(dtype: Any) -> Case:
 def case_gpt2_small_scan(dtype: Any) -> Case:
     """The GPT-2-small-shaped step with its 12 blocks run as a lax.scan over layers."""
     config = gpt.GPTConfig(vocab_size=50257, block_size=256, n_layer=12, n_head=12, n_embd=768)
+    return _gpt_adam_case(config, 4, dtype, scan=True)
+
+
+def case_gpt2_small_scan_remat(dtype: Any) -> Case:
+    """The GPT-2-small-shaped scanned step with each block checkpointed."""
+    config = gpt.GPTConfig(
+        vocab_size=50257, block_size=256, n_layer=12, n_head=12, n_embd=768, remat=True
+    )
     return _gpt_adam_case(config, 4, dtype, scan=True)
 
 
@@ -625,6 +643,7 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "gpt8-adam": (case_gpt8_adam, "float32"),
     "gpt12-adam": (case_gpt12_adam, "float32"),
     "gpt8-scan": (case_gpt8_scan, "float32"),
+    "gpt8-scan-remat": (case_gpt8_scan_remat, "float32"),
     "gpt-scaled-opt": (case_gpt_scaled_opt, "float16"),
     "gpt-scaled-opt-channel": (case_gpt_scaled_opt_channel, "float16"),
     "gpt-unit-fp8": (case_gpt_unit_fp8, "float32"),
@@ -641,8 +660,15 @@ CASES: dict[str, tuple[Callable[[Any], Case], str]] = {
     "nnx": (case_nnx, "float32"),
     "gpt2-small": (case_gpt2_small, "float16"),
     "gpt2-small-scan": (case_gpt2_small_scan, "float16"),
+    "gpt2-small-scan-remat": (case_gpt2_small_scan_remat, "float16"),
 }
-OPT_IN = {"gpt2-small", "gpt2-small-scan", "gpt12-adam"}
+OPT_IN = {
+    "gpt2-small",
+    "gpt2-small-scan",
+    "gpt2-small-scan-remat",
+    "gpt12-adam",
+    "gpt8-scan-remat",
+}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,6 +37,9 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     layer_norm_eps: float = 1e-5
+    # Each block under `jax.checkpoint`: its activations recomputed in the backward pass
+    # instead of stored (how models too large for their accelerator's memory train).
+    remat: bool = False
 
 
 def init_params(key: jax.Array, config: GPTConfig) -> Params:
@@ -124,11 +127,12 @@ def forward(params: Params, tokens: jax.Array, config: GPTConfig) -> jax.Array:
     """
     seq = tokens.shape[1]
     x = params["wte"][tokens] + params["wpe"][:seq]
+    run = jax.checkpoint(block, static_argnums=2) if config.remat else block
     if isinstance(params["blocks"], dict):
-        x, _ = jax.lax.scan(lambda h, p: (block(h, p, config), None), x, params["blocks"])
+        x, _ = jax.lax.scan(lambda h, p: (run(h, p, config), None), x, params["blocks"])
     else:
         for p in params["blocks"]:
-            x = block(x, p, config)
+            x = run(x, p, config)
     x = layer_norm(x, params["lnf"], config.layer_norm_eps)
     return x @ params["wte"].T
 

@@ -10,17 +10,19 @@ data's path. The history is an explicit value (:class:`ScaleHistory`) that the s
 and returns, carried in the training state like an optimizer state.
 
 Each sum and contraction that the step's program runs at its top level is a *site*,
-numbered in program order. A site in the body of a top-level `scan` is a site at each
-iteration (layers stacked and scanned hold a scale each): the scan takes the held scales
-of its rows as one more scanned input and returns the body's measured scales as one more
-stacked output. Those inside a `while` loop, a conditional (`cond`), a checkpointed
-function (`jax.checkpoint`), a custom derivative, a `jit` with shardings or a scan within a
-scan's body keep the dynamic scale (their bodies are traced apart from the step). A `jit`
-without shardings is inlined, so its sites count.
+numbered in program order. A site in the body of a `scan` is a site at each iteration
+(layers stacked and scanned hold a scale each): the scan takes the held scales of its rows
+as one more scanned input and returns the body's measured scales as one more stacked
+output; the body of a checkpointed function (`jax.checkpoint`, where autodiff puts a
+checkpointed layer's backward pass) likewise, as one more input and output. Scans and
+checkpoints nest. Those inside a `while` loop, a conditional (`cond`), a custom derivative
+or a `jit` with shardings keep the dynamic scale (their bodies are traced apart from the
+step). A `jit` without shardings is inlined, so its sites count.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -94,56 +96,50 @@ def _held_scales(scales: Any, margin: np.float32) -> Any:
     return jnp.clip(held, np.float32(SCALE_MIN), np.float32(SCALE_MAX))
 
 
-class _SiteRecorder:
-    """The sites of one call's trace: the held scales it reads, the scales it measures.
+class _Recorder:
+    """The rows of one trace: the sites of a `delayed_scaling` call's own trace, or of one
+    trace of a scan's or checkpoint's body within it.
 
-    A row of the history is a site at the call's top level, or a site of the body of a
-    top-level `scan` at one iteration (`scan_group`): the body's sites are measured in the
-    body, their scales stacked over the iterations as the scan's extra output."""
+    A row is a site (a sum or contraction) of this trace, or a row of a group: the sites of
+    the body of a `scan` (one row per site and iteration) or of a `jax.checkpoint` traced
+    within this trace. `expected` are the rows this trace should make (a history's, or the
+    part of them a body makes), None when making a history."""
 
-    def __init__(self, history: ScaleHistory | None, margin: int) -> None:
+    where = "the step"
+
+    def __init__(self, expected: tuple[str, ...] | None) -> None:
         self.trace = _compat.current_trace()
-        self.history = history
-        self.margin = np.float32(2.0**margin)
-        # In program order: ("site", measured, factor), or ("rows", scales) for a scan
-        # body's sites at every iteration (a float32 vector, iteration-major).
+        self.expected = expected
+        # In program order: ("site", measured, factor), or ("rows", scales) for a group's
+        # rows (a float32 vector, iteration-major).
         self.entries: list[tuple[Any, ...]] = []
         self.descriptions: list[str] = []
-        self.held: Any = None
-        self.scans = 0
-        if history is not None:
-            shape = np.shape(history.scales)
-            if len(shape) != 2 or shape[0] != len(history.sites) or shape[1] < 1:
-                raise ValueError(
-                    f"A ScaleHistory's scales are one [sites, length] array: "
-                    f"{len(history.sites)} sites here, scales of shape {shape}."
-                )
+        self.ordinals: collections.Counter[str] = collections.Counter()
 
     def covers(self) -> bool:
-        """Whether a value computed now belongs to the recorded call's own trace (not to
-        the body of a loop, conditional or checkpoint traced within it)."""
+        """Whether a value computed now belongs to this recorder's trace (not to the body
+        of a loop, conditional or checkpoint traced within it)."""
         return _compat.current_trace() is self.trace
 
     @property
     def holding(self) -> bool:
         """Whether the sites take held scales (a step), rather than their own (`init`)."""
-        return self.history is not None
+        return self.expected is not None
 
-    def _held_scales(self) -> Any:
-        if self.held is None:  # every site's, in one kernel, at the first site
-            assert self.history is not None
-            self.held = _held_scales(self.history.scales, self.margin)
-        return self.held
+    def _held_rows(self, start: int, count: int) -> Any:
+        """The held scales of rows `start` to `start + count` (a float32 vector)."""
+        raise NotImplementedError
 
     def _check_row(self, index: int, description: str) -> None:
-        assert self.history is not None
-        sites = self.history.sites
-        if index >= len(sites) or sites[index] != description:
-            found = sites[index] if index < len(sites) else "no site"
+        expected = self.expected
+        assert expected is not None
+        if index >= len(expected) or expected[index] != description:
+            found = expected[index] if index < len(expected) else "no site"
             raise ValueError(
-                f"This ScaleHistory was made for another program: site {index} is a sum or "
-                f"contraction of {description} here, {found} in the history ({len(sites)} "
-                f"sites). Make a history for this step with its `init`."
+                f"This ScaleHistory was made for another program: site {index} of "
+                f"{self.where} is a sum or contraction of {description} here, {found} in "
+                f"the history ({len(expected)} sites). Make a history for this step with "
+                f"its `init`."
             )
 
     def record(self, measured: Any, factor: Any, description: str) -> Any:
@@ -154,63 +150,65 @@ class _SiteRecorder:
         index = len(self.descriptions)
         self.entries.append(("site", measured, factor))
         self.descriptions.append(description)
-        if self.history is None:
+        if not self.holding:
             return None
         self._check_row(index, description)
         # On XLA:CPU each site's scale is read from a kernel of its own: a slice of the
         # vector fused into every kernel that reads it would make those kernels differ
         # from site to site, and XLA:CPU compiles each distinct kernel on its own (the zoo
         # steps compiled 1.3-1.9x slower).
-        return block_scales.materialize_scalar_on_cpu(self._held_scales()[index])
+        return block_scales.materialize_scalar_on_cpu(self._held_rows(index, 1)[0])
 
-    def scan_group(self, length: int) -> _ScanSites | None:
-        """The sites of a top-level scan's body, one row per site and iteration: their held
-        scales (`[length, sites]`, read from the history's rows of this scan) and the
-        recorder the body is traced with. None for an empty scan."""
+    def group(self, kind: str, length: int) -> _Group | None:
+        """The rows of a body traced within this trace: a `scan`'s (`length` iterations) or
+        a checkpoint's (`length` 1). None for an empty scan."""
         if length < 1:
             return None
-        ordinal, self.scans = self.scans, self.scans + 1
-        prefix = f"scan {ordinal} ({length} iterations)"
-        index = len(self.descriptions)
-        held = None
+        ordinal = self.ordinals[kind]
+        self.ordinals[kind] += 1
+        group = _Group(self, kind, ordinal, length, len(self.descriptions))
+        if self.expected is None:
+            return group
+        rows, index = self.expected, group.index
         count = 0
-        if self.history is not None:
-            sites = self.history.sites
-            while index + count < len(sites) and sites[index + count].startswith(prefix + ","):
-                count += 1
-            if not count and index < len(sites) and sites[index].startswith(f"scan {ordinal} ("):
-                raise ValueError(
-                    f"This ScaleHistory was made for another program: site {index} is "
-                    f"{sites[index]!r} in the history, a scan of {length} iterations here. "
-                    f"Make a history for this step with its `init`."
-                )
-            if count % length:
-                raise ValueError(
-                    f"This ScaleHistory was made for another program: {count} rows of "
-                    f"{prefix} from site {index}, not a multiple of its iterations. Make a "
-                    f"history for this step with its `init`."
-                )
-            if count:
-                held = self._held_scales()[index : index + count].reshape(length, -1)
-        return _ScanSites(self, prefix, length, index, count // length, held)
+        while index + count < len(rows) and rows[index + count].startswith(group.header):
+            count += 1
+        if not count and index < len(rows) and rows[index].startswith(group.family):
+            raise ValueError(
+                f"This ScaleHistory was made for another program: site {index} of "
+                f"{self.where} is {rows[index]!r} in the history, a {kind} of {length} "
+                f"iterations here. Make a history for this step with its `init`."
+            )
+        if count % length:
+            raise ValueError(
+                f"This ScaleHistory was made for another program: {count} rows of "
+                f"{group.header.rstrip(': ')} from site {index}, not a multiple of its "
+                f"{length} iterations. Make a history for this step with its `init`."
+            )
+        per = count // length
+        prefix = len(group.row_prefix(0))
+        group.expected = tuple(row[prefix:] for row in rows[index : index + per])
+        if per:
+            group.held = self._held_rows(index, count).reshape(length, per)
+        return group
 
     def add_rows(self, scales: Any, descriptions: Sequence[str]) -> None:
-        """A scan's body sites, measured at every iteration (`scales`, iteration-major)."""
+        """A group's rows, measured at every iteration (`scales`, iteration-major)."""
         index = len(self.descriptions)
-        if self.history is not None:
+        if self.holding:
             for offset, description in enumerate(descriptions):
                 self._check_row(index + offset, description)
         self.entries.append(("rows", scales))
         self.descriptions.extend(descriptions)
 
-    def _measured_scales(self) -> Any:
-        """This call's scales, one per row, as a float32 vector: every top-level site's
-        largest magnitude from one primitive (whose XLA:GPU form finishes all the
-        reductions in one kernel), then their scales; a scan body's rows as the scan
-        measured them."""
-        operands = [
-            operand for entry in self.entries if entry[0] == "site" for operand in entry[1:]
-        ]
+    def measured_scales(self) -> Any:
+        """This trace's scales, one per row, as a float32 vector (None without rows): every
+        site's largest magnitude from one primitive (whose XLA:GPU form finishes all the
+        reductions in one kernel), then their scales; a group's rows as its body measured
+        them."""
+        if not self.entries:
+            return None
+        operands = [op for entry in self.entries if entry[0] == "site" for op in entry[1:]]
         sites = None
         if operands:
             magnitudes = largest_finite_magnitudes_p.bind(*_compat.match_varying(*operands))
@@ -231,6 +229,29 @@ class _SiteRecorder:
                 pieces.append(jnp.asarray(entry[1], jnp.float32))
         return jnp.concatenate(pieces)
 
+
+class _SiteRecorder(_Recorder):
+    """The rows of one `delayed_scaling` call's trace: their held scales from its history."""
+
+    def __init__(self, history: ScaleHistory | None, margin: int) -> None:
+        super().__init__(None if history is None else tuple(history.sites))
+        self.history = history
+        self.margin = np.float32(2.0**margin)
+        self.held: Any = None
+        if history is not None:
+            shape = np.shape(history.scales)
+            if len(shape) != 2 or shape[0] != len(history.sites) or shape[1] < 1:
+                raise ValueError(
+                    f"A ScaleHistory's scales are one [sites, length] array: "
+                    f"{len(history.sites)} sites here, scales of shape {shape}."
+                )
+
+    def _held_rows(self, start: int, count: int) -> Any:
+        if self.held is None:  # every row's, in one kernel, at the first site
+            assert self.history is not None
+            self.held = _held_scales(self.history.scales, self.margin)
+        return self.held[start : start + count]
+
     def next_history(self, history: ScaleHistory) -> ScaleHistory:
         """`history` with this call's scales as its newest step (the oldest dropped)."""
         if len(self.descriptions) != len(history.sites):
@@ -240,113 +261,107 @@ class _SiteRecorder:
                 f"Make a history for this step with its `init`."
             )
         older = jnp.asarray(history.scales, jnp.float32)
-        if not self.descriptions:
+        newest = self.measured_scales()
+        if newest is None:
             return ScaleHistory(older, history.sites)
-        newest = self._measured_scales()[:, None]
-        return ScaleHistory(jnp.concatenate([newest, older[:, :-1]], axis=1), history.sites)
+        return ScaleHistory(
+            jnp.concatenate([newest[:, None], older[:, :-1]], axis=1), history.sites
+        )
 
     def first_history(self, length: int) -> ScaleHistory:
         """A history of `length` steps, each this call's scales."""
-        if not self.descriptions:
+        newest = self.measured_scales()
+        if newest is None:
             return ScaleHistory(jnp.zeros((0, length), jnp.float32), ())
-        newest = self._measured_scales()[:, None]
-        scales = jnp.broadcast_to(newest, (len(self.descriptions), length))
+        scales = jnp.broadcast_to(newest[:, None], (len(self.descriptions), length))
         return ScaleHistory(scales, tuple(self.descriptions))
 
 
-class _BodyRecorder:
-    """The sites of one trace of a scan's body: their held scales come in as the body's
-    extra input (`held`, one per site), their scales go out as its extra output."""
+class _BodyRecorder(_Recorder):
+    """The rows of one trace of a group's body: their held scales come in as the body's
+    extra input (`held`, one per row), their scales go out as its extra output."""
 
-    def __init__(self, held: Any, count: int | None) -> None:
-        self.trace = _compat.current_trace()
+    def __init__(self, held: Any, expected: tuple[str, ...] | None, where: str) -> None:
+        super().__init__(expected)
         self.held = held
-        self.count = count  # the history's sites per iteration (None: making a history)
-        self.entries: list[tuple[Any, Any]] = []
-        self.descriptions: list[str] = []
+        self.where = where
 
-    def covers(self) -> bool:
-        return _compat.current_trace() is self.trace
-
-    @property
-    def holding(self) -> bool:
-        return self.count is not None
-
-    def record(self, measured: Any, factor: Any, description: str) -> Any:
-        index = len(self.entries)
-        self.entries.append((measured, factor))
-        self.descriptions.append(description)
-        if self.count is None:
-            return None
-        if index >= self.count:
-            raise ValueError(
-                f"This ScaleHistory was made for another program: a scan body has "
-                f"{index + 1} or more sums and contractions here, {self.count} in the "
-                f"history. Make a history for this step with its `init`."
-            )
-        return block_scales.materialize_scalar_on_cpu(self.held[index])
-
-    def scan_group(self, length: int) -> None:
-        """A scan within a scan's body keeps dynamic scales."""
-        return None
-
-    def measured_scales(self) -> Any:
-        """The body's sites' scales at this iteration (a float32 vector), or None."""
-        if not self.entries:
-            return None
-        operands = [operand for pair in self.entries for operand in pair]
-        magnitudes = largest_finite_magnitudes_p.bind(*_compat.match_varying(*operands))
-        return scale_of_magnitude(magnitudes)
+    def _held_rows(self, start: int, count: int) -> Any:
+        return self.held[start : start + count]
 
 
-class _ScanSites:
-    """The rows of one top-level scan: `trace_body` wraps each trace of its body, `finish`
-    takes the stacked scales the scan returned."""
+class _Group:
+    """The rows of one body traced within a recorded trace: a `scan`'s (a row per site of
+    its body and iteration, named `scan <n> (<L> iterations), iteration <i>: <site>`) or a
+    checkpoint's (`checkpoint <n>: <site>`). `trace_body` wraps each trace of the body,
+    `finish` takes the scales the body measured, stacked over the iterations."""
 
-    def __init__(
-        self, parent: _SiteRecorder, prefix: str, length: int, index: int, count: int, held: Any
-    ) -> None:
+    def __init__(self, parent: _Recorder, kind: str, ordinal: int, length: int, index: int) -> None:
         self.parent = parent
-        self.prefix = prefix
+        self.kind = kind
+        self.ordinal = ordinal
         self.length = length
         self.index = index
-        self.count = count
-        self.held = held  # [length, count] or None
+        self.expected: tuple[str, ...] | None = None  # the body's rows, from the history
+        self.held: Any = None  # [length, rows of the body], when the history has rows
         self.body: _BodyRecorder | None = None
 
     @property
+    def family(self) -> str:
+        return f"{self.kind} {self.ordinal} "
+
+    @property
+    def header(self) -> str:
+        if self.kind == "scan":
+            return f"scan {self.ordinal} ({self.length} iterations), "
+        return f"{self.kind} {self.ordinal}: "
+
+    def row_prefix(self, iteration: int) -> str:
+        if self.kind == "scan":
+            return f"{self.header}iteration {iteration}: "
+        return self.header
+
+    @property
+    def count(self) -> int:
+        """The body's rows (per iteration) in the history."""
+        return 0 if self.expected is None else len(self.expected)
+
+    @property
     def takes_held(self) -> bool:
-        """Whether the body takes the held scales as an extra scanned input."""
+        """Whether the body takes the held scales as an extra input (a scan: scanned)."""
         return self.held is not None
 
+    @property
+    def measures(self) -> bool:
+        """Whether the body returns its measured scales as an extra output."""
+        return self.body is not None and bool(self.body.entries)
+
     @contextlib.contextmanager
-    def trace_body(self, held_slice: Any) -> Iterator[_BodyRecorder]:
-        """Record the sites of the body being traced now (one round of a fixed point)."""
-        count = self.count if self.parent.holding else None
-        self.body = body = _BodyRecorder(held_slice, count)
+    def trace_body(self, held: Any) -> Iterator[_BodyRecorder]:
+        """Record the rows of the body being traced now (one round of a fixed point)."""
+        expected = self.expected if self.parent.holding else None
+        where = f"{self.header.rstrip(', :')} (in {self.parent.where})"
+        self.body = body = _BodyRecorder(held, expected, where)
         with _recorded(body):
             yield body
-        if count is not None and len(body.entries) != count:
+        if expected is not None and len(body.descriptions) != len(expected):
             raise ValueError(
-                f"This ScaleHistory was made for another program: a scan body has "
-                f"{len(body.entries)} sums and contractions here, {count} in the history. "
+                f"This ScaleHistory was made for another program: {len(body.descriptions)} "
+                f"sums and contractions in {where} here, {len(expected)} in the history. "
                 f"Make a history for this step with its `init`."
             )
 
     def finish(self, stacked: Any) -> None:
-        """The body's scales at every iteration (`[length, sites]`) become the scan's rows."""
+        """The body's scales at every iteration (`[length, rows]`) become the rows."""
         assert self.body is not None
         if not self.body.entries:
             return
         rows = [
-            f"{self.prefix}, iteration {i}: {description}"
+            self.row_prefix(i) + description
             for i in range(self.length)
             for description in self.body.descriptions
         ]
         self.parent.add_rows(jnp.reshape(stacked, (-1,)), rows)
-
-
-_Recorder = _SiteRecorder | _BodyRecorder
 
 
 class _Recording(threading.local):
@@ -404,10 +419,10 @@ def delayed_scaling(
     `history_length` steps. Outputs that shrink use less of the data format's range
     instead (an output 2**10 times smaller than its largest in the history has float16
     data below 2**-9, so its small entries reach float16's subnormals 10 binades
-    sooner). A sum or contraction in the body of a top-level `scan` has a row of the
-    history per iteration. Those inside `while` loops, conditionals, checkpointed
-    functions, custom derivatives, `jit`s with shardings and scans within a scan's body
-    keep dynamic scales; a `jit` without shardings is inlined.
+    sooner). A sum or contraction in the body of a `scan` has a row of the history per
+    iteration, one in a checkpointed function a row of its own. Those inside `while`
+    loops, conditionals, custom derivatives and `jit`s with shardings keep dynamic scales;
+    a `jit` without shardings is inlined.
 
     Args:
         fun: the step to transform, as for :func:`autoscale`.

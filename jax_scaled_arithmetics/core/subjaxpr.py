@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from . import _compat, registry
 from .datatype import ScaledArray
@@ -29,6 +30,7 @@ __all__ = [
     "abstract_value",
     "outputs_depending_on",
     "trace_scaled_leaves",
+    "with_body_sites",
 ]
 
 
@@ -165,6 +167,7 @@ def trace_scaled_jaxpr(
     args: Sequence[Any],
     known: Sequence[Any] | None = None,
     out_scaled: Sequence[bool] | None = None,
+    body_sites: Any = None,
 ) -> tuple[_compat.ClosedJaxpr, list[Any], tuple[CompactSpec, ...], tuple[CompactSpec, ...]]:
     """Trace the scaled interpretation of `closed_jaxpr` on `args` into a new jaxpr.
 
@@ -173,12 +176,18 @@ def trace_scaled_jaxpr(
     output scale that is static or one of the inputs' scales is not a leaf. Returns the
     jaxpr, its consts, and the input and output specs (an output `("as", j)` refers to
     the j-th argument). `out_scaled`, when given, forces each output to be scaled or not.
+    `body_sites`: the `delayed_scaling` rows of the body (a recorder's `group`), whose held
+    scales the jaxpr takes as one more input leaf, after the others, when the history has
+    them, and whose measured scales it returns as one more output leaf when it has sites.
     """
     leaves, in_specs = flatten_compact(args)
     flat_fun, out_specs_box = _interpreted_on_leaves(
         closed_jaxpr, in_specs, known, out_scaled, compact=True
     )
-    traced = jax.make_jaxpr(flat_fun)(*leaf_avals(leaves))
+    extra: list[Any] = []
+    if body_sites is not None:
+        flat_fun, extra = with_body_sites(flat_fun, body_sites, len(leaves))
+    traced = jax.make_jaxpr(flat_fun)(*leaf_avals(leaves), *extra)
     new_jaxpr, consts = _compat.hoist_consts(traced)
     return new_jaxpr, consts, in_specs, out_specs_box[-1]
 
@@ -219,6 +228,26 @@ def trace_scaled_leaves(
     )
     traced = jax.make_jaxpr(flat_fun)(*in_leaves)
     return traced, out_specs_box[-1]
+
+
+def with_body_sites(
+    flat_fun: Callable[..., list[Any]], body_sites: Any, num_leaves: int
+) -> tuple[Callable[..., list[Any]], list[Any]]:
+    """`flat_fun` traced with a body's `delayed_scaling` rows (`body_sites`, a recorder's
+    `group`): one more input leaf, the rows' held scales (when the history has them: the
+    second value, its abstract value), and one more output leaf, their measured scales
+    (when the body has sites)."""
+    takes_held = body_sites.takes_held
+    extra = [jax.ShapeDtypeStruct((body_sites.count,), np.float32)] if takes_held else []
+
+    def fun(*flat: Any) -> list[Any]:
+        held = flat[num_leaves] if takes_held else None
+        with body_sites.trace_body(held) as body:
+            outs = flat_fun(*flat[:num_leaves])
+            measured = body.measured_scales()
+        return outs if measured is None else [*outs, measured]
+
+    return fun, extra
 
 
 def _interpreted_on_leaves(

@@ -39,7 +39,6 @@ the original construct over those leaves:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +62,7 @@ from ..core.subjaxpr import (
     trace_scaled_leaves,
     unflatten_compact,
     unflatten_scaled,
+    with_body_sites,
 )
 from .base import register_higher_order
 from .block_rules import meet_scale_shapes, to_scale_shape
@@ -133,16 +133,27 @@ def scaled_call_hi_primitive(*args: Any, **params: Any) -> list[Any]:
 )
 def scaled_remat(*args: Any, jaxpr: Any, prevent_cse: Any, **params: Any) -> list[Any]:
     closed = _compat.ClosedJaxpr(jaxpr, ())
-    new_jaxpr, consts, in_specs, out_specs = trace_scaled_jaxpr(closed, args, operand_constants())
+    # Under `jsa.delayed_scaling`, the checkpointed body's sums and contractions take held
+    # scales too (autodiff puts a checkpointed layer's backward pass, its forward
+    # recomputed, in such a body): rows of the history, passed in and measured out.
+    recorder = delayed.site_recorder()
+    sites = recorder.group("checkpoint", 1) if recorder is not None else None
+    new_jaxpr, consts, in_specs, out_specs = trace_scaled_jaxpr(
+        closed, args, operand_constants(), body_sites=sites
+    )
     leaves, _ = flatten_compact(args)
+    held = [sites.held[0]] if sites is not None and sites.takes_held else []
     if not isinstance(prevent_cse, bool):
         expanded: list[Any] = [True] * len(consts)
         for value, count in zip(prevent_cse, leaves_per_value(in_specs), strict=True):
             expanded.extend([value] * count)
-        prevent_cse = tuple(expanded)
+        prevent_cse = (*expanded, *([True] * len(held)))
     outs = _compat.remat_p.bind(
-        *consts, *leaves, jaxpr=new_jaxpr.jaxpr, prevent_cse=prevent_cse, **params
+        *consts, *leaves, *held, jaxpr=new_jaxpr.jaxpr, prevent_cse=prevent_cse, **params
     )
+    if sites is not None and sites.measures:
+        sites.finish(outs[-1][None])
+        outs = outs[:-1]
     return unflatten_compact(outs, out_specs, scales_of=args)
 
 
@@ -187,37 +198,34 @@ def _trace_leaves(
     """`trace_scaled_leaves`, each scaled output also brought to the scale shape given
     (`()` per tensor, a block layout, or None: as it comes) with `to_scale_shape`.
 
-    `body_sites`: a top-level scan's `delayed_scaling` sites (`scan_group`): the body then
+    `body_sites`: a scan's `delayed_scaling` rows (a recorder's `group`): the body then
     takes their held scales as one more input leaf (when the history has them) and
     returns their measured scales as one more output leaf (when it has sites)."""
     in_leaves, in_specs = flatten_scaled(abstract_args)
-    takes_held = body_sites is not None and body_sites.takes_held
-    extra_in = [jax.ShapeDtypeStruct((body_sites.count,), np.float32)] if takes_held else []
     out_specs_box: list[tuple[bool, ...]] = []
 
     def flat_fun(*flat: Any) -> list[Any]:
-        values = unflatten_scaled(flat[: len(in_leaves)], in_specs)
-        held = flat[len(in_leaves)] if takes_held else None
-        sites = body_sites.trace_body(held) if body_sites is not None else contextlib.nullcontext()
-        with sites as body:
-            outs = []
-            for out, scaled, shape in zip(
-                registry.interpret_closed_jaxpr(closed_jaxpr, values, known),
-                out_scaled,
-                scale_shapes,
-                strict=True,
-            ):
-                if scaled is not None:
-                    out = coerce_scaledness(out, scaled)
-                if shape is not None and isinstance(out, ScaledArray):
-                    out = to_scale_shape(out, shape)
-                outs.append(out)
-            out_leaves, out_specs = flatten_scaled(outs)
-            measured = body.measured_scales() if body is not None else None
+        values = unflatten_scaled(flat, in_specs)
+        outs = []
+        for out, scaled, shape in zip(
+            registry.interpret_closed_jaxpr(closed_jaxpr, values, known),
+            out_scaled,
+            scale_shapes,
+            strict=True,
+        ):
+            if scaled is not None:
+                out = coerce_scaledness(out, scaled)
+            if shape is not None and isinstance(out, ScaledArray):
+                out = to_scale_shape(out, shape)
+            outs.append(out)
+        out_leaves, out_specs = flatten_scaled(outs)
         out_specs_box.append(out_specs)
-        return out_leaves if measured is None else [*out_leaves, measured]
+        return out_leaves
 
-    traced = jax.make_jaxpr(flat_fun)(*in_leaves, *extra_in)
+    extra: list[Any] = []
+    if body_sites is not None:
+        flat_fun, extra = with_body_sites(flat_fun, body_sites, len(in_leaves))
+    traced = jax.make_jaxpr(flat_fun)(*in_leaves, *extra)
     return traced, out_specs_box[-1]
 
 
@@ -363,7 +371,7 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
     # Under `jsa.delayed_scaling`, a top-level scan's body sites take held scales too: one
     # row of the history per site and iteration, scanned in and measured out.
     recorder = delayed.site_recorder()
-    sites = recorder.scan_group(length) if recorder is not None else None
+    sites = recorder.group("scan", length) if recorder is not None else None
     body, carry_specs, carry_abs, out_specs = _loop_fixed_point(
         jaxpr,
         const_abs,
@@ -375,7 +383,7 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
         num_ys,
         sites,
     )
-    measures = sites is not None and sites.body is not None and bool(sites.body.entries)
+    measures = sites is not None and sites.measures
     init_leaves = _init_leaves(init, carry_specs, k_init, scale_avals)
     const_leaves, _ = flatten_scaled(consts)
     carry_leaf_avals, _ = flatten_scaled(carry_abs)

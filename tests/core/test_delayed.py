@@ -313,25 +313,91 @@ def test_each_iteration_of_a_scan_takes_its_own_rows_held_scale():
     assert [e for e in jax.make_jaxpr(step.init)(ws, v).jaxpr.eqns if e.primitive.name == "scan"]
 
 
-def test_a_scan_within_a_scan_body_keeps_dynamic_scales():
+def test_a_scan_within_a_scan_body_holds_a_scale_per_iteration_of_both():
     ws = jsa.as_scaled_array(jnp.ones((2, 2, 2), jnp.float16))
     v = jsa.as_scaled_array(jnp.ones((2,), jnp.float16))
 
     def f(ws, v):
         def outer(c, w):
-            inner = jax.lax.scan(lambda d, _: (w @ d, None), c, None, length=2)[0]
+            inner = jax.lax.scan(lambda d, _: (w @ d, None), c, None, length=3)[0]
             return w @ inner, None
 
         return jax.lax.scan(outer, v, ws)[0]
 
     out, history = jsa.delayed_scaling(f).init(ws, v)
-    assert history.sites == (
-        "scan 0 (2 iterations), iteration 0: float16[2]",
-        "scan 0 (2 iterations), iteration 1: float16[2]",
+    assert history.sites == tuple(
+        f"scan 0 (2 iterations), iteration {i}: {site}"
+        for i in range(2)
+        for site in [
+            *(f"scan 0 (3 iterations), iteration {j}: float16[2]" for j in range(3)),
+            "float16[2]",
+        ]
     )
-    y, _ = jax.jit(jsa.delayed_scaling(f))(history, ws, v)
-    np.testing.assert_array_equal(represented(y), np.full(2, 64.0))
-    np.testing.assert_array_equal(represented(out), np.full(2, 64.0))
+    # 2^(4 i + j + 1): each product doubles the value.
+    np.testing.assert_array_equal(history.scales[:, 0], [2, 4, 8, 16, 32, 64, 128, 256])
+    y, new = jax.jit(jsa.delayed_scaling(f))(history, ws, v)
+    np.testing.assert_array_equal(represented(y), np.full(2, 256.0))
+    np.testing.assert_array_equal(represented(out), np.full(2, 256.0))
+    np.testing.assert_array_equal(new.scales[:, 0], history.scales[:, 0])
+
+
+def checkpointed_loss(params, x):
+    """Each layer checkpointed (`jax.checkpoint`), in a scan over stacked layers: autodiff
+    recomputes a layer inside a checkpoint of the backward scan's body."""
+
+    def layer(h, p):
+        return jax.nn.relu(h @ p["w"] + p["b"][None, :])
+
+    h, _ = jax.lax.scan(lambda h, p: (jax.checkpoint(layer)(h, p), None), x, params)
+    return jnp.mean(jnp.square(h))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_checkpointed_layers_hold_their_scales_too(dtype, scale, jit):
+    """The sums and contractions of a checkpointed function (the backward pass of a
+    checkpointed layer, its forward recomputed) are rows of the history, in a scan's body
+    too; a step at the held scales gives the dynamic step's values, and no dynamic scale
+    is left in the checkpointed bodies."""
+    from jax_scaled_arithmetics.core.scale_arithmetic import dynamic_scale_p
+
+    params, x = stacked_inputs(dtype, scale)
+    grad_step = jax.value_and_grad(checkpointed_loss)
+    step = jsa.delayed_scaling(grad_step, history_length=2)
+    _, history = jax.jit(step.init)(params, x)
+    rows = [s for s in history.sites if ": checkpoint 0: " in s]
+    assert len(rows) >= 3 * 4 and all(s.startswith("scan 1 (3 iterations)") for s in rows)
+    x2 = jsa.scaled_array(x.data, x.scale * 8)
+    (loss, grads), new = _maybe_jit(step, jit)(history, params, x2)
+    want_loss, want_grads = jax.jit(jsa.autoscale(grad_step))(params, x2)
+    assert_close(loss, represented(want_loss), RTOL[dtype] * 4)
+    for name in grads:
+        assert_close(grads[name], represented(want_grads[name]), RTOL[dtype] * 8, RTOL[dtype])
+    _, dynamic_history = jax.jit(step.init)(params, x2)
+    np.testing.assert_array_equal(new.scales[:, 0], dynamic_history.scales[:, 0])
+
+    def checkpoint_bodies(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("checkpoint", "remat2", "remat"):
+                yield eqn.params["jaxpr"]
+            for value in eqn.params.values():
+                sub = getattr(value, "jaxpr", value)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from checkpoint_bodies(sub)
+
+    bodies = list(checkpoint_bodies(jax.make_jaxpr(step)(history, params, x2).jaxpr))
+    assert bodies and not any(e.primitive is dynamic_scale_p for b in bodies for e in b.eqns)
+
+
+def test_a_checkpoint_at_the_top_level_is_a_group_of_rows():
+    w = jsa.as_scaled_array(jnp.full((3, 3), 3.0, jnp.float16))
+    v = jsa.as_scaled_array(jnp.ones((3,), jnp.float16))
+    f = jax.grad(lambda w, v: jnp.sum(jax.checkpoint(lambda w, v: jnp.tanh(w @ v))(w, v)))
+    _, history = jsa.delayed_scaling(f).init(w, v)
+    assert any(s.startswith("checkpoint 0: ") for s in history.sites), history.sites
+    got, _ = jax.jit(jsa.delayed_scaling(f))(history, w, v)
+    assert_close(got, represented(jax.jit(jsa.autoscale(f))(w, v)), 1e-3)
 
 
 def test_a_history_of_another_program_is_refused_naming_the_fix():
@@ -340,14 +406,14 @@ def test_a_history_of_another_program_is_refused_naming_the_fix():
     _, history = step.init(w, jnp.ones((3,), jnp.float16))
     with pytest.raises(
         ValueError,
-        match=r"site 0 is a sum or contraction of float16\[3, 3\] "
+        match=r"site 0 of the step is a sum or contraction of float16\[3, 3\] "
         r"here, float16\[3\] in the history.*`init`",
     ):
         step(history, w, jnp.ones((3, 3), jnp.float16))
     two = jsa.delayed_scaling(lambda w, v: w @ (w @ v))
     with pytest.raises(
         ValueError,
-        match=r"site 1 is a sum or contraction of float16\[3\] here, "
+        match=r"site 1 of the step is a sum or contraction of float16\[3\] here, "
         r"no site in the history \(1 sites\)",
     ):
         two(history, w, jnp.ones((3,), jnp.float16))
@@ -361,13 +427,19 @@ def test_a_history_of_another_program_is_refused_naming_the_fix():
     ws = jsa.as_scaled_array(jnp.ones((2, 3, 3), jnp.float16))
     _, one_history = one.init(ws, jnp.ones((3,), jnp.float16))
     with pytest.raises(
-        ValueError, match=r"a scan body has 2 or more sums and contractions here, 1 in"
+        ValueError,
+        match=r"site 1 of scan 0 \(2 iterations\) \(in the step\) is a sum or contraction of "
+        r"float16\[3\] here, no site in the history \(1 sites\)",
     ):
         deeper(one_history, ws, jnp.ones((3,), jnp.float16))
     _, deeper_history = deeper.init(ws, jnp.ones((3,), jnp.float16))
-    with pytest.raises(ValueError, match=r"a scan body has 1 sums and contractions here, 2 in"):
+    with pytest.raises(
+        ValueError, match=r"1 sums and contractions in scan 0 \(2 iterations\) \(in the step\) "
+    ):
         one(deeper_history, ws, jnp.ones((3,), jnp.float16))
-    with pytest.raises(ValueError, match=r"site 0 is 'scan 0 \(2 iterations\).*a scan of 3 iter"):
+    with pytest.raises(
+        ValueError, match=r"site 0 of the step is 'scan 0 \(2 iterations\).*a scan of 3 iter"
+    ):
         one(one_history, jsa.as_scaled_array(jnp.ones((3, 3, 3), jnp.float16)), jnp.ones(3))
     with pytest.raises(
         TypeError, match="first argument of a delayed_scaling step is its ScaleHistory"

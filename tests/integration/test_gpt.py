@@ -8,6 +8,8 @@ passes, or the gradients far from the loss flush to zero in float16.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -121,6 +123,30 @@ def test_scan_over_layers_matches_the_unrolled_model(problem, dtype):
         ref = np.asarray(ref, np.float64)
         error = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
         assert error < tol, f"{jax.tree_util.keystr(path)}: relative error {error:.2e}"
+
+
+@pytest.mark.slow
+def test_checkpointed_scanned_blocks_under_delayed_scaling_match_float32(problem):
+    """`GPTConfig(remat=True)`: each block under `jax.checkpoint`, the blocks scanned. The
+    delayed-scaling step (its checkpointed backward bodies at held scales, a row per layer)
+    gives the float32 gradients of the same model from a history of the same batch."""
+    params, tokens, targets = problem
+    config = dataclasses.replace(CONFIG, remat=True)
+
+    def grads_of(params, tokens, targets):
+        return jax.grad(gpt.loss_fn)(params, tokens, targets, config)
+
+    stacked = jsa.as_scaled_array(gpt.stack_blocks(params), dtype=np.float16)
+    expected = jax.jit(grads_of)(jsa.asarray(stacked, jnp.float32), tokens, targets)
+    step = jsa.delayed_scaling(grads_of)
+    _, history = jax.jit(step.init)(stacked, tokens, targets)
+    assert any(": checkpoint 0: " in site for site in history.sites)
+    grads, _ = jax.jit(step)(history, stacked, tokens, targets)
+    for (path, grad), ref in zip(_leaves(grads), jax.tree_util.tree_leaves(expected), strict=True):
+        got = np.asarray(grad.to_array(np.float32), np.float64)
+        ref = np.asarray(ref, np.float64)
+        error = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+        assert error < 2e-2, f"{jax.tree_util.keystr(path)}: relative error {error:.2e}"
 
 
 def _adam_step(opt, apply):
