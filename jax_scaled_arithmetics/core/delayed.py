@@ -130,17 +130,26 @@ class _Recorder:
         """The held scales of rows `start` to `start + count` (a float32 vector)."""
         raise NotImplementedError
 
-    def _check_row(self, index: int, description: str) -> None:
+    def refuse(self, message: str) -> None:
+        """A history made for another program: raised here (a body defers it, see
+        `_BodyRecorder`)."""
+        raise ValueError(
+            f"This ScaleHistory was made for another program: {message}. Make a history "
+            f"for this step with its `init`."
+        )
+
+    def _check_row(self, index: int, description: str) -> bool:
+        """Whether row `index` of the history is `description` (else `refuse`)."""
         expected = self.expected
         assert expected is not None
-        if index >= len(expected) or expected[index] != description:
-            found = expected[index] if index < len(expected) else "no site"
-            raise ValueError(
-                f"This ScaleHistory was made for another program: site {index} of "
-                f"{self.where} is a sum or contraction of {description} here, {found} in "
-                f"the history ({len(expected)} sites). Make a history for this step with "
-                f"its `init`."
-            )
+        if index < len(expected) and expected[index] == description:
+            return True
+        found = expected[index] if index < len(expected) else "no site"
+        self.refuse(
+            f"site {index} of {self.where} is a sum or contraction of {description} here, "
+            f"{found} in the history ({len(expected)} sites)"
+        )
+        return False
 
     def record(self, measured: Any, factor: Any, description: str) -> Any:
         """Record a site's measurement, `measured * factor`: its output (whose largest
@@ -152,7 +161,8 @@ class _Recorder:
         self.descriptions.append(description)
         if not self.holding:
             return None
-        self._check_row(index, description)
+        if not self._check_row(index, description):
+            return np.float32(1.0)  # a body's trace that a refusal will discard
         # On XLA:CPU each site's scale is read from a kernel of its own: a slice of the
         # vector fused into every kernel that reads it would make those kernels differ
         # from site to site, and XLA:CPU compiles each distinct kernel on its own (the zoo
@@ -174,17 +184,16 @@ class _Recorder:
         while index + count < len(rows) and rows[index + count].startswith(group.header):
             count += 1
         if not count and index < len(rows) and rows[index].startswith(group.family):
-            raise ValueError(
-                f"This ScaleHistory was made for another program: site {index} of "
-                f"{self.where} is {rows[index]!r} in the history, a {kind} of {length} "
-                f"iterations here. Make a history for this step with its `init`."
+            self.refuse(
+                f"site {index} of {self.where} is {rows[index]!r} in the history, a {kind} "
+                f"of {length} iterations here"
             )
         if count % length:
-            raise ValueError(
-                f"This ScaleHistory was made for another program: {count} rows of "
-                f"{group.header.rstrip(': ')} from site {index}, not a multiple of its "
-                f"{length} iterations. Make a history for this step with its `init`."
+            self.refuse(
+                f"{count} rows of {group.header.rstrip(', :')} from site {index} of "
+                f"{self.where}, not a multiple of its {length} iterations"
             )
+            count = 0
         per = count // length
         prefix = len(group.row_prefix(0))
         group.expected = tuple(row[prefix:] for row in rows[index : index + per])
@@ -279,12 +288,21 @@ class _SiteRecorder(_Recorder):
 
 class _BodyRecorder(_Recorder):
     """The rows of one trace of a group's body: their held scales come in as the body's
-    extra input (`held`, one per row), their scales go out as its extra output."""
+    extra input (`held`, one per row), their scales go out as its extra output.
+
+    A loop's body is traced until its carries' types settle, and only the last trace is
+    kept: an earlier one may have other sites (an unscaled carry makes no site). So a body
+    defers a refusal (`mismatch`), which its group raises once the body is final."""
 
     def __init__(self, held: Any, expected: tuple[str, ...] | None, where: str) -> None:
         super().__init__(expected)
         self.held = held
         self.where = where
+        self.mismatch: str | None = None
+
+    def refuse(self, message: str) -> None:
+        if self.mismatch is None:
+            self.mismatch = message
 
     def _held_rows(self, start: int, count: int) -> Any:
         return self.held[start : start + count]
@@ -345,15 +363,20 @@ class _Group:
         with _recorded(body):
             yield body
         if expected is not None and len(body.descriptions) != len(expected):
-            raise ValueError(
-                f"This ScaleHistory was made for another program: {len(body.descriptions)} "
-                f"sums and contractions in {where} here, {len(expected)} in the history. "
-                f"Make a history for this step with its `init`."
+            body.refuse(
+                f"{len(body.descriptions)} sums and contractions in {where} here, "
+                f"{len(expected)} in the history"
             )
+
+    def check(self) -> None:
+        """Refuse the history (in the parent's way) if the final body did not match it."""
+        if self.body is not None and self.body.mismatch is not None:
+            self.parent.refuse(self.body.mismatch)
 
     def finish(self, stacked: Any) -> None:
         """The body's scales at every iteration (`[length, rows]`) become the rows."""
         assert self.body is not None
+        self.check()
         if not self.body.entries:
             return
         rows = [

@@ -141,6 +141,8 @@ def scaled_remat(*args: Any, jaxpr: Any, prevent_cse: Any, **params: Any) -> lis
     new_jaxpr, consts, in_specs, out_specs = trace_scaled_jaxpr(
         closed, args, operand_constants(), body_sites=sites
     )
+    if sites is not None:
+        sites.check()
     leaves, _ = flatten_compact(args)
     held = [sites.held[0]] if sites is not None and sites.takes_held else []
     if not isinstance(prevent_cse, bool):
@@ -383,6 +385,8 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
         num_ys,
         sites,
     )
+    if sites is not None:
+        sites.check()  # the final body against the history
     measures = sites is not None and sites.measures
     init_leaves = _init_leaves(init, carry_specs, k_init, scale_avals)
     const_leaves, _ = flatten_scaled(consts)

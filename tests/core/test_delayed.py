@@ -290,6 +290,34 @@ def test_a_scanned_models_sites_hold_one_scale_per_layer(dtype, scale, jit):
     assert new.sites == history.sites
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["scan", "scan-checkpoint"])
+def test_a_scan_whose_carry_starts_unscaled_holds_its_scales(checkpointed):
+    """A plain input carried through scaled layers (Flax linen's `nn.scan` over a model's
+    input): the body is traced first with an unscaled carry, whose sites are not the final
+    body's, then again; only the final trace is checked against the history (the first
+    one refused it)."""
+    params, x = stacked_inputs(np.dtype(np.float16), 1.0)
+
+    def layer(h, p):
+        h = h - jnp.mean(h, axis=-1, keepdims=True)  # a sum of the carry: a site once scaled
+        return jax.nn.relu(h @ p["w"] + p["b"][None, :])
+
+    def loss(params, x):
+        run = jax.checkpoint(layer) if checkpointed else layer
+        h, _ = jax.lax.scan(lambda h, p: (run(h, p), None), x, params)
+        return jnp.mean(jnp.square(h))
+
+    grad_step = jax.value_and_grad(loss)
+    plain_x = jnp.asarray(represented(x), jnp.float32)
+    step = jsa.delayed_scaling(grad_step)
+    _, history = jax.jit(step.init)(params, plain_x)
+    (got_loss, got), _ = jax.jit(step)(history, params, plain_x)
+    want_loss, want = jax.jit(jsa.autoscale(grad_step))(params, plain_x)
+    assert_close(got_loss, represented(want_loss), RTOL[np.dtype(np.float16)] * 4)
+    for name in got:
+        assert_close(got[name], represented(want[name]), RTOL[np.dtype(np.float16)] * 8)
+
+
 def test_each_iteration_of_a_scan_takes_its_own_rows_held_scale():
     """Row `i` of a scan's site is iteration `i`'s held scale: the stacked output of
     `w_i @ v` has the held scales of its rows, and no dynamic scale is left in the body."""

@@ -138,3 +138,42 @@ def test_optax_training_step(name):
         assert_all_scaled((out[0], out[2], out[3]), "step")
         assert_tree_close(out, expected, rtol=1e-4, what="step")
         plain, scaled = expected[:2], out[:2]
+
+
+class ScannedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Dense(16)(nn.LayerNorm()(x))
+        return x + nn.Dense(8)(nn.gelu(h)), None
+
+
+class ScannedStack(nn.Module):
+    remat: bool
+
+    @nn.compact
+    def __call__(self, x):
+        block = nn.remat(ScannedBlock) if self.remat else ScannedBlock
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        return nn.Dense(1)(stack()(x, None)[0])
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["scan", "scan-remat"])
+@pytest.mark.slow
+def test_flax_linen_scan_and_remat_under_delayed_scaling(remat):
+    """`nn.scan` over `nn.remat` blocks, as deep linen models are written: under
+    `jsa.delayed_scaling` each layer's sums and contractions (forward, and the backward
+    pass in the checkpoint) hold a scale of their own, and the gradients are float32's."""
+    model = ScannedStack(remat=remat)
+    x = jnp.asarray(RNG.normal(size=(4, 8)), jnp.float32)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), x)
+    step = jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+    scaled = jsa.as_scaled_array(params, dtype=jnp.float16)
+    delayed = jsa.delayed_scaling(step)
+    _, history = jax.jit(delayed.init)(scaled, x)
+    assert sum(s.startswith("scan 1 (3 iterations), iteration 2: ") for s in history.sites) >= 4
+    if remat:
+        assert any(": checkpoint 0: " in s for s in history.sites)
+    (loss, grads), _ = jax.jit(delayed)(history, scaled, x)
+    want_loss, want = jax.jit(step)(jsa.asarray(scaled, jnp.float32), x)
+    np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(want_loss), rtol=2e-3)
+    assert_tree_close(grads, want, rtol=2e-2)
