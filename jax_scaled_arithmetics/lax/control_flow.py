@@ -370,8 +370,8 @@ def scaled_scan(*args: Any, length: int, reverse: bool, unroll: Any, **params: A
     ]
     scale_avals = [_scale_aval(c) for c in init]
     num_ys = len(jaxpr.out_avals) - num_carry
-    # Under `jsa.delayed_scaling`, a top-level scan's body sites take held scales too: one
-    # row of the history per site and iteration, scanned in and measured out.
+    # Under `jsa.delayed_scaling`, the body's sums and contractions take held scales too:
+    # a row of the history per site and iteration, scanned in and measured out.
     recorder = delayed.site_recorder()
     sites = recorder.group("scan", length) if recorder is not None else None
     body, carry_specs, carry_abs, out_specs = _loop_fixed_point(

@@ -703,6 +703,83 @@ def test_a_sharded_weight_gradient_is_one_product_sharded_as_the_transpose():
     assert_close(delayed, want, 8 * RTOL[np.dtype(np.float16)])
 
 
+def _dynamic_scales(jaxpr):
+    from jax_scaled_arithmetics.core.scale_arithmetic import dynamic_scale_p
+
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive is dynamic_scale_p
+        for value in eqn.params.values():
+            sub = getattr(value, "jaxpr", value)
+            if hasattr(sub, "eqns"):
+                count += _dynamic_scales(sub)
+    return count
+
+
+SHIFTED_EXPS = {
+    "softmax": lambda x: jax.nn.softmax(x, axis=-1),
+    "log_softmax": lambda x: jax.nn.log_softmax(x, axis=0),
+    "handwritten": lambda x: jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)),
+}
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(SHIFTED_EXPS))
+def test_an_exp_shifted_by_its_max_is_at_scale_one_unmeasured(case, dtype, use_jit):
+    """`exp(x - max(x))` (a softmax's numerator) is at most 1, so its scale is 1 without
+    the reduction over its output that `exp`'s rule measures (the largest output is
+    exactly 1: the measured scale was 1 too). Values and gradients as the plain function's."""
+    fun = SHIFTED_EXPS[case]
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(5, 12)) * 4
+    jaxpr = jax.make_jaxpr(jsa.autoscale(fun))(make_scaled(x, dtype, 1.0))
+    plain_jaxpr = jax.make_jaxpr(jsa.autoscale(lambda v: jnp.exp(v)))(make_scaled(x, dtype, 1.0))
+    assert _dynamic_scales(plain_jaxpr) == 1  # a plain exp measures its output
+    assert _dynamic_scales(jaxpr) == (0 if case == "handwritten" else 1)  # the sum's only
+    run = jax.jit(jsa.autoscale(fun)) if use_jit else jsa.autoscale(fun)
+    weights = jnp.arange(60.0).reshape(5, 12)
+    grad = jax.grad(lambda v: jnp.sum(fun(v) * weights))
+    run_grad = jax.jit(jsa.autoscale(grad)) if use_jit else jsa.autoscale(grad)
+    for scale in WIDE_SCALES:
+        sx = make_scaled(x, dtype, scale)
+        assert_close(run(sx), fun(*plain((sx,))), 4 * RTOL[np.dtype(dtype)])
+    # A softmax's gradient from low-precision probabilities cancels: measured 0.7e-2 (float16)
+    # and 6.8e-2 (bfloat16) of its largest entry, as with the measured scale before.
+    grad_rtol = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 0.15}[np.dtype(dtype).name]
+    for scale in (2.0**-30, 2.0**-4, 1.0):  # larger: saturated, a gradient of 0
+        sx = make_scaled(x, dtype, scale)
+        assert_close(run_grad(sx), grad(*plain((sx,))), grad_rtol)
+
+
+@pytest.mark.parametrize(
+    "fun",
+    [
+        lambda x: jax.nn.logsumexp(x, axis=-1),  # subtracts 0 where the maximum is infinite
+        lambda x: jax.nn.softmax(x, axis=-1, where=x > -1.0),  # the maximum of some entries
+        lambda x: jnp.exp(x - jnp.max(x[:, :3], axis=-1, keepdims=True)),  # of other values
+        lambda x: jnp.exp(x - jnp.min(x, axis=-1, keepdims=True)),
+    ],
+    ids=["logsumexp", "softmax-where", "max-of-a-slice", "min"],
+)
+def test_an_exp_shifted_by_something_else_measures_its_scale(fun):
+    rng = np.random.default_rng(7)
+    sx = make_scaled(rng.normal(size=(5, 12)) * 4, np.float16, 2.0**10)
+    jaxpr = jax.make_jaxpr(jsa.autoscale(fun))(sx)
+    exps = sum(e.primitive.name == "exp" for e in jaxpr.jaxpr.eqns)
+    assert _dynamic_scales(jaxpr) >= 1 and exps >= 1
+    assert_close(
+        jax.jit(jsa.autoscale(fun))(sx), fun(*plain((sx,))), 8 * RTOL[np.dtype(np.float16)]
+    )
+
+
+def test_observers_see_the_exp_at_scale_one():
+    sx = make_scaled(np.random.default_rng(8).normal(size=(3, 8)), np.float16, 4.0)
+    table = jsa.analysis.tensor_ranges(lambda x: jax.nn.softmax(x, axis=-1), sx)
+    exps = [row for row in table.rows if row.primitive == "exp"]
+    assert len(exps) == 1 and tuple(exps[0].shape) == (3, 8)
+
+
 def test_block_scaled_weight_gradient_keeps_its_two_equations():
     """Block scales are laid out per operand: the product and its transpose stay apart."""
     loss, w_shape, x_shape = WEIGHT_GRADIENTS["matmul"]
