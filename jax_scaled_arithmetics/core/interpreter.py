@@ -520,9 +520,13 @@ def _is_scaled(x: Any) -> bool:
 
 
 def _leaf_aval(leaf: Any) -> Any:
-    """What `fun` is traced with for an argument leaf: a ScaledArray's data (its type: shape,
-    dtype, and sharding over a mesh's explicit axes), a plain leaf as it is."""
+    """What `fun` is traced with for an argument leaf: a ScaledArray's data type (shape,
+    dtype, its sharding over a mesh's explicit axes; never weakly typed: a ScaledArray's
+    dtype is its data's), a plain leaf as it is."""
     if isinstance(leaf, ScaledArray):
+        aval = _compat.typeof(leaf.data)
+        if getattr(aval, "weak_type", False):
+            return _compat.shape_dtype_struct(aval.update(weak_type=False))
         return leaf.data
     return leaf
 

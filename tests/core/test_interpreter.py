@@ -800,3 +800,16 @@ def test_observers_see_the_fused_product():
     table = jsa.analysis.tensor_ranges(jax.grad(loss), w, x)
     products = [tuple(row.shape) for row in table.rows if row.primitive == "dot_general"]
     assert products == [(3, 4), w_shape]
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_weakly_typed_data_promotes_as_its_dtype(use_jit):
+    """A ScaledArray's dtype is its data's, weak type or not (`jnp.asarray(2.0)` is weakly
+    typed): traced as float32, times float16 it gives float32, as before arguments were
+    traced with their sharding (git f94c6ef)."""
+    x = jsa.scaled_array(jnp.asarray(2.0), np.float32(4.0))
+    assert jax.typeof(x.data).weak_type
+    fun = jsa.autoscale(lambda a, b: a * b)
+    out = (jax.jit(fun) if use_jit else fun)(x, jnp.ones(3, jnp.float16))
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(represented(out), np.full(3, 8.0))
