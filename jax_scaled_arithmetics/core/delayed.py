@@ -312,7 +312,8 @@ class _Group:
     """The rows of one body traced within a recorded trace: a `scan`'s (a row per site of
     its body and iteration, named `scan <n> (<L> iterations), iteration <i>: <site>`) or a
     checkpoint's (`checkpoint <n>: <site>`). `trace_body` wraps each trace of the body,
-    `finish` takes the scales the body measured, stacked over the iterations."""
+    `check` refuses a history the final body does not match, and `finish` takes the
+    scales the body measured, stacked over the iterations."""
 
     def __init__(self, parent: _Recorder, kind: str, ordinal: int, length: int, index: int) -> None:
         self.parent = parent
@@ -376,7 +377,6 @@ class _Group:
     def finish(self, stacked: Any) -> None:
         """The body's scales at every iteration (`[length, rows]`) become the rows."""
         assert self.body is not None
-        self.check()
         if not self.body.entries:
             return
         rows = [

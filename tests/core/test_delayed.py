@@ -73,6 +73,26 @@ def test_init_is_the_dynamic_step_and_its_scales_fill_the_history(dtype, scale, 
     assert np.all(np.exp2(np.round(np.log2(scales))) == scales)
 
 
+def check_a_step_from_a_larger_input(step, grad_step, history, params, x, dtype, jit):
+    """`step` (a `delayed_scaling` of `grad_step`) from an input 8 times larger than the
+    one `history` was made from: every held scale is 8 times too small, but data stays far
+    from float16's largest value. Its values are the dynamic step's (themselves the plain
+    function's: test_interpreter; float32 does not hold them at every scale here), it
+    measures the dynamic step's scales, and the history rolls. Returns that input."""
+    x2 = jsa.scaled_array(x.data, x.scale * 8)
+    (loss, grads), new = _maybe_jit(step, jit)(history, params, x2)
+    want_loss, want_grads = jax.jit(jsa.autoscale(grad_step))(params, x2)
+    assert_close(loss, represented(want_loss), RTOL[dtype] * 4)
+    for name in grads:
+        assert_close(grads[name], represented(want_grads[name]), RTOL[dtype] * 8, RTOL[dtype])
+        assert np.all(np.isfinite(np.asarray(grads[name].data, np.float32)))
+    _, dynamic = jax.jit(step.init)(params, x2)
+    np.testing.assert_array_equal(new.scales[:, 0], dynamic.scales[:, 0])
+    np.testing.assert_array_equal(new.scales[:, 1], history.scales[:, 0])
+    assert new.sites == history.sites
+    return x2
+
+
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("scale", STEP_SCALES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
@@ -82,24 +102,7 @@ def test_steps_match_the_plain_function_at_the_held_scales(dtype, scale, jit):
     params, x = mlp_inputs(dtype, scale)
     step = jsa.delayed_scaling(grad_step, history_length=2)
     _, history = jax.jit(step.init)(params, x)
-    # The next batch is 8 times larger: every held scale is 8 times too small, but data
-    # stays far from float16's largest value.
-    x2 = jsa.scaled_array(x.data, x.scale * 8)
-    (loss, grads), new = _maybe_jit(step, jit)(history, params, x2)
-    # The dynamic step's values (themselves the plain function's: test_interpreter), which
-    # float32 does not hold at every scale here.
-    want_loss, want_grads = jax.jit(jsa.autoscale(grad_step))(params, x2)
-    assert_close(loss, represented(want_loss), RTOL[dtype] * 4)
-    for name in grads:
-        assert_close(grads[name], represented(want_grads[name]), RTOL[dtype] * 8, RTOL[dtype])
-        assert np.all(np.isfinite(np.asarray(grads[name].data, np.float32)))
-    held = np.asarray(history.as_matrix())[:, 0]
-    _, dynamic = jax.jit(step.init)(params, x2)
-    np.testing.assert_array_equal(
-        np.asarray(new.as_matrix())[:, 0], np.asarray(dynamic.as_matrix())[:, 0]
-    )
-    np.testing.assert_array_equal(np.asarray(new.as_matrix())[:, 1], held)
-    assert new.sites == history.sites
+    check_a_step_from_a_larger_input(step, grad_step, history, params, x, dtype, jit)
 
 
 @pytest.mark.parametrize("margin", [-1, 0, 2])
@@ -277,17 +280,7 @@ def test_a_scanned_models_sites_hold_one_scale_per_layer(dtype, scale, jit):
     forward = np.asarray(history.scales)[[history.sites.index(s) for s in scan_rows[:3]], 0]
     assert len(set(forward.tolist())) > 1
 
-    x2 = jsa.scaled_array(x.data, x.scale * 8)
-    (loss, grads), new = _maybe_jit(step, jit)(history, params, x2)
-    want_loss, want_grads = jax.jit(jsa.autoscale(stacked_grad_step))(params, x2)
-    assert_close(loss, represented(want_loss), RTOL[dtype] * 4)
-    for name in grads:
-        assert_close(grads[name], represented(want_grads[name]), RTOL[dtype] * 8, RTOL[dtype])
-        assert np.all(np.isfinite(np.asarray(grads[name].data, np.float32)))
-    _, dynamic_history = jax.jit(step.init)(params, x2)
-    np.testing.assert_array_equal(new.scales[:, 0], dynamic_history.scales[:, 0])
-    np.testing.assert_array_equal(new.scales[:, 1], history.scales[:, 0])
-    assert new.sites == history.sites
+    check_a_step_from_a_larger_input(step, stacked_grad_step, history, params, x, dtype, jit)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["scan", "scan-checkpoint"])
@@ -396,14 +389,7 @@ def test_checkpointed_layers_hold_their_scales_too(dtype, scale, jit):
     _, history = jax.jit(step.init)(params, x)
     rows = [s for s in history.sites if ": checkpoint 0: " in s]
     assert len(rows) >= 3 * 4 and all(s.startswith("scan 1 (3 iterations)") for s in rows)
-    x2 = jsa.scaled_array(x.data, x.scale * 8)
-    (loss, grads), new = _maybe_jit(step, jit)(history, params, x2)
-    want_loss, want_grads = jax.jit(jsa.autoscale(grad_step))(params, x2)
-    assert_close(loss, represented(want_loss), RTOL[dtype] * 4)
-    for name in grads:
-        assert_close(grads[name], represented(want_grads[name]), RTOL[dtype] * 8, RTOL[dtype])
-    _, dynamic_history = jax.jit(step.init)(params, x2)
-    np.testing.assert_array_equal(new.scales[:, 0], dynamic_history.scales[:, 0])
+    x2 = check_a_step_from_a_larger_input(step, grad_step, history, params, x, dtype, jit)
 
     def checkpoint_bodies(jaxpr):
         for eqn in jaxpr.eqns:

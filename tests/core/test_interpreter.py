@@ -744,9 +744,9 @@ def test_an_exp_shifted_by_its_max_is_at_scale_one_unmeasured(case, dtype, use_j
     for scale in WIDE_SCALES:
         sx = make_scaled(x, dtype, scale)
         assert_close(run(sx), fun(*plain((sx,))), 4 * RTOL[np.dtype(dtype)])
-    # A softmax's gradient from low-precision probabilities cancels: measured 0.7e-2 (float16)
-    # and 6.8e-2 (bfloat16) of its largest entry, as with the measured scale before.
-    grad_rtol = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 0.15}[np.dtype(dtype).name]
+    # A softmax's gradient from low-precision probabilities cancels: up to 1.8e-2 (float16)
+    # and 6.8e-2 (bfloat16) of its largest entry measured, as with the measured scale before.
+    grad_rtol = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 0.15}[np.dtype(dtype).name]
     for scale in (2.0**-30, 2.0**-4, 1.0):  # larger: saturated, a gradient of 0
         sx = make_scaled(x, dtype, scale)
         assert_close(run_grad(sx), grad(*plain((sx,))), grad_rtol)
