@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _compat, block_scales, registry
+from . import _compat, block_scales, bounded, registry
 from .config import get_autoscale_config
 from .datatype import (
     ScaledArray,
@@ -242,46 +242,6 @@ def _transposed_dot(jaxpr: Any, index: int, uses: collections.Counter[Any]) -> A
     )
 
 
-# Equations between a `reduce_max` and the value subtracted that keep it at least the
-# maximum: broadcasts, reshapes, `stop_gradient`, and `max` with a constant.
-_KEEPS_AT_LEAST_THE_MAX = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "stop_gradient")
-
-
-def _shifted_by_its_max(jaxpr: Any, index: int, producers: dict[Any, Any]) -> bool:
-    """Whether equation `index` is `exp(x - m)` with `m` at least `x`'s largest entry
-    along the axes it was reduced over (`reduce_max(x)`, broadcast back, perhaps maxed
-    with a constant, as `jax.nn.softmax` and `log_softmax` write it): every output is then
-    at most 1 (or NaN), so its scale is 1 with no measurement. Not `logsumexp`'s form,
-    which subtracts 0 where the maximum is infinite."""
-    eqn = jaxpr.eqns[index]
-    if eqn.primitive is not lax.exp_p:
-        return False
-    shift = producers.get(eqn.invars[0])
-    if shift is None or shift.primitive is not lax.sub_p:
-        return False
-    x, m = shift.invars
-    node = producers.get(m)
-    while node is not None and node.primitive is not lax.reduce_max_p:
-        if node.primitive.name in _KEEPS_AT_LEAST_THE_MAX:
-            m = node.invars[0]
-        elif node.primitive is lax.max_p:
-            variables = [v for v in node.invars if not isinstance(v, _compat.Literal)]
-            if len(variables) != 1:
-                return False
-            m = variables[0]
-        else:
-            return False
-        node = producers.get(m)
-    return node is not None and node.invars[0] is x
-
-
-class _ExpAtMostOne:
-    """`groups`' key for an `exp` whose outputs are at most 1 (`_shifted_by_its_max`)."""
-
-    def __init__(self, eqn: Any) -> None:
-        self.eqn = eqn
-
-
 class _Autoscale(JaxprWalker):
     """`autoscale`'s walk: values are ScaledArrays or plain arrays; an equation with a
     ScaledArray operand (or a primitive that is always scaled) runs its scaled rule, any
@@ -308,8 +268,10 @@ class _Autoscale(JaxprWalker):
 
     def groups(self, jaxpr: Any, context: _AutoscaleContext) -> Sequence[Group]:
         """Each product whose output only a transpose reads (a weight gradient), offered
-        to `eval_group` as one product of the operands swapped; each `exp` of a value
-        shifted by its maximum (a softmax's), offered as an output at scale 1."""
+        to `eval_group` as one product of the operands swapped; each softmax (`exp` of a
+        value shifted by its maximum, its sum and quotient when they follow), offered as
+        the plain equations on the represented values at the scales their bounds give
+        (`bounded`)."""
         found = []
         producers = {v: e for e in jaxpr.eqns for v in e.outvars}
         index = 0
@@ -323,13 +285,13 @@ class _Autoscale(JaxprWalker):
                 )
                 index += 2
                 continue
-            if _shifted_by_its_max(jaxpr, index, producers):
-                eqn = jaxpr.eqns[index]
-                found.append(
-                    Group(
-                        index, index + 1, _ExpAtMostOne(eqn), tuple(eqn.invars), tuple(eqn.outvars)
-                    )
-                )
+            group = bounded.shifted_exp_group(
+                jaxpr, index, producers, context.uses
+            ) or bounded.exp_at_most_one_group(jaxpr, index, producers)
+            if group is not None:
+                found.append(group)
+                index = group.stop
+                continue
             index += 1
         return found
 
@@ -338,26 +300,18 @@ class _Autoscale(JaxprWalker):
         # Block scales are laid out per operand (`block_rules`): left to the equations.
         if not scaled or any(np.ndim(v.scale) for v in scaled):
             return None
-        if isinstance(group.key, _ExpAtMostOne):
-            return self._exp_at_most_one(group.key.eqn, invals[0])
+        if isinstance(group.key, bounded.ShiftedExp):
+            return bounded.evaluate_shifted_exp(
+                group.key, invals[0], group.outputs, self.observers()
+            )
+        if isinstance(group.key, bounded.ExpAtMostOne):
+            return bounded.evaluate_exp_at_most_one(group.key, invals[0], self.observers())
         fused = group.key
         with _compat.eqn_context(fused):
             outs = self.eval_eqn(fused, invals, frame)
         for observer in self.observers():
             observer(fused, invals, outs)
         return outs
-
-    def _exp_at_most_one(self, eqn: Any, x: ScaledArray) -> list[Any]:
-        """`exp` of a value at most 0, computed on the represented values in at least
-        float32 as the `exp` rule computes it, at the scale 1 its largest output has (the
-        rule measures it: a reduction over the output, saved here)."""
-        compute = jnp.promote_types(x.dtype, jnp.float32)
-        value = x.data.astype(compute) * jnp.asarray(x.scale, jnp.float32).astype(compute)
-        with _compat.eqn_context(eqn):
-            out = ScaledArray(lax.exp(value).astype(x.dtype), np.float32(1.0))
-        for observer in self.observers():
-            observer(eqn, [x], [out])
-        return [out]
 
     def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
         context: _AutoscaleContext = frame.context
