@@ -5,6 +5,7 @@ output scale is the input's times a factor `t` and the data is the sum divided b
 `t`: with `ScalePolicy.DYNAMIC` (default) the power of two of the sum's largest
 magnitude (so sums of non-negative terms, which grow like N, and sums that cancel
 both land in range), with `ScalePolicy.STATIC` the unit-scaling `pow2(sqrt(N))`.
+A sum of one term per output (N = 1) is its term: the operand's scale, nothing measured.
 Max/min keep the scale. Products and generic reductions are computed in float32
 and renormalised.
 """
@@ -36,6 +37,10 @@ def _sum_rule(primitive: Any, count_of: Any) -> Any:
     """A sum of `count_of(x, params)` values, accumulated in float32, scale times `t`."""
 
     def rule(x: ScaledArray, **params: Any) -> ScaledArray:
+        if count_of(x, params) == 1:
+            # One term per output (axes of size 1: autodiff's transpose of a broadcast of
+            # a kept dimension): exact in the data's own dtype, at the operand's scale.
+            return ScaledArray(primitive.bind(x.data, **params), x.scale)
         acc = primitive.bind(x.data.astype(compute_dtype(x.dtype)), **params)
         return represent_accumulation(acc, [(x.scale, 1)], x.dtype, count_of(x, params))
 

@@ -121,8 +121,9 @@ def test_a_delayed_step_costs_at_most_a_kernel_per_site_beyond_the_dynamic_step(
     """The held scales come from one small kernel (a vector for every site), each site's
     measurement is its reduction without the scale's epilogue, and the epilogues and the
     new history are written together; on XLA:CPU each site's held scale is read from a
-    kernel of its own. The delayed MLP step has 42 kernels against the dynamic step's 40
-    (62 when each site read and wrote its own history)."""
+    kernel of its own. The delayed MLP step has 38 kernels against the dynamic step's 37
+    (42 and 40 before a sum over an axis of size 1 was left unmeasured, 62 when each
+    site read and wrote its own history)."""
     hlo_counts = load_script("program_size", "benchmarks/program_size.py").hlo_counts
     params, x = mlp_inputs(np.dtype(np.float16), 1.0)
     step = jsa.delayed_scaling(grad_step, history_length=4)
@@ -132,7 +133,7 @@ def test_a_delayed_step_costs_at_most_a_kernel_per_site_beyond_the_dynamic_step(
         return hlo_counts(jax.jit(fun).lower(*args).compile().as_text())[0]
 
     sites = len(history.sites)
-    assert sites == 8
+    assert sites == 7  # 2 products, the loss, 3 backward products, a bias gradient
     dynamic = kernels(jsa.autoscale(grad_step), params, x)
     assert kernels(step, history, params, x) <= dynamic + sites
 

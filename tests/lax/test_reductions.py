@@ -193,3 +193,34 @@ def test_max_keeps_the_scale():
     out = jsa.autoscale(lambda a: jnp.max(a, axis=0))(x)
     assert float(out.scale) == 2.0**40
     np.testing.assert_array_equal(represented(out), np.array([2.0, 0.5]) * 2.0**40)
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16], ids=str)
+def test_a_sum_of_one_term_is_the_term_at_its_scale(dtype, use_jit):
+    """A sum over axes of size 1 (autodiff writes one for every broadcast of a kept
+    dimension: 37 of the 95 sums of the 2-block char GPT's step) has one term per output:
+    exact at the operand's scale, with no measurement, for every scale; its gradient too."""
+    from jax_scaled_arithmetics.core.scale_arithmetic import dynamic_scale_p
+
+    def fun(a):
+        return (
+            jnp.sum(a, axis=1),
+            jnp.cumsum(a, axis=1),
+            lax.reduce_window(a, _zero(a), lax.add, (1, 1), (1, 1), "VALID"),
+        )
+
+    values = np.random.default_rng(5).normal(size=(6, 1)) * 3
+    jaxpr = jax.make_jaxpr(jsa.autoscale(fun))(make_scaled(values, dtype, 1.0))
+    assert not any(e.primitive is dynamic_scale_p for e in jaxpr.jaxpr.eqns)
+    run = jax.jit(jsa.autoscale(fun)) if use_jit else jsa.autoscale(fun)
+    grad = jax.grad(lambda a: jnp.sum(jnp.sum(a, axis=1) * jnp.arange(6.0, dtype=a.dtype)))
+    run_grad = jax.jit(jsa.autoscale(grad)) if use_jit else jsa.autoscale(grad)
+    for scale in (2.0**-60, 2.0**-20, 1.0, 2.0**30, 2.0**60):
+        x = make_scaled(values, dtype, scale)
+        for out, want in zip(run(x), fun(jnp.asarray(represented(x), jnp.float32))):
+            assert float(out.scale) == scale and out.dtype == x.dtype
+            np.testing.assert_array_equal(represented(out), np.asarray(want, np.float64))
+        np.testing.assert_array_equal(
+            represented(run_grad(x)), np.broadcast_to(np.arange(6.0)[:, None], (6, 1))
+        )
