@@ -137,6 +137,53 @@ def _outputs(jaxpr: Any, start: int, stop: int, uses: collections.Counter[Any]) 
     )
 
 
+def _sum_and_quotient(
+    eqns: Sequence[Any], start: int, terms: Any, axes: tuple[int, ...]
+) -> tuple[dict[Any, float], int] | None:
+    """When `eqns[start:]` begin with the sum of `terms` over `axes` (after a cast to
+    float32, as float16/bfloat16 softmaxes take it), casts and broadcasts of it, and the
+    quotient of `terms` by it: each of their outputs' scale (the sum's `pow2(sqrt(N))`,
+    the quotient's 1) and the index after the quotient."""
+    summed, end = terms, start
+    if end < len(eqns) and _is_float_convert(eqns[end], summed):
+        summed = eqns[end].outvars[0]
+        end += 1
+    if end >= len(eqns):
+        return None
+    total_eqn = eqns[end]
+    if not (
+        total_eqn.primitive is lax.reduce_sum_p
+        and total_eqn.invars[0] is summed
+        and tuple(total_eqn.params["axes"]) == axes
+    ):
+        return None
+    count = int(np.prod([terms.aval.shape[a] for a in axes], dtype=np.int64))
+    sum_factor = static_pow2(float(np.sqrt(max(count, 1))))
+    total = total_eqn.outvars[0]
+    factors = {summed: 1.0, total: sum_factor}
+    end += 1
+    while end < len(eqns) and eqns[end].invars[0] is total:
+        step = eqns[end]
+        carries = step.primitive.name in _BROADCASTS and _carries_the_sum(step, terms, axes)
+        if not (carries or _is_float_convert(step, total)):
+            break
+        total = step.outvars[0]
+        factors[total] = sum_factor
+        end += 1
+    if end >= len(eqns):
+        return None
+    div = eqns[end]
+    if not (
+        div.primitive is lax.div_p
+        and div.invars[0] is terms
+        and div.invars[1] is total
+        and tuple(total.aval.shape) in _layouts(terms, axes)[1:]
+    ):
+        return None
+    factors[div.outvars[0]] = 1.0
+    return factors, end + 1
+
+
 def shifted_exp_group(
     jaxpr: Any, index: int, producers: dict[Any, Any], uses: collections.Counter[Any]
 ) -> Group | None:
@@ -162,45 +209,10 @@ def shifted_exp_group(
     terms = exp.outvars[0]
     factors: dict[Any, float] = {terms: 1.0}
     stop = index + 2
-    axes = tuple(chain[0].params["axes"])
-    # float16/bfloat16 softmaxes sum their terms in float32: a convert, then the sum.
-    summed, end = terms, stop
-    if end < len(eqns) and _is_float_convert(eqns[end], summed):
-        summed = eqns[end].outvars[0]
-        end += 1
-    total_eqn = eqns[end] if end < len(eqns) else None
-    if (
-        total_eqn is not None
-        and total_eqn.primitive is lax.reduce_sum_p
-        and total_eqn.invars[0] is summed
-        and tuple(total_eqn.params["axes"]) == axes
-    ):
-        count = int(np.prod([terms.aval.shape[a] for a in axes], dtype=np.int64))
-        sum_factor = static_pow2(float(np.sqrt(max(count, 1))))
-        total = total_eqn.outvars[0]
-        sums = {summed: 1.0, total: sum_factor}
-        end += 1
-        while end < len(eqns) and eqns[end].invars[0] is total:
-            step = eqns[end]
-            if not (
-                _is_float_convert(step, total)
-                or (step.primitive.name in _BROADCASTS and _carries_the_sum(step, terms, axes))
-            ):
-                break
-            total = step.outvars[0]
-            sums[total] = sum_factor
-            end += 1
-        div = eqns[end] if end < len(eqns) else None
-        if (
-            div is not None
-            and div.primitive is lax.div_p
-            and div.invars[0] is terms
-            and div.invars[1] is total
-            and tuple(total.aval.shape) in _layouts(terms, axes)[1:]
-        ):
-            factors.update(sums)
-            factors[div.outvars[0]] = 1.0
-            stop = end + 1
+    normalized = _sum_and_quotient(eqns, stop, terms, tuple(chain[0].params["axes"]))
+    if normalized is not None:
+        sums, stop = normalized
+        factors.update(sums)
     outputs = _outputs(jaxpr, index, stop, uses)
     if any(v not in factors for v in outputs):
         return None
