@@ -27,19 +27,22 @@ import jax_scaled_arithmetics as jsa
 from tests.helpers import load_script
 
 BUDGET_PATH = Path(__file__).with_name("program_size_budget.json")
-# Equations of the scaled step over the plain one: measured 2.3x on JAX 0.10.2 (625 vs
-# 273); the lean-programs target is 3x, see docs/benchmarks.md.
-RATIO = 2.5
+# Equations of the scaled step over the plain one: measured 2.1x on JAX 0.12 (565 vs 269)
+# and 0.10.0 (574 vs 274), 2.3x before the softmax and one-term sums were unmeasured; the
+# lean-programs target is 3x, see docs/benchmarks.md.
+RATIO = 2.3
 # The optimizer update (`scale_optimizer(optax.adam)` + `jsa.optax.apply_updates`, float16
-# data) over plain float32 Adam: measured 2.0x (404 vs 202: per input tensor a convert and a
-# multiply, per stored moment and new parameter a `rescale_factor`, a multiply and a cast;
-# the update itself is added unstored); the target is 2x, see docs/benchmarks.md.
+# data) over plain float32 Adam: measured 1.9x (383 vs 204 on JAX 0.12: per input tensor a
+# convert and a multiply, per stored moment and new parameter a multiply and a cast, the
+# state's factors one `rescale_factors`; the update itself is added unstored); the target
+# is 2x, see docs/benchmarks.md.
 UPDATE_RATIO = 2.05
-# Kernels of the compiled block step (XLA:CPU) over the plain one's: measured 3.1x on JAX
-# 0.10.2 and 0.12 (268 vs 86), 3.2x on 0.10.0 (292 vs 92); 3.7x while a small tensor's
-# largest magnitude was three kernels, 5.7x while each ratio and dynamic scale was a kernel
-# of its own; issue 43's target is 1.5x (docs/benchmarks.md).
-KERNEL_RATIO = 3.4
+# Kernels of the compiled block step (XLA:CPU) over the plain one's: measured 2.7x on JAX
+# 0.12 (233 vs 86), 2.8x on 0.10.0 (262 vs 92); 3.1x before the softmax and one-term sums
+# were unmeasured, 3.7x while a small tensor's largest magnitude was three kernels, 5.7x
+# while each ratio and dynamic scale was a kernel of its own; issue 43's target is 1.5x
+# (docs/benchmarks.md).
+KERNEL_RATIO = 3.1
 # Slack over the committed per-primitive counts: JAX releases move a few equations.
 SLACK = 1.05
 
@@ -216,9 +219,10 @@ def test_compiled_block_step_reads_each_scale_from_memory():
     once, in a kernel of its own, and read by the kernels that use it (its ratios fused
     into them). Copied into every reader instead, a scale's exponent arithmetic made the
     block step's optimized HLO 12x the plain one's, and no two of its scalar kernels alike,
-    each compiled on its own (measured 6.4-6.6x since the scales and rescaled tensors read
-    twice are materialised, JAX 0.10 and 0.12). The kernels are counted too: a rule change
-    that adds kernels fails here."""
+    each compiled on its own (measured 5.3-5.4x since the softmax and one-term sums are
+    unmeasured, JAX 0.10.0 and 0.12; 6.4-6.6x since the scales and rescaled tensors read
+    twice are materialised). The kernels are counted too: a rule change that adds kernels
+    fails here."""
     step, params, x = block_training_step()
     with jax.numpy_rank_promotion("allow"):
         plain_compiled = jax.jit(step).lower(params, x).compile()
@@ -228,7 +232,7 @@ def test_compiled_block_step_reads_each_scale_from_memory():
         plain, scaled = map(_hlo_instructions, (plain_compiled, scaled_compiled))
         new_params = scaled_step(scaled_params, x)
         reference = jax.jit(step)(params, x)
-    assert scaled <= 8.5 * plain, f"scaled {scaled} HLO instructions, plain {plain}"
+    assert scaled <= 6.5 * plain, f"scaled {scaled} HLO instructions, plain {plain}"
     kernels = _kernels(scaled_compiled) / _kernels(plain_compiled)
     assert kernels <= KERNEL_RATIO, f"scaled / plain kernels {kernels:.2f} > {KERNEL_RATIO}"
     for got, want in zip(
