@@ -23,6 +23,7 @@ from jax import lax
 
 from . import _compat
 from .datatype import ScaledArray
+from .dtypes import compute_dtype
 from .pow2 import static_pow2
 from .walker import Group, bind_equation
 
@@ -157,10 +158,8 @@ def _sum_and_quotient(
         and tuple(total_eqn.params["axes"]) == axes
     ):
         return None
-    count = int(np.prod([terms.aval.shape[a] for a in axes], dtype=np.int64))
-    sum_factor = static_pow2(float(np.sqrt(max(count, 1))))
     total = total_eqn.outvars[0]
-    factors = {summed: 1.0, total: sum_factor}
+    sums = [total]
     end += 1
     while end < len(eqns) and eqns[end].invars[0] is total:
         step = eqns[end]
@@ -168,7 +167,7 @@ def _sum_and_quotient(
         if not (carries or _is_float_convert(step, total)):
             break
         total = step.outvars[0]
-        factors[total] = sum_factor
+        sums.append(total)
         end += 1
     if end >= len(eqns):
         return None
@@ -180,8 +179,19 @@ def _sum_and_quotient(
         and tuple(total.aval.shape) in _layouts(terms, axes)[1:]
     ):
         return None
-    factors[div.outvars[0]] = 1.0
+    count = int(np.prod([terms.aval.shape[a] for a in axes], dtype=np.int64))
+    factor = _sum_factor(count, [v.aval.dtype for v in sums])
+    factors = {summed: 1.0, **{v: factor for v in sums}, div.outvars[0]: 1.0}
     return factors, end + 1
+
+
+def _sum_factor(count: int, dtypes: Sequence[Any]) -> float:
+    """The scale of a sum of `count` terms in `[0, 1]`, largest 1 (a value in `[1, count]`):
+    the static rule's `pow2(sqrt(count))`, or more where `count` over it would not fit the
+    narrowest of `dtypes` (float8_e4m3fn from about 200,000 terms)."""
+    largest = min(float(jnp.finfo(d).max) for d in dtypes)
+    needed = 2.0 ** int(np.ceil(np.log2(max(count / largest, 1.0))))
+    return max(static_pow2(float(np.sqrt(max(count, 1)))), needed)
 
 
 def shifted_exp_group(
@@ -225,7 +235,7 @@ def evaluate_shifted_exp(
 ) -> list[Any]:
     """The group's equations on `x`'s represented values in at least float32 (the maximum
     taken again from them), each output at the scale its bound gives, cast to its dtype."""
-    compute = jnp.promote_types(x.dtype, jnp.float32)
+    compute = compute_dtype(x.dtype)
     values: dict[Any, Any] = {
         key.x: x.data.astype(compute) * jnp.asarray(x.scale, jnp.float32).astype(compute)
     }
@@ -287,7 +297,7 @@ def evaluate_exp_at_most_one(
 ) -> list[Any]:
     """`exp` of a value at most 0, computed on the represented values in at least float32
     as the `exp` rule computes it, at the scale 1 its largest output has."""
-    compute = jnp.promote_types(shifted.dtype, jnp.float32)
+    compute = compute_dtype(shifted.dtype)
     scale = jnp.asarray(shifted.scale, jnp.float32).astype(compute)
     value = shifted.data.astype(compute) * scale
     with _compat.eqn_context(key.eqn):

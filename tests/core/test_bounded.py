@@ -184,3 +184,39 @@ def test_observers_see_the_softmax_at_its_scales():
     assert tuple(rows["exp"].shape) == (3, 8) and rows["exp"].scale == 1.0
     assert tuple(rows["div"].shape) == (3, 8) and rows["div"].scale == 1.0
     assert rows["reduce_sum"].scale == 2.0  # pow2(sqrt(8)), rounded down
+
+
+def test_a_long_float8_sum_fits_its_format():
+    """The sum's static scale `pow2(sqrt(N))` leaves N / scale above float8_e4m3fn's largest
+    value (448) from about 200,000 terms: the scale is raised so that N fits."""
+    import ml_dtypes
+
+    count = 2**18
+    sx = make_scaled(np.zeros((1, count)), ml_dtypes.float8_e4m3fn, 1.0)
+    probabilities, sums = jax.jit(jsa.autoscale(_softmax_and_sum))(sx)
+    assert float(sums.scale) == 2.0**10  # sqrt(2^18) = 2^9 would give data 512
+    np.testing.assert_array_equal(represented(sums), [[float(count)]])
+    assert float(probabilities.scale) == 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("case", ["handwritten-exp", "handwritten-softmax", "sum-returned"])
+def test_a_float8_softmax(case, dtype):
+    """FP8 data: computed in float32 (no implicit promotion exists from FP8), values as the
+    plain function's on the represented values, to the format's precision. (`jax.nn.softmax`
+    itself shifts by `max(nan, x)` in float8_e4m3fn, which has no infinity: NaN, plain or
+    scaled.)"""
+    import ml_dtypes
+
+    fun, measured = SHIFTED_EXPS[case]
+    dtype = np.dtype(getattr(ml_dtypes, dtype))
+    rng = np.random.default_rng(9)
+    for scale in (2.0**-20, 1.0, 2.0**20):
+        sx = make_scaled(rng.normal(size=(4, 12)), dtype, scale)
+        assert _dynamic_scales(jax.make_jaxpr(jsa.autoscale(fun))(sx)) == measured
+        outs = jax.tree_util.tree_leaves(
+            jax.jit(jsa.autoscale(fun))(sx), is_leaf=jsa.is_scaled_leaf
+        )
+        for out, want in zip(outs, jax.tree_util.tree_leaves(fun(*plain((sx,))))):
+            assert out.dtype == dtype
+            assert_close(out, want, 0.13)  # 3 mantissa bits (e4m3), 2 (e5m2): a few ulps
