@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core.dtypes import compute_dtype
+
 __all__ = ["hadamard_matrix", "inverse_random_hadamard", "random_hadamard"]
 
 
@@ -74,7 +76,7 @@ def _transform(x: Any, axis: int, key: Any, size: int, inverse: bool) -> Any:
             f"axis {axis} has {length} entries, not a multiple of the block size {size}"
         )
     dtype = x.dtype
-    compute = jnp.promote_types(dtype, jnp.float32)
+    compute = compute_dtype(dtype)
     moved = jnp.moveaxis(x, axis, -1).astype(compute)
     blocks = moved.reshape(*moved.shape[:-1], length // size, size)
     h = jnp.asarray(_sylvester(size) / np.sqrt(size), compute)

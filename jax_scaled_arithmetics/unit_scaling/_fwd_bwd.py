@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core.dtypes import compute_dtype
 from ..core.types import Array
 
 _ConstraintName: TypeAlias = Literal[
@@ -163,7 +164,7 @@ def multiply(x: Array, factor: float) -> Array:
     info = jnp.finfo(dtype)
     if float(info.tiny) <= abs(factor) <= float(info.max):
         return x * jnp.asarray(factor, dtype)
-    compute = jnp.promote_types(dtype, jnp.float32)
+    compute = compute_dtype(dtype)
     return (x.astype(compute) * jnp.asarray(factor, compute)).astype(dtype)
 
 

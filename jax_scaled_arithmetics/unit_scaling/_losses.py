@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..core.dtypes import compute_dtype
 from ..core.types import Array
 from ._fwd_bwd import multiply, scale_bwd
 from ._ops_common import broadcast_vector as _broadcast_vector
@@ -148,7 +149,7 @@ def cross_entropy(
             raise ValueError(
                 f"weight must have shape (V,) = {(vocab,)} (one per class), got {_shape(weight)}."
             )
-    compute = jnp.promote_types(logits.dtype, jnp.float32)
+    compute = compute_dtype(logits.dtype)
     factor = _inv_std(cross_entropy_second_moment(vocab, mult, eps) / vocab)
     z = scale_bwd(logits.astype(compute), factor)
     log_p = jax.nn.log_softmax(multiply(z, mult), axis=-1)
@@ -204,6 +205,6 @@ def mse_loss(pred: Array, target: Array, *, reduction: str = "mean") -> Array:
     factor = 1.0 / math.sqrt(8.0)
     if reduction == "mean":
         factor *= max(_size(pred.shape), 1)
-    compute = jnp.promote_types(jnp.promote_types(pred.dtype, target.dtype), jnp.float32)
+    compute = compute_dtype(pred.dtype, target.dtype)
     diff = scale_bwd(pred.astype(compute), factor) - scale_bwd(target.astype(compute), factor)
     return _reduce(diff * diff, reduction).astype(pred.dtype)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..core.dtypes import compute_dtype
 from ..core.types import Array
 from ._fwd_bwd import scale_bwd
 from ._ops_common import broadcast_vector as _broadcast_vector
@@ -38,7 +39,7 @@ def _normalize(
     """(x - mean) / sqrt(var + eps) * weight + bias over `axes`, in at least float32."""
     x = jnp.asarray(x)
     shape = x.shape
-    compute = jnp.promote_types(x.dtype, jnp.float32)
+    compute = compute_dtype(x.dtype)
     y = x.astype(compute)
     if center:
         y = y - jnp.mean(y, axis=axes, keepdims=True)

@@ -156,3 +156,19 @@ def test_the_formats_doc_example_runs():
     section = text.split("## Random Hadamard transforms", 1)[1]
     (block,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)[:1]
     exec(compile(block, "docs/formats.md", "exec"), {})
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_inputs_are_transformed_in_float32(dtype):
+    """FP8 data (which JAX promotes implicitly to nothing) is transformed in float32 and
+    rounded once to its format: the same as the float32 transform of its values."""
+    import ml_dtypes
+
+    dtype = np.dtype(getattr(ml_dtypes, dtype))
+    a = RNG.normal(size=(4, 32)).astype(dtype)
+    got = random_hadamard(a, 1, KEY)
+    assert got.dtype == dtype
+    want = np.asarray(random_hadamard(a.astype(np.float32), 1, KEY)).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(np.float32))
+    back = inverse_random_hadamard(got, 1, KEY)
+    assert back.dtype == dtype

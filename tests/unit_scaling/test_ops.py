@@ -956,3 +956,31 @@ def test_public_names():
     assert ours <= set(U.__all__)
     assert all(hasattr(U, n) for n in U.__all__)
     assert re.match(r"[A-Z]", U.gelu.__doc__ or "")
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_inputs_compute_in_float32(dtype):
+    """The ops that compute in float32 take FP8 inputs (JAX promotes no FP8 dtype
+    implicitly: they raised TypePromotionError) and give exactly the values they give on
+    the same inputs in float32, rounded to the format."""
+    import ml_dtypes
+
+    dtype = jnp.dtype(getattr(ml_dtypes, dtype))
+    x = normal(0, (4, 16)).astype(dtype)
+    labels = jnp.arange(4)
+    below_normal = float(jnp.finfo(dtype).tiny) / 2  # cast to FP8, a subnormal factor
+    cases = {
+        "layer_norm": lambda v: U.layer_norm(v),
+        "cross_entropy": lambda v: U.cross_entropy(v, labels),
+        "mse_loss": lambda v: U.mse_loss(v, jnp.flip(v, 0)),
+        "scale_fwd": lambda v: U.scale_fwd(v, below_normal),
+    }
+    for name, fn in cases.items():
+        got = fn(x)
+        assert got.dtype == dtype, name
+        want = jnp.asarray(fn(x.astype(jnp.float32)), dtype)
+        np.testing.assert_array_equal(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name
+        )
+    grad = jax.grad(lambda v: jnp.sum(U.layer_norm(v).astype(jnp.float32) ** 2))(x)
+    assert grad.dtype == dtype and np.all(np.isfinite(np.asarray(grad, np.float32)))
