@@ -14,9 +14,11 @@ Most primitives need no hand-written rule, only the right family:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -64,6 +66,20 @@ __all__ = [
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def contraction_dtype(primitive: Any, params: dict, *operands: Any) -> np.dtype:
+    """The output dtype of a contraction (`dot_general`, `conv_general_dilated`, ...) of
+    `operands`, as the primitive gives it: `preferred_element_type`, else the operands'
+    dtype; for operands of two FP8 formats (which JAX promotes to nothing: e4m3fn
+    activations times e5m2 gradients) the primitive's own choice."""
+    preferred = params.get("preferred_element_type")
+    if preferred is not None:
+        return np.dtype(preferred)
+    if len({np.dtype(x.dtype) for x in operands[:2]}) == 1:
+        return np.dtype(operands[0].dtype)
+    specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in operands]
+    return np.dtype(jax.eval_shape(functools.partial(primitive.bind, **params), *specs).dtype)
 
 
 def choose_scale(x: Array) -> Array:

@@ -25,6 +25,7 @@ from ..core import _compat, registry
 from ..core.config import ScalePolicy, get_autoscale_config
 from ..core.datatype import ScaledArray
 from ..core.pow2 import static_pow2
+from .base import contraction_dtype
 from .scale_algebra import represent, represent_dynamic
 
 
@@ -58,7 +59,7 @@ def _scaled_contraction(
     *others: Any,
 ) -> ScaledArray:
     preferred = params.get("preferred_element_type")
-    out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if preferred is None else preferred
+    out_dtype = contraction_dtype(primitive, params, lhs, rhs, *others)
     acc_dtype = _accumulator_dtype(out_dtype, preferred)
     bind_params = dict(params, preferred_element_type=acc_dtype)
     ldata, rdata = _compat.accumulation_operands(lhs.data, rhs.data, acc_dtype)

@@ -243,3 +243,41 @@ def test_bfloat16_batched_contraction_that_xla_cpu_cannot_accumulate_in_float32(
     expected = f(a.astype(jnp.float32), b.astype(jnp.float32))
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(represented(out), expected, rtol=2e-2, atol=2e-2 * 8)
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_a_product_of_two_fp8_formats_has_the_plain_products_dtype(use_jit):
+    """E4M3 activations or weights times E5M2 gradients with no `preferred_element_type`:
+    JAX promotes no FP8 format to another (the rule's `result_type` raised
+    TypePromotionError), its `dot_general` gives an E5M2 output; so does the rule, its
+    data accumulated in float32, for the product and its gradients, a block-scaled operand
+    too. (A convolution of two formats JAX refuses, plain or scaled.)"""
+    import ml_dtypes
+
+    e4m3, e5m2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
+    rng = np.random.default_rng(11)
+    a = make_scaled(rng.normal(size=(6, 16)), e4m3, 2.0**-12)
+    b = make_scaled(rng.normal(size=(16, 5)), e5m2, 2.0**20)
+
+    def product(u, v):
+        return lax.dot_general(u, v, (((1,), (0,)), ((), ())))
+
+    blocks = jsa.scaled_array(a.data, np.array([[2.0**-12], [2.0**-9]] * 3, np.float32))
+    for fun, operands in ((product, (a, b)), (product, (blocks, b))):
+        run = jsa.autoscale(fun)
+        out = (jax.jit(run) if use_jit else run)(*operands)
+        assert out.dtype == fun(*(o.data for o in operands)).dtype == e5m2
+        want = fun(*(jnp.asarray(represented(o), jnp.float32) for o in operands))
+        # E5M2 keeps 2 mantissa bits: an eighth of the largest entry at most.
+        np.testing.assert_allclose(
+            represented(out), want, atol=0.125 * float(jnp.max(jnp.abs(want)))
+        )
+    grad = jax.grad(lambda u, v: jnp.sum(product(u, v).astype(jnp.float32)), argnums=(0, 1))
+    run_grad = jax.jit(jsa.autoscale(grad)) if use_jit else jsa.autoscale(grad)
+    ga, gb = run_grad(a, b)
+    assert (ga.dtype, gb.dtype) == (e4m3, e5m2)
+    want_a, want_b = grad(*(jnp.asarray(represented(o), jnp.float32) for o in (a, b)))
+    for got, want in ((ga, want_a), (gb, want_b)):
+        np.testing.assert_allclose(
+            represented(got), want, atol=0.13 * float(jnp.max(jnp.abs(want)))
+        )

@@ -29,7 +29,7 @@ from jax import lax
 from ...core import block_scales, registry
 from ...core.datatype import ScaledArray
 from ...core.types import Array
-from ..base import compute_dtype
+from ..base import compute_dtype, contraction_dtype
 from ._common import F32, dynamic_blocks, layout_of, scaled
 
 # --- reductions -------------------------------------------------------------------------
@@ -99,6 +99,7 @@ _Operand = tuple[Array, Array, tuple[int, ...]]
 
 
 def _contracted_operands(
+    primitive: Any,
     lhs: ScaledArray,
     rhs: ScaledArray,
     lcontract: Sequence[int],
@@ -107,8 +108,7 @@ def _contracted_operands(
 ) -> tuple[_Operand, _Operand, Any, dict]:
     """(data, scale, layout) of each operand with its blocks along the contracted axes
     applied (data of one dtype), the output dtype, and `params` with the accumulator's."""
-    preferred = params.get("preferred_element_type")
-    out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if preferred is None else preferred
+    out_dtype = contraction_dtype(primitive, params, lhs, rhs)
     ldata, lscale, llayout = _apply_contracting_blocks(lhs, lcontract)
     rdata, rscale, rlayout = _apply_contracting_blocks(rhs, rcontract)
     if ldata.dtype != rdata.dtype:
@@ -121,7 +121,7 @@ def _contracted_operands(
 def _dot_general(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> Any:
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     (ldata, lscale, llayout), (rdata, rscale, rlayout), out_dtype, acc_params = (
-        _contracted_operands(lhs, rhs, lc, rc, params)
+        _contracted_operands(lax.dot_general_p, lhs, rhs, lc, rc, params)
     )
     acc = lax.dot_general_p.bind(ldata, rdata, **acc_params)
     lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
@@ -175,7 +175,7 @@ def _conv_general_dilated(lhs: ScaledArray, rhs: ScaledArray, **params: Any) -> 
     lcontract = [a for a in range(lhs.ndim) if a not in lhs_kept]
     rcontract = [a for a in range(rhs.ndim) if a != rspec[0]]
     (ldata, lscale, llayout), (rdata, rscale, rlayout), out_dtype, acc_params = (
-        _contracted_operands(lhs, rhs, lcontract, rcontract, params)
+        _contracted_operands(lax.conv_general_dilated_p, lhs, rhs, lcontract, rcontract, params)
     )
     acc = lax.conv_general_dilated_p.bind(ldata, rdata, **acc_params)
     # Output scale: lhs batch blocks along the output's batch axis, rhs output-feature
