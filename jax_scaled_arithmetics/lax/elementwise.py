@@ -423,8 +423,11 @@ def scaled_nextafter(x1: ScaledArray, x2: ScaledArray, **params: Any) -> ScaledA
     c1, c2 = compare_operands(x1, x2)
     d1 = value_at_scale(x1, scale, x1.dtype)
     d2 = value_at_scale(x2, scale, x1.dtype)  # used where the values are equal (or NaN)
-    inf = jnp.asarray(jnp.inf, x1.dtype)
-    target = jnp.where(c2 > c1, inf, jnp.where(c2 < c1, -inf, d2))
+    # Formats without infinities (float8_e4m3fn...) cast inf to NaN: step towards their
+    # largest value instead.
+    has_inf = np.isinf(np.asarray(np.inf, np.float32).astype(x1.dtype).astype(np.float32))
+    far = jnp.asarray(np.inf if has_inf else jnp.finfo(x1.dtype).max, x1.dtype)
+    target = jnp.where(c2 > c1, far, jnp.where(c2 < c1, -far, d2))
     return ScaledArray(lax.nextafter_p.bind(d1, target, **params), scale)
 
 

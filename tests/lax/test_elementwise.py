@@ -762,6 +762,28 @@ def test_nextafter_steps_one_ulp_of_the_data_format():
     assert float(out.scale) == 2.0**30
 
 
+@pytest.mark.parametrize("use_jit", (False, True), ids=("eager", "jit"))
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_nextafter_in_fp8_formats(dtype, use_jit):
+    """Steps of one ulp of FP8 data, as plain `nextafter` on the data: float8_e4m3fn has
+    no infinity (it casts inf to NaN), so the step up or down aims at its largest value.
+    (The rule aimed at inf: every step of e4m3fn data was NaN.)"""
+    dtype = np.dtype(getattr(ml_dtypes, dtype))
+    rng = np.random.default_rng(12)
+    data = rng.normal(size=(32,)).astype(dtype)
+    towards = rng.normal(size=(32,)).astype(dtype)
+    towards[:4] = data[:4]  # equal values: the data itself
+    fn = jsa.autoscale(lax.nextafter)
+    for scale in (2.0**-20, 1.0, 2.0**20):
+        out = (jax.jit(fn) if use_jit else fn)(
+            jsa.scaled_array(data, scale), jsa.scaled_array(towards, scale)
+        )
+        assert out.dtype == dtype and float(out.scale) == scale
+        np.testing.assert_array_equal(
+            np.asarray(out.data, np.float32), np.asarray(lax.nextafter(data, towards), np.float32)
+        )
+
+
 def test_reduce_precision_rounds_the_value_not_the_data():
     # 2^-20 is below float16's normal range: as a value, e5m10 makes it subnormal / zero.
     x = make_scaled(np.array([1.0, 1.0 + 2.0**-10, 1.5]), F16, 2.0**-30)
