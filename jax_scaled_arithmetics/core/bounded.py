@@ -4,11 +4,11 @@ its outputs at the scales their bounds give (no measurement).
 `exp(x - m)`, with `m` at least `x`'s largest entry along the axes it was reduced over, is
 at most 1; divided by its sum along those axes, at most 1 again; that sum lies in `[1, N]`
 for `N` entries. `jax.nn.softmax`, `log_softmax` and handwritten softmaxes write these
-equations, forward and in their gradients. Their rules one by one would align the scales of
-`x` and `m`, measure the sum and rescale the quotient: scale arithmetic between the
-reductions and the broadcasts that XLA:GPU's normalization fusion (one Triton kernel for a
-softmax) does not take, and a reduction per measured scale. Evaluated as a whole instead,
-the program is the plain softmax of `x`'s data times its scale.
+equations (a training step's forward pass keeps them). Their rules one by one would align
+the scales of `x` and `m`, measure the sum and rescale the quotient: scale arithmetic
+between the reductions and the broadcasts that XLA:GPU's normalization fusion (one Triton
+kernel for a softmax) does not take, and a reduction per measured scale. Evaluated as a
+whole instead, the program is the plain softmax of `x`'s data times its scale.
 """
 
 from __future__ import annotations
