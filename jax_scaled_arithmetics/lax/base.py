@@ -44,6 +44,7 @@ from .scale_algebra import (
 
 __all__ = [
     "compute_dtype",
+    "contraction_dtype",
     "choose_scale",
     "safe_div",
     "rescale",
