@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..core.dtypes import compute_dtype
 from ..quantization import posit_from_bits, posit_quantize, posit_to_bits
 from ..quantization.formats import POSIT_MAX_NBITS
 
@@ -66,7 +67,8 @@ def _posit_tanh_impl(x: jax.Array, nbits: int) -> jax.Array:
     doubled = posit_quantize(2 * magnitude, nbits, 0)  # rounds only when |x| >= 1
     s = posit_from_bits(_fast_sigmoid_codes(posit_to_bits(doubled, nbits, 0), nbits), nbits, 0)
     out = 2 * s - 1  # s in [1/2, 1): exact, a posit<n, 0> value
-    out = jnp.where(jnp.signbit(x), -out, out)
+    # jnp.signbit takes no 8-bit dtype: the sign of the value widened (-0 stays -0).
+    out = jnp.where(jnp.signbit(x.astype(compute_dtype(x.dtype))), -out, out)
     return jnp.where(jnp.isnan(x), jnp.nan, out).astype(x.dtype)
 
 

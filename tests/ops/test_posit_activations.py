@@ -87,6 +87,22 @@ def test_specials_dtypes_and_gradients():
     np.testing.assert_allclose(np.asarray(g), 1 - np.tanh(np.asarray(v)) ** 2, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_inputs(dtype):
+    """FP8 activations (jnp.signbit takes no 8-bit dtype: posit_tanh raised on them): the
+    float32 inputs' outputs, rounded to the format, jit and eager; NaN stays NaN."""
+    import ml_dtypes
+
+    dtype = np.dtype(getattr(ml_dtypes, dtype))
+    x = np.concatenate([np.linspace(-4, 4, 33), [0.0, -0.0, np.nan]]).astype(dtype)
+    for fn in (jsa.ops.posit_sigmoid, jsa.ops.posit_tanh):
+        want = np.asarray(fn(x.astype(np.float32))).astype(dtype)
+        for run in (fn, jax.jit(fn)):
+            got = run(x)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(np.float32))
+
+
 def test_errors():
     x = jnp.ones(3)
     for bad in (3, 27, 8.0, True):
