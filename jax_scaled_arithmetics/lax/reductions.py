@@ -56,7 +56,7 @@ registry.register_scaled_op(
     lax.reduce_sum_p,
     _sum_rule(lax.reduce_sum_p, lambda x, p: _prod([x.shape[a] for a in p["axes"]])),
     family="reduce",
-    remark="scale * t: dynamic (or sqrt(N))",
+    remark="scale * t: dynamic (or sqrt(N)); N = 1: the term, scale kept",
 )
 # The last element of a cumsum is the full sum: same rule as reduce_sum, so that
 # jnp.cumsum(x)[-1] and jnp.sum(x) agree (and long f16 sums do not overflow).
@@ -64,13 +64,13 @@ registry.register_scaled_op(
     lax.cumsum_p,
     _sum_rule(lax.cumsum_p, lambda x, p: x.shape[p["axis"]]),
     family="reduce",
-    remark="scale * t: dynamic (or sqrt(N), N the length of the axis)",
+    remark="scale * t: dynamic (or sqrt(N), N the length of the axis); N = 1: scale kept",
 )
 registry.register_scaled_op(
     lax.reduce_window_sum_p,
     _sum_rule(lax.reduce_window_sum_p, lambda x, p: _prod(p["window_dimensions"])),
     family="reduce",
-    remark="scale * t: dynamic (or sqrt(window size))",
+    remark="scale * t: dynamic (or sqrt(window size)); a window of 1: scale kept",
 )
 
 
