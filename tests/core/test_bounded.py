@@ -82,20 +82,15 @@ def test_a_softmax_is_at_the_scales_of_its_bounds_unmeasured(case, dtype, use_ji
         for out, want in zip(outs, jax.tree_util.tree_leaves(fun(*plain((sx,))))):
             assert_close(out, want, 4 * RTOL[np.dtype(dtype)])
     # A softmax's gradient from low-precision probabilities cancels: up to 1.8e-2 (float16)
-    # and 6.8e-2 (bfloat16) of its largest entry measured, as with measured scales; as
-    # much as the plain function in the data's dtype loses (0.43 for the handwritten
-    # softmax in bfloat16, whose sum is not taken in float32).
+    # and 6.8e-2 (bfloat16) of its largest entry measured, as with measured scales. The
+    # handwritten softmaxes sum in bfloat16 themselves (jax.nn.softmax in float32): 0.26-0.41
+    # measured, scaled or plain bfloat16 alike.
     grad_rtol = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 0.15}[np.dtype(dtype).name]
+    if case in ("handwritten-softmax", "sum-returned") and np.dtype(dtype).name == "bfloat16":
+        grad_rtol = 0.5
     for scale in (2.0**-30, 2.0**-4, 1.0):  # larger: saturated, a gradient of 0
         sx = make_scaled(x, dtype, scale)
-        want = grad(*plain((sx,)))
-        low = jax.grad(
-            lambda v: jnp.sum(jax.tree_util.tree_leaves(fun(v))[0] * weights.astype(v.dtype))
-        )
-        plain_loss = np.max(
-            np.abs(np.asarray(low(sx.data * sx.scale.astype(dtype)), np.float32) - want)
-        )
-        assert_close(run_grad(sx), want, max(grad_rtol, 1.5 * plain_loss / np.max(np.abs(want))))
+        assert_close(run_grad(sx), grad(*plain((sx,))), grad_rtol)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
