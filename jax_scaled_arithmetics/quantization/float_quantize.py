@@ -85,10 +85,6 @@ def quantize_float32(
     if not fmt.has_zero:  # No zero: positive underflow goes to the smallest value.
         min_bits = _bits.u32(_bits.float_bits(fmt.min_normal))
         r = jnp.maximum(r, min_bits)
-        if rounding == "nearest" and fmt.mantissa_bits == 0 and fmt.min_exponent == -127:
-            # float8_e8m0fnu: ml_dtypes and XLA round every float32 subnormal above
-            # 2**-127 up to 2**-126 (not to the nearest); match them bit for bit.
-            r = jnp.where((a > min_bits) & (a < _bits.u32(0x800000)), _bits.u32(0x800000), r)
 
     if fmt.unsigned:
         out = jnp.where((sign != 0) | (a == 0), _bits.u32(_bits.QNAN_BITS), r)
@@ -147,8 +143,9 @@ def float_quantize(
     * "fnuz" formats have no negative zero: negative values rounding to zero give +0.
     * float8_e8m0fnu (unsigned, no zero): negative inputs and ±0 give NaN, positive
       values below its smallest value ``2**-127`` give ``2**-127``; with nearest rounding,
-      values in ``(2**-127, 2**-126)`` give ``2**-126`` as in ml_dtypes and XLA, and ties
-      round up (there is no mantissa to make even).
+      ties round up (there is no mantissa to make even), as in ml_dtypes 0.7. (XLA's
+      conversion, and ml_dtypes before 0.7, round all of ``(2**-127, 2**-126)`` up to
+      ``2**-126``.)
 
     Gradient: straight-through (identity), implemented with ``jax.custom_jvp``; the
     tangent of `x` passes through unchanged, whatever the rounding and saturation.

@@ -149,10 +149,23 @@ def random_values(n: int, seed: int = 0) -> np.ndarray:
     return np.concatenate([scaled, patterns.view(np.float32)])
 
 
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+# ml_dtypes before 0.7.0 rounded every float32 subnormal in (2**-127, 2**-126) up to
+# 2**-126 when casting to float8_e8m0fnu; 0.7.0 rounds them to the nearest (ties up).
+_E8M0_SUBNORMALS_ROUND_UP = tuple(int(p) for p in ml_dtypes.__version__.split(".")[:2]) < (0, 7)
+
+
 def ml_dtypes_roundtrip(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``x.astype(dtype).astype(float32)`` without numpy cast warnings."""
+    """``x.astype(dtype).astype(float32)`` without numpy cast warnings.
+
+    Rounds to the nearest whatever the installed ml_dtypes (see above)."""
+    x = np.asarray(x, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.asarray(x, np.float32).astype(dtype).astype(np.float32)
+        out = x.astype(dtype).astype(np.float32)
+    if _E8M0_SUBNORMALS_ROUND_UP and np.dtype(dtype) == E8M0:
+        smallest = np.float32(2.0**-127)
+        out = np.where((x > smallest) & (x < np.float32(1.5) * smallest), smallest, out)
+    return out
 
 
 def all_values(dtype) -> np.ndarray:
