@@ -398,7 +398,15 @@ def _number(value: float | None) -> str:
     return f"{value:.6g}"
 
 
+# Presets whose ml_dtypes dtype is newer than the oldest ml_dtypes the package accepts
+# (their `dtype` is None below that version): named whatever the installed ml_dtypes, so
+# that the page is the same everywhere.
+_ML_DTYPES_SINCE = {"float8_e5m3fnu": "0.7"}
+
+
 def _dtype(fmt: FloatFormat) -> str:
+    if fmt.name in _ML_DTYPES_SINCE:
+        return f"`ml_dtypes.{fmt.name}` (ml_dtypes {_ML_DTYPES_SINCE[fmt.name]} on)"
     if fmt.dtype is None:
         return "-"
     module = "numpy" if fmt.dtype.name in ("float16", "float32") else "ml_dtypes"

@@ -87,7 +87,10 @@ def quantize_float32(
         r = jnp.maximum(r, min_bits)
 
     if fmt.unsigned:
-        out = jnp.where((sign != 0) | (a == 0), _bits.u32(_bits.QNAN_BITS), r)
+        # No sign bit: a negative value is NaN (one that rounds to zero too); -0 is +0 in
+        # a format with zero, and +-0 are NaN in one without (float8_e8m0fnu).
+        invalid = (sign != 0) & (a != 0) if fmt.has_zero else (sign != 0) | (a == 0)
+        out = jnp.where(invalid, _bits.u32(_bits.QNAN_BITS), r)
     elif fmt.nan_encoding == "fnuz":  # No negative zero.
         out = jnp.where(r == 0, r, r | sign)
     else:
@@ -146,6 +149,9 @@ def float_quantize(
       ties round up (there is no mantissa to make even), as in ml_dtypes 0.7. (XLA's
       conversion, and ml_dtypes before 0.7, round all of ``(2**-127, 2**-126)`` up to
       ``2**-126``.)
+    * float8_e5m3fnu (unsigned, with zero): negative inputs give NaN (those that round to
+      zero too, as in ml_dtypes), ``-0`` gives ``+0``; overflow gives NaN (the format has
+      no infinity), or the largest value, 114688, with ``saturate=True``.
 
     Gradient: straight-through (identity), implemented with ``jax.custom_jvp``; the
     tangent of `x` passes through unchanged, whatever the rounding and saturation.

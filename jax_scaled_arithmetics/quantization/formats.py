@@ -56,7 +56,7 @@ class FloatFormat:
         mantissa_bits: Width of the mantissa (fraction) field, 0 to 23.
         exponent_bias: Exponent bias.
         nan_encoding: How infinities and NaNs are encoded, see :data:`NanEncoding`.
-        unsigned: Whether the format has no sign bit (float8_e8m0fnu).
+        unsigned: Whether the format has no sign bit (float8_e8m0fnu, float8_e5m3fnu).
         has_zero: Whether the format has a zero (and subnormals).
         dtype: The matching numpy / ml_dtypes dtype, ``None`` for custom formats.
 
@@ -264,7 +264,7 @@ def _preset(
         nan_encoding=nan_encoding,
         unsigned=unsigned,
         has_zero=has_zero,
-        dtype=np.dtype(dtype),
+        dtype=None if dtype is None else np.dtype(dtype),
     )
 
 
@@ -280,6 +280,17 @@ FLOAT6_E3M2FN = _preset("float6_e3m2fn", 3, 2, 3, "none", ml_dtypes.float6_e3m2f
 FLOAT4_E2M1FN = _preset("float4_e2m1fn", 2, 1, 1, "none", ml_dtypes.float4_e2m1fn)
 FLOAT8_E8M0FNU = _preset(
     "float8_e8m0fnu", 8, 0, 127, "fn", ml_dtypes.float8_e8m0fnu, unsigned=True, has_zero=False
+)
+# Unsigned, with zero and subnormals, largest 114688; its ml_dtypes dtype came with
+# ml_dtypes 0.7 (the format is simulated without it: `dtype` is then None).
+FLOAT8_E5M3FNU = _preset(
+    "float8_e5m3fnu",
+    5,
+    3,
+    15,
+    "fn",
+    getattr(ml_dtypes, "float8_e5m3fnu", None),
+    unsigned=True,
 )
 BFLOAT16 = _preset("bfloat16", 8, 7, 127, "ieee", ml_dtypes.bfloat16)
 FLOAT16 = _preset("float16", 5, 10, 15, "ieee", np.float16)
@@ -300,6 +311,7 @@ FORMATS: Mapping[str, FloatFormat] = types.MappingProxyType(
             FLOAT6_E3M2FN,
             FLOAT4_E2M1FN,
             FLOAT8_E8M0FNU,
+            FLOAT8_E5M3FNU,
             BFLOAT16,
             FLOAT16,
             FLOAT32,

@@ -32,11 +32,11 @@ def assert_same_bits(got, ref, inputs=None, msg: str = "") -> None:
 
 
 def grid(fmt: FloatFormat) -> np.ndarray:
-    """Sorted non-negative finite values of a small signed format with a zero (float64).
+    """Sorted non-negative finite values of a small format with a zero (float64).
 
     Ordered like the codes, so the index parity is the mantissa LSB.
     """
-    assert fmt.has_zero and not fmt.unsigned and fmt.bits <= 16
+    assert fmt.has_zero and fmt.bits <= 16
     e_all, m_all = 2**fmt.exponent_bits - 1, 2**fmt.mantissa_bits - 1
     vals = []
     for e in range(e_all + 1):
@@ -94,7 +94,10 @@ def _ref_quantize(x: np.ndarray, fmt: FloatFormat, rounding: str, saturate: bool
         big = np.nan
     r = np.where(overflow, big, r)
     r = np.where(np.isinf(ax), big, r)
-    r = np.where(np.signbit(x), -r, r)
+    if fmt.unsigned:  # no sign: negative values (even those rounding to 0) are NaN, -0 is 0
+        r = np.where(np.signbit(x) & (ax != 0), np.nan, r)
+    else:
+        r = np.where(np.signbit(x), -r, r)
     if fmt.nan_encoding == "fnuz":
         r = np.where(r == 0, 0.0, r)
     r = np.where(np.isnan(x), np.nan, r)
