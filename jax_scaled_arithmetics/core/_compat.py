@@ -43,6 +43,8 @@ class _PrimitiveNamespace:
     _INTERNAL_MODULES = (
         "jax._src.ad_checkpoint",
         "jax._src.lax.lax",
+        "jax._src.lax.linalg",
+        "jax._src.lax.scaled_dot",
         "jax._src.lax.control_flow",
         "jax._src.lax.slicing",
         "jax._src.lax.windowed_reductions",
@@ -74,6 +76,30 @@ class _PrimitiveNamespace:
 
 
 primitives: Any = _PrimitiveNamespace()
+
+
+def lax_implementation_primitives() -> dict[str, Primitive]:
+    """The primitives defined in the modules behind `jax.lax` and `jax.lax.linalg` (the
+    collectives of `jax._src.lax.parallel` left out: most there are internal forms of the
+    exported ones), by name: those public functions bind, whether or not
+    `jax.extend.core.primitives` exports them."""
+    import importlib
+    import pkgutil
+
+    import jax._src.lax as lax_impl
+
+    found: dict[str, Primitive] = {}
+    for module_info in pkgutil.walk_packages(lax_impl.__path__, "jax._src.lax."):
+        if module_info.name.endswith(".parallel"):
+            continue
+        try:
+            module = importlib.import_module(module_info.name)
+        except ImportError:  # a platform's module (e.g. a GPU library's) this install lacks
+            continue
+        for value in vars(module).values():
+            if isinstance(value, Primitive):
+                found.setdefault(value.name, value)
+    return found
 
 
 def optional_primitive(name: str) -> Primitive | None:
@@ -151,6 +177,15 @@ jit_p: Primitive = jex_primitives.jit_p
 custom_jvp_call_p: Primitive = jex_primitives.custom_jvp_call_p
 custom_vjp_call_p: Primitive = jex_primitives.custom_vjp_call_p
 closed_call_p: Primitive = jex_primitives.closed_call_p
+composite_p: Primitive = primitives.composite_p
+
+
+def composite_decomposition(params: dict[str, Any]) -> Any:
+    """The decomposition (a ClosedJaxpr) of a `composite` equation: its `call_jaxpr` param
+    (JAX >= 0.11), `jaxpr` before."""
+    return params["call_jaxpr"] if "call_jaxpr" in params else params["jaxpr"]
+
+
 remat_p: Primitive = primitives.remat_p
 scan_p: Primitive = jex_primitives.scan_p
 while_p: Primitive = jex_primitives.while_p

@@ -1,8 +1,8 @@
 """Scaled rules for callbacks, barriers, names and placement.
 
 Callbacks (`jax.debug.print`/`callback`, `pure_callback`, `io_callback`) see represented
-values; barriers, `checkpoint_name`, `device_put` and sharding constraints act on data and
-scale.
+values; barriers, `checkpoint_name`, `dce_sink`, `device_put` and sharding constraints act
+on data and scale.
 """
 
 from __future__ import annotations
@@ -69,6 +69,19 @@ if optimization_barrier_p is not None:
         del params  # none: the barrier is re-emitted with the public API
         leaves, specs = flatten_scaled(args)
         return unflatten_scaled(jax.lax.optimization_barrier(leaves), specs)
+
+
+@registry.register_scaled_op(
+    _compat.primitives.dce_sink_p,
+    family="higher-order",
+    remark="data and scale both kept from dead-code elimination",
+)
+def scaled_dce_sink(x: ScaledArray, **params: Any) -> list[Any]:
+    """`jax.lax.dce_sink`: a sink on the data and one on the scale, its params forwarded."""
+    dce_sink_p = _compat.primitives.dce_sink_p
+    dce_sink_p.bind(x.data, **params)
+    dce_sink_p.bind(jnp.asarray(x.scale), **params)
+    return []
 
 
 @registry.register_scaled_op(

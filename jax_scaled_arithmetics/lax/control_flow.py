@@ -7,8 +7,9 @@ flattened leaves (a ScaledArray becomes its `data` and its `scale`), then emits
 the original construct over those leaves:
 
 - `jit` and `remat` are bound again with their per-argument params expanded
-  (shardings, layouts, donation, `prevent_cse`); `closed_call` is inlined, and so is a
-  hijax primitive's (`call_hi_primitive`) expansion into ordinary primitives.
+  (shardings, layouts, donation, `prevent_cse`); `closed_call` is inlined, and so are a
+  `composite`'s decomposition and a hijax primitive's (`call_hi_primitive`) expansion into
+  ordinary primitives.
 - `custom_jvp` / `custom_vjp` become new `jax.custom_jvp` / `jax.custom_vjp`
   over leaves whose rules run the user's rules scaled (leaf tangents and
   cotangents converted to and from value tangents), so `grad` still uses them.
@@ -109,6 +110,19 @@ def scaled_jit(*args: Any, jaxpr: Any, **params: Any) -> list[Any]:
 def scaled_closed_call(*args: Any, call_jaxpr: Any, **params: Any) -> list[Any]:
     del params
     return registry.interpret_closed_jaxpr(call_jaxpr, args, operand_constants())
+
+
+@register_higher_order(
+    _compat.composite_p,
+    remark="its decomposition inlined (a compiler's kernel for the named op would read the "
+    "data as values)",
+)
+def scaled_composite(*args: Any, **params: Any) -> list[Any]:
+    """`jax.lax.composite`: the decomposition, which defines the op's values, interpreted
+    with the scaled rules. The composite itself is not kept: a compiler that recognises
+    its name would compute the named op of the data, not of the represented values."""
+    decomposition = _compat.composite_decomposition(params)
+    return registry.interpret_closed_jaxpr(decomposition, args, operand_constants())
 
 
 @registry.register_scaled_op(
@@ -446,6 +460,7 @@ registry.register_block_rule(_compat.scan_p, scaled_scan)
 for _call_prim, _call_rule in (
     (_compat.jit_p, scaled_jit),
     (_compat.closed_call_p, scaled_closed_call),
+    (_compat.composite_p, scaled_composite),
     (_compat.remat_p, scaled_remat),
 ):
     registry.register_block_rule(_call_prim, _call_rule)

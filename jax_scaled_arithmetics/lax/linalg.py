@@ -122,3 +122,35 @@ def scaled_ragged_dot_general(
     (lhs_contract, _), _ = params["ragged_dot_dimension_numbers"].dot_dimension_numbers
     fan_in = int(np.prod([lhs.shape[d] for d in lhs_contract], dtype=np.int64))
     return _scaled_contraction(ragged_dot_general_p, lhs, rhs, fan_in, params, group_sizes)
+
+
+def _data_and_scale(x: Any) -> tuple[Any, Any]:
+    """A ScaledArray's data and scale; a plain array and scale 1 (left as it is)."""
+    if isinstance(x, ScaledArray):
+        return x.data, x.scale
+    return x, np.float32(1.0)
+
+
+@registry.register_scaled_op(
+    _compat.primitives.scaled_dot_p,
+    promote=False,
+    family="dot",
+    remark="on the data, plain operands (e8m0 block scales) as they are: scale the product "
+    "of the operands' scales times t (t dynamic, or sqrt(K))",
+)
+def scaled_scaled_dot(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any, **params: Any) -> Any:
+    """`jax.lax.scaled_dot` (XLA's block-scaled dot: `(lhs * lhs_scale) @ (rhs *
+    rhs_scale)`, each block scale repeated over its sub-channel) is linear in each of its
+    four operands, so a scaled operand's scale factors out: the op runs on the data (FP8 or
+    FP4 data and e8m0 block scales stay in their formats, for the kernels that take them;
+    plain operands are not promoted), accumulated in float32 when the output is narrower.
+    K is the product of the lhs contracting dimensions."""
+    (lhs_contract, _), _ = params["dimension_numbers"]
+    fan_in = int(np.prod([lhs.shape[d] for d in lhs_contract], dtype=np.int64))
+    out_dtype = np.dtype(params["preferred_element_type"])
+    acc_dtype = np.dtype(_accumulator_dtype(out_dtype, out_dtype))
+    datas, scales = zip(*(_data_and_scale(x) for x in (lhs, rhs, lhs_scale, rhs_scale)))
+    acc = _compat.primitives.scaled_dot_p.bind(
+        *datas, **dict(params, preferred_element_type=acc_dtype)
+    )
+    return represent_accumulation(acc, [(s, 1) for s in scales], out_dtype, fan_in)

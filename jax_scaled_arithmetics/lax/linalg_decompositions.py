@@ -8,7 +8,10 @@ The decompositions are homogeneous in their operand: for `A = d * s` (s > 0),
 - lu: `L(A) = L(d)` (same pivots), `U(A) = U(d) * s`;
 - hessenberg / tridiagonal: the reduced matrix times s, the Householder reflectors
   and their `taus` unchanged;
-- triangular_solve / tridiagonal_solve: `x = solve(a_d, b_d)` at scale `s_b / s_a`.
+- triangular_solve / tridiagonal_solve: `x = solve(a_d, b_d)` at scale `s_b / s_a`;
+- cholesky_update: homogeneous in `(R, w)` together (both at their larger scale);
+  symmetric_product (`alpha A A^T + beta C`): degree 2 in A, 1 in C (both brought to one
+  scale `t^2`).
 
 So every rule factorises the *data* (in float32 for float16/bfloat16, which the CPU
 kernels need), never the value, and puts s back into the output scales. Homogeneous
@@ -316,6 +319,45 @@ def scaled_householder_product(a: ScaledArray, taus: ScaledArray, **params: Any)
     taus_value = _data(taus) * _scale32(taus).astype(cdtype)
     q = _P.householder_product_p.bind(a_value, taus_value, **params)
     return scaled_output(q, a.dtype, "dynamic")
+
+
+# --- Rank-1 Cholesky update, symmetric product ------------------------------------------
+
+
+@registry.register_scaled_op(
+    _P.cholesky_update_p,
+    family="linalg",
+    remark="R and w at their larger scale s: the update of their data, at scale s",
+)
+def scaled_cholesky_update(r: ScaledArray, w: ScaledArray, **params: Any) -> ScaledArray:
+    """The update is homogeneous in `(R, w)` together: both are brought to the larger of
+    their scales (the other's data shrinks by a power of two, in float32), and the update
+    of that data is the result at that scale."""
+    s_r, s_w = _scale32(r), _scale32(w)
+    common = lax.stop_gradient(jnp.maximum(s_r, s_w))
+    out = _P.cholesky_update_p.bind(
+        _data(r, safe_div(s_r, common)), _data(w, safe_div(s_w, common)), **params
+    )
+    return _homogeneous(out, common, r.dtype)
+
+
+@registry.register_scaled_op(
+    _P.symmetric_product_p,
+    family="linalg",
+    remark="alpha a_d a_d^T + beta c_d at scale t^2, t the larger of s_a and sqrt(s_c)",
+)
+def scaled_symmetric_product(a: ScaledArray, c: ScaledArray, **params: Any) -> ScaledArray:
+    """`alpha A A^T + beta C` with `A = a_d s_a`, `C = c_d s_c`: `t^2 (alpha a' a'^T + beta c')`
+    for a power of two `t` at least `s_a` and `sqrt(s_c)`, where `a' = a_d s_a / t` and
+    `c' = c_d s_c / t^2` (each at most its data, in float32). `alpha` and `beta` are
+    forwarded."""
+    s_a, s_c = _scale32(a), _scale32(c)
+    root_c, _ = _sqrt_scale(s_c)
+    t = lax.stop_gradient(jnp.maximum(s_a, root_c))
+    out = _P.symmetric_product_p.bind(
+        _data(a, safe_div(s_a, t)), _data(c, safe_div(s_c, t * t)), **params
+    )
+    return _homogeneous(out, t * t, c.dtype)
 
 
 # --- Solves -----------------------------------------------------------------------------

@@ -68,3 +68,16 @@ def test_checkpoint_name_policy_and_placement():
     assert_close(g, jax.grad(loss)(jnp.asarray(represented(x))), 1e-5)
     text = _jaxpr_text(jsa.autoscale(jax.grad(loss)), x)
     assert "name=hidden" in text
+
+
+def test_dce_sink_keeps_data_and_scale():
+    x = make_scaled(np.arange(1.0, 5.0), np.float16, 2.0**-9)
+
+    def fn(a):
+        jax.lax.dce_sink(a * 3)
+        return a + 1
+
+    jaxpr = jax.make_jaxpr(jsa.autoscale(fn))(x).jaxpr
+    sunk = [e.invars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name == "dce_sink"]
+    assert sorted(map(str, sunk)) == ["float16", "float32"]
+    assert_close(jax.jit(jsa.autoscale(fn))(x), represented(x) + 1, 1e-3)

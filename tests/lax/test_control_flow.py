@@ -137,15 +137,25 @@ def _invariant_scan(w, xs):
     return jnp.sum(jax.lax.scan(body, jnp.zeros_like(w), xs)[1])
 
 
+def _sin_axpy(a, b, /, *, k):
+    return jnp.sin(a) * k + b[None]
+
+
+_sin_axpy_composite = jax.lax.composite(_sin_axpy, name="jsa_test.sin_axpy")
+
+
 def _calls_fn(xs, v):
-    """A jit, a closed_call, custom derivatives, a linear solve, a name, a placement."""
+    """A jit, a closed_call, a composite, custom derivatives, a linear solve, a name, a
+    placement, a sink."""
     kept = jax.jit(lambda a, b: a * b[None] + jnp.sin(a), inline=False)(xs, v)
+    composed = _sin_axpy_composite(xs, v, k=2.0)
     # The gradient of a rematerialised scan hoists its loop-invariant part into a closed_call.
     called = jax.grad(jax.checkpoint(_invariant_scan))(v, xs)
     custom = _sin_fake_jvp(v) + _square_fake_vjp(v, xs[1])
     solved = _diag_solve(jnp.abs(xs[0]) + 1, v)
     placed = jax.device_put(checkpoint_name(v * 3, "placed"))
-    return kept, called, custom, solved, placed
+    jax.lax.dce_sink(xs * 5)  # kept although unused: data and scale
+    return kept, composed, called, custom, solved, placed
 
 
 FUNCTIONS = {
@@ -510,6 +520,49 @@ def test_jit_inside_keeps_name_and_donation():
     expected = represented(x) * represented(y) + 1
     out, _ = jsa.autoscale(fn)(x, y)  # x's data is donated: not usable afterwards
     assert_close(out, expected, 4e-3)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=_ids)
+def test_composite_decomposition_interpreted(dtype):
+    """`jax.lax.composite` with a pytree output, an attribute and a captured constant: the
+    decomposition's values, the composite itself not kept (a kernel for the named op would
+    compute it on the data)."""
+    weights = np.linspace(-1.0, 1.0, 3, dtype=np.float32)
+
+    softmax_stats = jax.lax.composite(
+        lambda a, /, *, axis: {
+            "p": jax.nn.softmax(a * weights[None].astype(a.dtype), axis),
+            "m": jnp.max(a, axis),
+        },
+        name="jsa_test.softmax_stats",
+        version=1,
+    )
+
+    def fn(a):
+        return softmax_stats(a, axis=1)
+
+    check_matches_over_scales(fn, [X], dtype, WIDE_SCALES, rtol=2 * RTOL[np.dtype(dtype)])
+    assert "composite" in primitives_of(fn, [X])
+    assert "composite" not in primitives_of(jsa.autoscale(fn), [make_scaled(X, dtype, 2.0**10)])
+
+
+def test_grad_of_autoscaled_composite_is_its_decomposition_gradient():
+    # Plain JAX has no derivative of a composite; interpreted, the decomposition has one:
+    # d loss / d data = d loss / d value * scale.
+    x = make_scaled(X, np.float32, 2.0**-30)
+    loss = lambda a, b: jnp.sum(_sin_axpy_composite(a, b, k=3.0) ** 2)  # noqa: E731
+    plain = lambda a, b: jnp.sum(_sin_axpy(a, b, k=3.0) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match="JVP rule for composite not implemented"):
+        jax.grad(loss)(X, V)
+
+    def data_loss(data, b):
+        return jsa.autoscale(loss)(jsa.ScaledArray(data, x.scale), b).to_array(jnp.float32)
+
+    grads = jax.jit(jax.grad(data_loss, argnums=(0, 1)))(x.data, V)
+    value = jnp.asarray(represented(x), jnp.float32)
+    expected = jax.grad(plain, argnums=(0, 1))(value, V)
+    assert_close(grads[0], expected[0] * 2.0**-30, 1e-5)
+    assert_close(grads[1], expected[1], 1e-5)
 
 
 def test_nested_autoscale_is_transparent():

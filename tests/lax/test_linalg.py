@@ -119,6 +119,19 @@ CASES = [
         grad=True,
     ),
     bilinear(
+        "scaled_dot_block_scales",
+        lambda a, b, sa, sb: lax.scaled_dot(
+            a, b, lhs_scale=sa, rhs_scale=sb, preferred_element_type=jnp.float32
+        ).astype(a.dtype),
+        lambda rng: [
+            rng.normal(size=(3, 8)),
+            rng.normal(size=(8, 5)),
+            2.0 ** rng.integers(-3, 4, size=(3, 2)),  # one per 4 contracted elements
+            2.0 ** rng.integers(-3, 4, size=(2, 5)),
+        ],
+        plain=(2, 3),
+    ),
+    bilinear(
         "conv_1d_preferred_f32",
         lambda x, w: lax.conv_general_dilated(
             x, w, (1,), "SAME", preferred_element_type=jnp.float32
@@ -281,3 +294,32 @@ def test_a_product_of_two_fp8_formats_has_the_plain_products_dtype(use_jit):
         np.testing.assert_allclose(
             represented(got), want, atol=0.13 * float(jnp.max(jnp.abs(want)))
         )
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_scaled_dot_keeps_fp8_data_and_e8m0_block_scales(use_jit):
+    """`jax.lax.scaled_dot` as MX recipes call it: FP8 operands, e8m0 block scales (one per
+    32 contracted elements). With ScaledArray operands the op runs on their FP8 data and the
+    plain e8m0 block scales as they are (nothing converted or promoted: the form XLA maps
+    to block-scaled GEMMs), and the per-tensor scales multiply the output's scale."""
+    import ml_dtypes
+
+    e4m3, e8m0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
+    rng = np.random.default_rng(5)
+    a = make_scaled(rng.normal(size=(2, 4, 64)), e4m3, 2.0**-40)
+    b = make_scaled(rng.normal(size=(2, 64, 8)), e4m3, 2.0**25)
+    a_blocks = (2.0 ** rng.integers(-4, 4, size=(2, 4, 2))).astype(e8m0)
+    b_blocks = (2.0 ** rng.integers(-4, 4, size=(2, 2, 8))).astype(e8m0)
+
+    def fn(u, v, su, sv):
+        return lax.scaled_dot(u, v, lhs_scale=su, rhs_scale=sv)
+
+    run = jsa.autoscale(fn)
+    out = (jax.jit(run) if use_jit else run)(a, b, a_blocks, b_blocks)
+    plain = fn(a.data, b.data, a_blocks, b_blocks)  # bfloat16, at scale 1
+    assert isinstance(out, jsa.ScaledArray) and out.dtype == plain.dtype == jnp.bfloat16
+    want = np.asarray(plain, np.float64) * 2.0**-15
+    np.testing.assert_allclose(represented(out), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    jaxpr = jax.make_jaxpr(run)(a, b, a_blocks, b_blocks).jaxpr
+    (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "scaled_dot"]
+    assert [v.aval.dtype for v in dot.invars] == [e4m3, e4m3, e8m0, e8m0]

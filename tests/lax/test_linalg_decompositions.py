@@ -397,6 +397,69 @@ def test_householder_product_dynamic_scale():
         assert 0.5 <= float(np.max(np.abs(np.asarray(out.data)))) <= 2
 
 
+def _cholesky_update(r, w):
+    return jax.lax.linalg.cholesky_update(r, w)
+
+
+def _symmetric_product(a, c):
+    return jax.lax.linalg.symmetric_product(a, c, alpha=-0.5, beta=3.0, symmetrize_output=True)
+
+
+def _update_operands():
+    """An upper-triangular Cholesky factor R (A = R^T R) and a vector w."""
+    r = np.linalg.cholesky(_spd().astype(np.float64)).T.astype(np.float32)
+    return r, _rhs(k=1)[:, 0]
+
+
+@pytest.mark.parametrize("dtype, use_jit, scales", _jit_and_eager(F32))
+def test_cholesky_update(dtype, use_jit, scales):
+    for scale in scales:
+        _check(_cholesky_update, list(_update_operands()), dtype, scale, use_jit,
+               rtol=DECOMP_RTOL[dtype])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, use_jit, scales", _jit_and_eager(BF16))
+def test_symmetric_product(dtype, use_jit, scales):
+    a = _rhs(k=3)  # (N, 3): A A^T is N x N
+    for scale in scales:
+        _check(_symmetric_product, [a, _spd()], dtype, scale, use_jit, rtol=DECOMP_RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "scale_first, scale_second",
+    [(2.0**30, 2.0**-20), (2.0**-20, 2.0**30), (2.0**50, 2.0**95)],
+    ids=["2^30-2^-20", "2^-20-2^30", "2^50-2^95"],
+)
+def test_update_and_product_with_operands_at_different_scales(dtype, scale_first, scale_second):
+    """Each operand at its own scale: brought to one inside the rule, the smaller one's
+    data shrinking in float32 (never in the narrow dtype). A at 2^50 and C at 2^95: A A^T
+    is at 2^100, near float32's largest value once accumulated."""
+    r, w = _update_operands()
+    a, c = _rhs(k=3), _spd()
+    rtol = DECOMP_RTOL[np.dtype(dtype)]
+    for fn, (x, y) in ((_cholesky_update, (r, w)), (_symmetric_product, (a, c))):
+        args = [make_scaled(x, dtype, scale_first), make_scaled(y, dtype, scale_second)]
+        out = jax.jit(jsa.autoscale(fn))(*args)
+        expected = fn(*[jnp.asarray(represented(v), jnp.float32) for v in args])
+        assert isinstance(out, jsa.ScaledArray) and out.dtype == dtype
+        assert np.all(np.isfinite(np.asarray(out.data, np.float32)))
+        assert_close(out, expected, rtol)
+
+
+def test_update_and_product_have_no_derivative_as_in_jax():
+    """JAX defines no derivative for either primitive: the same error under autoscale."""
+    r, w = _update_operands()
+    x, v = make_scaled(r, F32, 2.0**-8), make_scaled(w, F32, 2.0**3)
+    loss = jsa.autoscale(lambda r_, w_: jnp.sum(_cholesky_update(r_, w_)))
+    with pytest.raises(NotImplementedError, match="Differentiation rule for 'cholesky_update'"):
+        jax.grad(lambda d: loss(x, jsa.ScaledArray(d, v.scale)).to_array())(v.data)
+    a, c = make_scaled(_rhs(k=3), F32, 2.0**5), make_scaled(_spd(), F32, 2.0**-5)
+    product = jsa.autoscale(lambda a_, c_: jnp.sum(_symmetric_product(a_, c_)))
+    with pytest.raises(NotImplementedError, match="Differentiation rule for 'symmetric_product'"):
+        jax.grad(lambda d: product(jsa.ScaledArray(d, a.scale), c).to_array())(a.data)
+
+
 def test_zero_scale_matches_plain_zero_matrix():
     x = jsa.scaled_array(_general(), np.float32(0.0))
     lu, piv, perm = jsa.autoscale(jax.lax.linalg.lu)(x)
