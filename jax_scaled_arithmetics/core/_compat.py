@@ -102,6 +102,21 @@ def lax_implementation_primitives() -> dict[str, Primitive]:
     return found
 
 
+def cudnn_scaled_matmul_primitives() -> tuple[Primitive, ...]:
+    """The primitives of `jax.nn.scaled_matmul` (its `scaled_matmul_wrapper`, which a jaxpr
+    holds, then the `scaled_matmul` that one binds when evaluated), found by name in the
+    module that defines them; none where this install lacks it."""
+    import importlib
+
+    try:
+        module = importlib.import_module("jax._src.cudnn.scaled_matmul_stablehlo")
+    except ImportError:
+        return ()
+    wanted = ("scaled_matmul_wrapper", "scaled_matmul")
+    found = {v.name: v for v in vars(module).values() if isinstance(v, Primitive)}
+    return tuple(found[name] for name in wanted if name in found)
+
+
 def optional_primitive(name: str) -> Primitive | None:
     """A primitive that only some supported JAX releases have (None in the others).
 

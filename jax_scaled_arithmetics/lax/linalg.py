@@ -131,6 +131,21 @@ def _data_and_scale(x: Any) -> tuple[Any, Any]:
     return x, np.float32(1.0)
 
 
+def _block_scaled_contraction(
+    primitive: Any, operands: tuple[Any, ...], fan_in: int, params: dict
+) -> ScaledArray | list[ScaledArray]:
+    """A block-scaled contraction (`lhs`, `rhs` and their block scales, linear in each) on
+    the data: a scaled operand's scale factors out, plain operands are bound as they are.
+    Accumulated in float32 when the output is narrower; one output, or a list of one."""
+    out_dtype = np.dtype(params["preferred_element_type"])
+    acc_dtype = np.dtype(_accumulator_dtype(out_dtype, out_dtype))
+    datas, scales = zip(*(_data_and_scale(x) for x in operands))
+    acc = primitive.bind(*datas, **dict(params, preferred_element_type=acc_dtype))
+    if primitive.multiple_results:
+        return [represent_accumulation(acc[0], [(s, 1) for s in scales], out_dtype, fan_in)]
+    return represent_accumulation(acc, [(s, 1) for s in scales], out_dtype, fan_in)
+
+
 @registry.register_scaled_op(
     _compat.primitives.scaled_dot_p,
     promote=False,
@@ -147,10 +162,28 @@ def scaled_scaled_dot(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any, **para
     K is the product of the lhs contracting dimensions."""
     (lhs_contract, _), _ = params["dimension_numbers"]
     fan_in = int(np.prod([lhs.shape[d] for d in lhs_contract], dtype=np.int64))
-    out_dtype = np.dtype(params["preferred_element_type"])
-    acc_dtype = np.dtype(_accumulator_dtype(out_dtype, out_dtype))
-    datas, scales = zip(*(_data_and_scale(x) for x in (lhs, rhs, lhs_scale, rhs_scale)))
-    acc = _compat.primitives.scaled_dot_p.bind(
-        *datas, **dict(params, preferred_element_type=acc_dtype)
+    return _block_scaled_contraction(
+        _compat.primitives.scaled_dot_p, (lhs, rhs, lhs_scale, rhs_scale), fan_in, params
     )
-    return represent_accumulation(acc, [(s, 1) for s in scales], out_dtype, fan_in)
+
+
+def _register_cudnn_scaled_matmul(primitive: Any) -> None:
+    @registry.register_scaled_op(
+        primitive,
+        promote=False,
+        family="dot",
+        remark="jax.nn.scaled_matmul on the data, plain operands (block scales) as they are: "
+        "scale the product of the operands' scales times t (t dynamic, or sqrt(K))",
+    )
+    def scaled_cudnn_scaled_matmul(
+        lhs: Any, rhs: Any, lhs_scales: Any, rhs_scales: Any, **params: Any
+    ) -> Any:
+        """`(B, M, K) x (B, N, K)` with `(B, M, K / block)` and `(B, N, K / block)` block
+        scales (cuDNN's block-scaled matmul on GPUs, XLA's lowering elsewhere), linear in
+        each operand as `scaled_dot` is. K is the last lhs dimension."""
+        operands = (lhs, rhs, lhs_scales, rhs_scales)
+        return _block_scaled_contraction(primitive, operands, int(lhs.shape[-1]), params)
+
+
+for _primitive in _compat.cudnn_scaled_matmul_primitives()[:1]:  # the one a jaxpr holds
+    _register_cudnn_scaled_matmul(_primitive)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ from tests.lax.test_shape import (
     JIT_CASES,
     Case,
     assert_table_covers,
+    case_inputs,
     check_case,
     check_mixed_scales,
     normal,
@@ -141,6 +144,34 @@ CASES = [
 ]
 
 
+def _plain_runs(fn: Any, *args: Any) -> bool:
+    """Whether plain JAX runs `fn` on this backend."""
+    try:
+        jax.block_until_ready(fn(*args))
+    except NotImplementedError:  # JAX 0.10 lowers jax.nn.scaled_matmul for CUDA only
+        return False
+    return True
+
+
+SCALED_MATMUL_CASE = bilinear(
+    "nn_scaled_matmul_block_scales",
+    lambda a, b, sa, sb: jax.nn.scaled_matmul(a, b, sa, sb).astype(a.dtype),
+    lambda rng: [
+        rng.normal(size=(2, 3, 8)),  # (B, M, K)
+        rng.normal(size=(2, 5, 8)),  # (B, N, K)
+        2.0 ** rng.integers(-3, 4, size=(2, 3, 2)),
+        2.0 ** rng.integers(-3, 4, size=(2, 5, 2)),
+    ],
+    plain=(2, 3),
+)
+# Where plain JAX cannot run it here, the case still counts for the table's coverage and its
+# scaled program is checked by trace (test_nn_scaled_matmul_traces_on_the_data).
+if _plain_runs(
+    SCALED_MATMUL_CASE.fn, *(x.astype(np.float32) for x in case_inputs(SCALED_MATMUL_CASE))
+):
+    CASES.append(SCALED_MATMUL_CASE)
+
+
 # Each case with one dtype in the default run, the dtypes in turn (the slow step runs the
 # others: the same rules, eagerly over every scale).
 @pytest.mark.parametrize("case, dtype", one_dtype_each(CASES, [c.name for c in CASES]))
@@ -174,7 +205,7 @@ def test_linalg_table_grad(case):
 
 
 def test_linalg_table_covers_every_rule():
-    assert_table_covers(linalg_module, CASES)
+    assert_table_covers(linalg_module, [*CASES, SCALED_MATMUL_CASE])
 
 
 def _conv_vjp_fan_ins(dtype):
@@ -323,3 +354,28 @@ def test_scaled_dot_keeps_fp8_data_and_e8m0_block_scales(use_jit):
     jaxpr = jax.make_jaxpr(run)(a, b, a_blocks, b_blocks).jaxpr
     (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "scaled_dot"]
     assert [v.aval.dtype for v in dot.invars] == [e4m3, e4m3, e8m0, e8m0]
+
+
+def test_nn_scaled_matmul_traces_on_the_data():
+    """`jax.nn.scaled_matmul` (cuDNN's block-scaled matmul) under autoscale binds the same
+    primitive on the FP8 data and the plain e8m0 block scales, whether or not this JAX
+    lowers it for this backend (JAX 0.10 lowers it for CUDA only)."""
+    import ml_dtypes
+
+    e4m3, e8m0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
+    a = make_scaled(np.ones((1, 4, 64)), e4m3, 2.0**-20)
+    b = make_scaled(np.ones((1, 8, 64)), e4m3, 2.0**7)
+    blocks_a, blocks_b = np.ones((1, 4, 2), e8m0), np.ones((1, 8, 2), e8m0)
+    jaxpr = jax.make_jaxpr(jsa.autoscale(jax.nn.scaled_matmul))(a, b, blocks_a, blocks_b)
+    found = []
+
+    def walk(inner: Any) -> None:
+        for eqn in inner.eqns:
+            if eqn.primitive.name == "scaled_matmul_wrapper":
+                found.append([v.aval.dtype for v in eqn.invars])
+            for param in eqn.params.values():
+                if hasattr(param, "jaxpr"):
+                    walk(param.jaxpr)
+
+    walk(jaxpr.jaxpr)
+    assert found == [[e4m3, e4m3, e8m0, e8m0]]
