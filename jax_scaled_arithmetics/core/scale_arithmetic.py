@@ -34,6 +34,7 @@ __all__ = [
     "dynamic_scale_p",
     "largest_finite_magnitudes_p",
     "largest_of_each",
+    "largest_of_several",
     "partial_maxima",
     "stacked_in_pieces",
     "scale_of_magnitude",
@@ -482,6 +483,54 @@ def max_in_one_kernel(values: Array, axes: tuple[int, ...]) -> Array:
     return lax.reduce_max(_keeping_every_element(split), split_axes)
 
 
+def largest_of_several(magnitudes: list[Array], *, finite_only: bool) -> list[Array]:
+    """XLA:CPU's form for the largest element of each of several non-empty tensors of
+    magnitudes (non-negative or NaN), as float32 scalars: as `largest_magnitude` computes
+    it (a NaN where there is one, or, with `finite_only`, the largest finite one).
+
+    XLA:CPU fuses no two reductions into one kernel, but it runs a variadic reduction (one
+    `reduce` of several operands of one shape) as one loop fused with every operand's
+    producer. So the small tensors (fewer than 4,096 elements: biases, norms' gains, a
+    small model's weights) are flattened, padded with zeros to the longest of them and
+    reduced together, and the large ones of one size (an optimizer state's moments, the
+    layers' parameters) together: one kernel for each group. A tensor alone in its group
+    is reduced as `largest_magnitude` reduces it (one kernel too). The values are those of
+    one `reduce_max` each (a zero pad never exceeds a magnitude)."""
+    groups: dict[int, list[int]] = {}
+    for index, magnitude in enumerate(magnitudes):
+        size = int(magnitude.size)
+        groups.setdefault(0 if size < _SMALL_REDUCTION else size, []).append(index)
+    out: list[Any] = [None] * len(magnitudes)
+    for indices in groups.values():
+        if len(indices) == 1:
+            (index,) = indices
+            amax = largest_magnitude(
+                magnitudes[index], finite_only=finite_only, one_kernel_on_cpu=True
+            )
+            out[index] = lax.convert_element_type(amax, F32)
+            continue
+        length = max(int(magnitudes[i].size) for i in indices)
+        flat = []
+        for i in indices:
+            magnitude = lax.convert_element_type(magnitudes[i].reshape(-1), F32)
+            if finite_only:
+                magnitude = lax.select(
+                    lax.is_finite(magnitude), magnitude, lax.full_like(magnitude, 0)
+                )
+            if magnitude.size < length:
+                magnitude = lax.pad(magnitude, np.float32(0), [(0, length - magnitude.size, 0)])
+            flat.append(magnitude)
+        lowest = [np.float32(-np.inf)] * len(flat)
+        maxima = lax.reduce(flat, lowest, _max_of_each, (0,))
+        for index, amax in zip(indices, maxima):
+            out[index] = amax
+    return out
+
+
+def _max_of_each(left: list[Array], right: list[Array]) -> list[Array]:
+    return [lax.max(a, b) for a, b in zip(left, right)]
+
+
 def _scaled_magnitudes(x: Array, factor: Array) -> Array:
     """`|x| * factor`, computed in float32 (or float64)."""
     magnitude = lax.abs(x)
@@ -698,11 +747,16 @@ def _largest_finite_magnitudes_partitioned(*operands: Array) -> Array:
 
 
 def _largest_finite_magnitudes_cpu(*operands: Array) -> Array:
-    """XLA:CPU's form: each tensor's largest magnitude in one kernel (`largest_magnitude`),
-    the scalars stacked in pieces (XLA:CPU fuses no reduction with the kernel that writes
-    its tensor, so partial rows would only add a reduction per tensor there)."""
+    """XLA:CPU's form: the tensors reduced a few at a time, each few in one kernel
+    (`largest_of_several`), the scalars stacked in pieces (XLA:CPU fuses no reduction
+    with the kernel that writes its tensor, so partial rows would only add a reduction per
+    tensor there)."""
     pairs = _pairs(operands)
-    scalars = [_largest_finite_product(x, f, one_kernel_on_cpu=True) for x, f in pairs]
+    measured = [i for i, (x, _) in enumerate(pairs) if x.size]
+    magnitudes = [_scaled_magnitudes(*pairs[i]) for i in measured]
+    scalars: list[Any] = [lax.full((), 0.0, F32)] * len(pairs)  # no element: 0
+    for i, amax in zip(measured, largest_of_several(magnitudes, finite_only=True)):
+        scalars[i] = amax
     return stacked_in_pieces(*scalars)
 
 

@@ -23,7 +23,13 @@ from ..core.datatype import ScaledArray, is_array, is_floating, is_scaled_leaf
 from ..core.define import define_identity_primitive, define_primitive, zero_tangents
 from ..core.dtypes import compute_dtype
 from ..core.interpreter import autoscale
-from ..core.scale_arithmetic import largest_magnitude, largest_of_each, mark_pow2, partial_maxima
+from ..core.scale_arithmetic import (
+    largest_magnitude,
+    largest_of_each,
+    largest_of_several,
+    mark_pow2,
+    partial_maxima,
+)
 from ..core.types import Array
 from ..lax.scaling_primitives import block_rebalance_by, rebalance_by, register_scaling_op
 
@@ -215,7 +221,9 @@ rescale_factor_p = define_primitive(
 # operand's largest magnitude is finished in one kernel (`largest_of_each`: each large
 # tensor's rows reduced where it is written; each took one or two kernels of its own, and
 # XLA:GPU merged some across tensors of transposed shapes, with transposes in and out); on
-# XLA:CPU, and in a program partitioned over devices (where gathering the operands' partials
+# XLA:CPU the small operands in one kernel and the large ones of each size in one
+# (`largest_of_several`: XLA:CPU fuses no two reductions, but runs a variadic one as one
+# loop); in a program partitioned over devices (where gathering the operands' partials
 # into one vector would gather sharded tensors whole), each operand as `rescale_factor_p`
 # computes it: a partial reduction on each device and one scalar all-reduce.
 
@@ -226,19 +234,12 @@ def _rescale_factors_impl(*data: Array, epsilon: float, shift: int) -> list[Arra
     return [out[k] for k in range(len(data)) for out in (factors, inverses)]
 
 
-def _rescale_factors_per_tensor(
-    *data: Array, epsilon: float, shift: int, one_kernel_on_cpu: bool = False
-) -> list[Array]:
+def _rescale_factors_per_tensor(*data: Array, epsilon: float, shift: int) -> list[Array]:
     return [
         out
         for d in data
         for out in _rescale_factor_impl(
-            d,
-            norm="max",
-            epsilon=epsilon,
-            shift=shift,
-            axes=tuple(range(d.ndim)),
-            one_kernel_on_cpu=one_kernel_on_cpu,
+            d, norm="max", epsilon=epsilon, shift=shift, axes=tuple(range(d.ndim))
         )
     ]
 
@@ -261,6 +262,17 @@ def _rescale_factors_batch(
     return outs, out_dims
 
 
+def _rescale_factors_cpu(*data: Array, epsilon: float, shift: int) -> list[Array]:
+    """XLA:CPU's form: the operands reduced a few at a time, each few in one kernel
+    (`largest_of_several`), each operand's factors from its own largest magnitude."""
+    magnitudes = [lax.abs(d.astype(jnp.float32)) for d in data]
+    return [
+        out
+        for amax in largest_of_several(magnitudes, finite_only=False)
+        for out in _factors_of_norm(amax, epsilon, shift)
+    ]
+
+
 rescale_factors_p = define_primitive(
     "rescale_factors",
     _rescale_factors_impl,
@@ -268,7 +280,7 @@ rescale_factors_p = define_primitive(
     multiple_results=True,
     batching=_rescale_factors_batch,
     jvp=zero_tangents,  # a choice of representation: no derivative
-    cpu_impl=functools.partial(_rescale_factors_per_tensor, one_kernel_on_cpu=True),
+    cpu_impl=_rescale_factors_cpu,
     partitioned_impl=_rescale_factors_per_tensor,
 )
 

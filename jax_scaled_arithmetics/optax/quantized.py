@@ -391,9 +391,10 @@ its fields are ['count', 'mu', 'nu']
 
 
 class _Rescaled(NamedTuple):
-    """A new parameter `apply_updates` already rescaled (a pytree node it unwraps)."""
+    """Where `apply_updates` puts a new parameter it rescales with the others: its position
+    among them (a pytree node it replaces)."""
 
-    value: Any
+    position: int
 
 
 def apply_updates(
@@ -463,29 +464,44 @@ def apply_updates(
     if mode == "nearest" and fmt is None:  # optax's rounding
         norm = rescale_norm(rescale)
 
-        def add_unstored(p: Any, value: Any, norm: str) -> Any:
-            # An update `scale_optimizer` made in the same step: its float32 value before
-            # the store, added to the parameter's, rescaled, then rounded once.
-            total = stop_scaling(p, dtype=value.dtype) + value
-            new = rescale_tree(match_layout(total, p), norm, DEFAULT_EPSILON, None)
-            return _Rescaled(new.astype(p.dtype))
-
         def _apply(params: Any, updates: Any) -> Any:
+            # The library's rescalings work leaf by leaf: every new parameter is rescaled in
+            # one equation (`rescale_tree`: their per-tensor factors computed together).
+            # An update `scale_optimizer` made in the same step is added as its float32
+            # value before the store, and the sum rounded once, after its rescale.
+            news: list[Any] = []
+            dtypes: list[Any] = []  # the dtype a new parameter is rounded to after it
+
             def add(p: Any, u: Any) -> Any:
-                if u is None or p is None or not is_floating(p):
+                if p is None or not is_floating(p):
                     return p
-                value = unstored_update(u) if norm is not None else None
-                if value is not None and norm is not None:
-                    return add_unstored(p, value, norm)
-                return (p + u).astype(p.dtype)
+                value = unstored_update(u) if norm is not None and u is not None else None
+                if value is not None:
+                    new, dtype = (
+                        match_layout(stop_scaling(p, dtype=value.dtype) + value, p),
+                        p.dtype,
+                    )
+                else:
+                    new, dtype = (p if u is None else (p + u).astype(p.dtype)), None
+                if norm is None:
+                    return new
+                news.append(new)
+                dtypes.append(dtype)
+                return _Rescaled(len(news) - 1)
 
             new = jax.tree_util.tree_map(add, params, updates, is_leaf=lambda x: x is None)
             if rescale is None:
                 return new
             if norm is None:  # a rescaling of the user's: on the whole tree
                 return rescale(new)
-            return jax.tree_util.tree_map(  # the library's rescalings work leaf by leaf
-                lambda x: x.value if isinstance(x, _Rescaled) else rescale(x),
+            rescaled = rescale_tree(news, norm, DEFAULT_EPSILON, None) if news else []
+
+            def finish(x: _Rescaled) -> Any:
+                dtype = dtypes[x.position]
+                return rescaled[x.position] if dtype is None else rescaled[x.position].astype(dtype)
+
+            return jax.tree_util.tree_map(
+                lambda x: finish(x) if isinstance(x, _Rescaled) else x,
                 new,
                 is_leaf=lambda x: isinstance(x, _Rescaled),
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -439,6 +440,93 @@ def test_a_small_tensors_dynamic_scale_is_one_kernel_on_xla_cpu():
         default_hlo, default_kernels = compiled(dynamic_scale_p.impl, shape)
         assert "reduce-window" in default_hlo and "reduce-window" not in cpu_hlo, shape
         assert cpu_kernels <= default_kernels - 2, (shape, cpu_kernels, default_kernels)
+
+
+def _several_magnitude_tensors():
+    """Magnitudes for `largest_of_several`: small tensors of five sizes (one with a NaN, one
+    with an infinity, one all zero, a scalar, one with no finite element), two large ones of
+    one size in two dtypes, one large one alone in its size."""
+    rng = np.random.default_rng(11)
+
+    def magnitudes(shape, dtype, spread):
+        return jnp.asarray(np.abs(rng.normal(size=shape)) * spread, dtype)
+
+    with_inf = np.abs(rng.normal(size=(16, 8))) * 2.0**-20
+    with_inf[5, 2] = np.inf
+    with_nan = np.abs(rng.normal(size=(32,)))
+    with_nan[17] = np.nan
+    return [
+        jnp.asarray(with_nan, jnp.float32),
+        jnp.asarray(with_inf, jnp.float16),
+        jnp.zeros((3, 7), jnp.bfloat16),
+        magnitudes((), jnp.float32, 2.0**40),
+        jnp.full((9,), jnp.inf, jnp.float32),
+        magnitudes((64, 64), jnp.float16, 2.0**-10),
+        magnitudes((128, 32), jnp.bfloat16, 2.0**100),
+        magnitudes((4097,), jnp.float32, 3.0),
+    ]
+
+
+@pytest.mark.parametrize("finite_only", [False, True])
+@pytest.mark.parametrize("use_jit", USE_JIT)
+def test_largest_of_several_is_each_tensors_own_largest(finite_only, use_jit):
+    """XLA:CPU's form for many tensors' largest magnitudes (small tensors padded with zeros
+    and reduced together, large ones of one size together, the rest alone): each result is
+    that tensor's own largest (finite) magnitude, in float32 (a NaN where it has one)."""
+    tensors = _several_magnitude_tensors()
+    several = _maybe_jit(
+        lambda *t: SA.largest_of_several(list(t), finite_only=finite_only), use_jit
+    )
+    got = several(*tensors)
+    for k, tensor in enumerate(tensors):
+        values = np.asarray(tensor, F32)
+        if finite_only:
+            values = np.where(np.isfinite(values), values, 0.0)
+        assert got[k].dtype == F32 and got[k].shape == (), k
+        np.testing.assert_array_equal(got[k], values.max(), err_msg=str(k))
+    assert np.isnan(got[0]) != finite_only
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernels")
+def test_several_tensors_largest_magnitudes_in_few_kernels_on_xla_cpu():
+    """XLA:CPU gives each reduction a kernel of its own; a variadic one is one loop fused with
+    its operands' producers. An optimizer state's per-tensor rescale factors
+    (`rescale_factors_p`) and delayed scaling's measured sites
+    (`largest_finite_magnitudes_p`) take one kernel for the small tensors and one per size
+    of the large ones: 3 reductions for these 8 tensors, where one each took 7 (the scalar
+    needs none)."""
+    from jax_scaled_arithmetics.ops.dynamic_rescaling import (
+        _rescale_factors_per_tensor,
+        rescale_factors_p,
+    )
+
+    tensors = _several_magnitude_tensors()
+
+    def reductions(measure):
+        def step(*xs):
+            return measure(*[jnp.tanh(x) for x in xs])
+
+        hlo = jax.jit(step).lower(*tensors).compile().as_text()
+        bodies = {}  # each computation's instructions, by name
+        for block in hlo.split("\n\n"):
+            head = block.strip().split("\n", 1)[0].split()
+            if head:
+                bodies[head[1 if head[0] == "ENTRY" else 0].lstrip("%")] = block
+        entry = hlo[hlo.index("\nENTRY") :].splitlines()
+        called = [re.search(r"calls=%?([\w.\-]+)", line) for line in entry]
+        return sum(  # ENTRY's kernels that reduce (XLA:CPU's library's reductions too)
+            " reduce(" in bodies.get(match.group(1), "") or "ynn" in match.group(1)
+            for match in called
+            if match
+        )
+
+    params = dict(epsilon=2.0**-60, shift=3)
+    grouped = reductions(lambda *d: rescale_factors_p.bind(*d, **params))
+    alone = reductions(lambda *d: _rescale_factors_per_tensor(*d, **params))
+    measured = reductions(
+        lambda *d: largest_finite_magnitudes_p.bind(*[v for x in d for v in (x, F32(2.0))])
+    )
+    assert (grouped, measured, alone) == (3, 3, 7)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")

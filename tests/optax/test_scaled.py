@@ -450,7 +450,8 @@ def test_apply_updates_adds_the_update_of_the_same_step_before_its_store():
     """Inside one autoscaled step, `apply_updates` adds `scale_optimizer`'s update as its
     float32 value: the new parameter is rounded once (within half a float16 ulp of float32
     on every entry), and the update's own store (a `rescale_factor` reduction) is left out
-    of the program unless something else reads the updates."""
+    of the program unless something else reads the updates. The new parameters' per-tensor
+    factors are computed together (one `rescale_factors`), like the state's."""
     params, _, _ = _problem()
     plain_grads, grads = _grads(params, -10)
     s_params = _scaled_params(params)
@@ -483,10 +484,10 @@ def test_apply_updates_adds_the_update_of_the_same_step_before_its_store():
         return counts.get("rescale_factor", 0), counts.get("rescale_factors", 0)
 
     n = len(params)
-    assert stores(step) == (n, 1)  # the new parameters; Adam's two moments together
-    assert stores(touched) == (2 * n, 1)  # the updates' own stores too
+    assert stores(step) == (0, 2)  # Adam's two moments together; the new parameters together
+    assert stores(touched) == (n, 2)  # the updates' own stores too, one each
     _, returning = _adam_step(return_updates=True)
-    assert stores(returning) == (2 * n, 1)
+    assert stores(returning) == (n, 2)
     new, _, updates = jax.jit(jsa.autoscale(returning))(s_params, state, grads)
     _assert_tree_close(updates, ref_updates, 2.0**-10, "returned updates")
     assert errors_in_ulps(new) == once
