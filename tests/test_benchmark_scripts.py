@@ -1,7 +1,8 @@
 """The measurement scripts of issue 43 (`benchmarks/gpu_check.py`, `delayed_scaling.py`,
 `scale_results.py`, `compile_profile.py`, `kernel_profile.py`, `weight_gradient_layout.py`,
-`program_size.kernel_kinds`), run here at tiny sizes or on recorded output: they must work
-the first time a GPU is lent, and read XLA's output right."""
+`largest_magnitudes.py`, `program_size.kernel_kinds`), run here at tiny sizes or on
+recorded output: they must work the first time a GPU is lent, and read XLA's output
+right."""
 
 import json
 
@@ -276,3 +277,10 @@ def test_weight_gradient_layout_benchmark_finds_the_copies_it_removes():
     assert row["largest_difference"] < 1e-6
     for variant in bench.VARIANTS:
         assert row[variant]["step_ms"] > 0
+
+
+def test_largest_magnitudes_benchmark_times_both_forms():
+    bench = load_script("largest_magnitudes_bench", "benchmarks/largest_magnitudes.py")
+    count, elements, grouped_ms, alone_ms = bench.time_both(bench.MODELS["zoo linen"], 1)
+    assert (count, elements) == (56, 2 * 19_456)  # two moments of the 28 parameters
+    assert grouped_ms > 0 and alone_ms > 0
