@@ -154,6 +154,31 @@ def _store_update(u: Any, grad: Any, rescale: Rescale | None) -> Any:
     return u if rescale is None else rescale(u)
 
 
+def _store_updates(new_updates: Any, gradients: Any, rescale: Rescale | None) -> Any:
+    """Every update leaf on its gradient's block layout, rescaled: with one of the library's
+    rescalings, all of them by one call (their per-tensor factors computed together)."""
+    norm = rescale_norm(rescale)
+    if norm is None:
+        return jax.tree_util.tree_map(
+            lambda u, g: _store_update(u, g, rescale), new_updates, gradients, is_leaf=_is_none
+        )
+    laid_out: list[Any] = []
+
+    def lay_out(u: Any, g: Any) -> Any:
+        if u is None or not is_floating(u) or g is None:
+            return u
+        laid_out.append(match_layout(u, g))
+        return _StoredSlot(len(laid_out) - 1)
+
+    slots = jax.tree_util.tree_map(lay_out, new_updates, gradients, is_leaf=_is_none)
+    rescaled = rescale_tree(laid_out, norm, DEFAULT_EPSILON, None) if laid_out else []
+    return jax.tree_util.tree_map(
+        lambda x: rescaled[x.index] if isinstance(x, _StoredSlot) else x,
+        slots,
+        is_leaf=lambda x: isinstance(x, _StoredSlot),
+    )
+
+
 def _store_leaf(
     x: Any,
     state_dtype: DTypeLike,
@@ -399,9 +424,7 @@ def scaled_state(
             new_updates, new_state = inner.update(updates, state, params, **extra_args)
         new_state = _store_state(new_state, state, state_dtype, rescale, exp)
         values = new_updates
-        new_updates = jax.tree_util.tree_map(
-            lambda u, g: _store_update(u, g, rescale), new_updates, updates, is_leaf=_is_none
-        )
+        new_updates = _store_updates(new_updates, updates, rescale)
         new_updates = jax.tree_util.tree_map(
             lambda u, d: u if d is None or u is None else u.astype(d),
             new_updates,

@@ -451,7 +451,8 @@ def test_apply_updates_adds_the_update_of_the_same_step_before_its_store():
     float32 value: the new parameter is rounded once (within half a float16 ulp of float32
     on every entry), and the update's own store (a `rescale_factor` reduction) is left out
     of the program unless something else reads the updates. The new parameters' per-tensor
-    factors are computed together (one `rescale_factors`), like the state's."""
+    factors are computed together (one `rescale_factors`), like the state's and, where
+    they are stored, the updates'."""
     params, _, _ = _problem()
     plain_grads, grads = _grads(params, -10)
     s_params = _scaled_params(params)
@@ -479,15 +480,16 @@ def test_apply_updates_adds_the_update_of_the_same_step_before_its_store():
     assert all(e <= 0.5 + 0.05 for e in twice.values()), twice
 
     def stores(fun):
-        # Per-tensor factors of single tensors, and of the whole state (its 2n moments) at once.
+        # Per-tensor factors of single tensors, and of several tensors at once (the state's
+        # 2n moments, the n new parameters, the n stored updates).
         counts = jsa.analysis.equation_counts(jsa.autoscale(fun), s_params, state, grads)
         return counts.get("rescale_factor", 0), counts.get("rescale_factors", 0)
 
-    n = len(params)
+    assert len(params) > 1
     assert stores(step) == (0, 2)  # Adam's two moments together; the new parameters together
-    assert stores(touched) == (n, 2)  # the updates' own stores too, one each
+    assert stores(touched) == (0, 3)  # the updates' own stores too, together
     _, returning = _adam_step(return_updates=True)
-    assert stores(returning) == (n, 2)
+    assert stores(returning) == (0, 3)
     new, _, updates = jax.jit(jsa.autoscale(returning))(s_params, state, grads)
     _assert_tree_close(updates, ref_updates, 2.0**-10, "returned updates")
     assert errors_in_ulps(new) == once
