@@ -15,8 +15,9 @@ char GPT's Adam step and the three zoo training steps, float16 data with
 
 Measured: the sites of the delayed step (sums and contractions with a history), the compiled
 program's kernels and instructions (program_size's `hlo_counts` of the optimized HLO), the
-kernels one call launches (`launched_kernels`: a loop's body once per iteration) and its
-kernels by kind (`kernel_kinds`), the
+kernels one call launches (`launched_kernels`: a loop's body once per iteration), its
+kernels by kind (`kernel_kinds`), its distinct fused kernels (`distinct_fusions`: what
+XLA:CPU generates code for), the
 lower + compile time, and the median step time of the five compiled steps run in turn
 (`--iters` rounds after a warm-up). One process: compare the ratios of one run.
 
@@ -62,6 +63,7 @@ def _compiled(
     counts = {
         "kernels": kernels,
         "launched": PS.launched_kernels(hlo),
+        "distinct": PS.distinct_fusions(hlo)[1],
         "instructions": instructions,
         "by_kind": dict(PS.kernel_kinds(hlo).most_common()),
     }
@@ -166,7 +168,8 @@ def main() -> None:
     print(f"# {platform.node()} {platform.machine()}, JAX {jax.__version__}, {jax.devices()[0]}")
     header = f"{'case':<12} {'sites':>5} {'variant':<14} {'kernels':>7} {'x plain':>7}"
     print(
-        header + f" {'launched':>8} {'x plain':>7} {'compile s':>9} {'step ms':>8} {'x plain':>7}"
+        header + f" {'launched':>8} {'x plain':>7} {'distinct':>8} {'compile s':>9} "
+        f"{'step ms':>8} {'x plain':>7}"
     )
     rows = []
     for case_name in args.cases.split(","):
@@ -178,7 +181,8 @@ def main() -> None:
             print(
                 f"{case_name:<12} {row['sites']:>5} {variant:<14} {v['kernels']:>7} "
                 f"{v['kernels'] / plain['kernels']:>7.2f} {v['launched']:>8} "
-                f"{v['launched'] / plain['launched']:>7.2f} {v['compile_s']:>9.2f} "
+                f"{v['launched'] / plain['launched']:>7.2f} {v['distinct']:>8} "
+                f"{v['compile_s']:>9.2f} "
                 f"{v['step_ms']:>8.2f} {v['step_ms'] / plain['step_ms']:>7.2f}"
             )
     if args.json is not None:

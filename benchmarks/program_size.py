@@ -775,6 +775,33 @@ def hlo_counts(text: str) -> tuple[int, int]:
     return kernels, instructions
 
 
+_METADATA = re.compile(r",? metadata=\{[^}]*\}")
+_NAME = re.compile(r"%[\w.\-]+")
+
+
+def distinct_fusions(text: str) -> tuple[int, int]:
+    """(fusions, distinct fusions) of an optimized HLO module's ENTRY computation: its fused
+    kernels, and how many differ once names and metadata are set aside. XLA:CPU generates
+    code once for alike kernels (two fusions of the same instructions on the same shapes),
+    so the distinct ones are what its code generation compiles."""
+    bodies: dict[str, str] = {}
+    name = None
+    lines: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            match = _COMPUTATION.match(line)
+            name, lines = (match.group(1) if match else None), []
+        elif line.startswith("}") and name is not None:
+            bodies[name] = "\n".join(lines)
+            name = None
+        elif name is not None and " = " in line:
+            lines.append(_NAME.sub("%", _METADATA.sub("", line.split(" = ", 1)[1])))
+    start = text.index("\nENTRY")
+    entry = text[start : text.index("\n}", start)]
+    called = re.findall(r" fusion\(.*calls=%?([\w.\-]+)", entry)
+    return len(called), len({bodies.get(c, c) for c in called})
+
+
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s")
 _TRIP_COUNT = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 

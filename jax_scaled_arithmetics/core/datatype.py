@@ -15,7 +15,12 @@ from jax import lax
 from . import _compat, block_scales
 from .define import define_primitive
 from .dtypes import compute_dtype
-from .scale_arithmetic import largest_magnitude, scale_of_magnitude, stacked_in_pieces
+from .scale_arithmetic import (
+    largest_magnitude,
+    scale_of_magnitude,
+    stacked_in_pieces,
+    unstacked_in_pieces,
+)
 from .types import Array
 
 DTypeLike = Any
@@ -31,6 +36,8 @@ __all__ = [
     "unpack_scales",
     "stack_scalars",
     "stack_scalars_p",
+    "unstack_scalars",
+    "unstack_scalars_p",
     "is_packed_or_scaled_leaf",
     "is_floating",
     "is_array",
@@ -364,8 +371,12 @@ class PackedScales:
         """The tree of ScaledArrays (see :func:`unpack_scales`)."""
         treedef, positions = self.layout
         leaves = list(self.leaves)
-        for k, i in enumerate(positions):
-            leaves[i] = ScaledArray(leaves[i], self._scale(k))
+        if is_array(self.scales) and _compat.is_tracer(self.scales):
+            scales = unstack_scalars(jnp.asarray(self.scales))  # one primitive, not a slice each
+        else:
+            scales = [self._scale(k) for k in range(len(positions))]
+        for i, scale in zip(positions, scales):
+            leaves[i] = ScaledArray(leaves[i], scale)
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def _scale(self, k: int) -> Any:
@@ -434,6 +445,44 @@ def stack_scalars(scalars: list[Any]) -> Any:
     if len(scalars) < 2 or not any(_compat.is_tracer(s) for s in scalars):
         return jnp.stack(scalars)
     return stack_scalars_p.bind(*_compat.match_varying(*scalars))
+
+
+def _unstack_impl(vector: Array) -> list[Array]:
+    return [lax.index_in_dim(vector, i, keepdims=False) for i in range(vector.shape[0])]
+
+
+def _unstack_batch(primitive: Any, args: Any, dims: Any) -> Any:
+    (vector,), (dim,) = args, dims
+    vector = jnp.moveaxis(vector, dim, 0)
+    return [vector[:, i] for i in range(vector.shape[1])], [0] * vector.shape[1]
+
+
+def _unstack_jvp(primitive: Any, primals: Any, tangents: Any) -> Any:
+    tangent = _compat.instantiate_zeros(tangents[0])
+    return primitive.bind(*primals), [tangent[i] for i in range(tangent.shape[0])]
+
+
+# A vector's elements as scalars, lowered per platform: slices (which XLA:GPU fuses into
+# their readers), and on XLA:CPU the variadic reductions of `unstacked_in_pieces`, whose
+# outputs the kernels that read them take as parameters (a slice fused into each reader
+# would make those kernels distinct, each compiled on its own).
+unstack_scalars_p = define_primitive(
+    "unstack_scalars",
+    _unstack_impl,
+    lambda vector: [_compat.aval_like(vector, (), vector.dtype)] * vector.shape[0],
+    multiple_results=True,
+    batching=_unstack_batch,
+    jvp=_unstack_jvp,
+    cpu_impl=unstacked_in_pieces,
+)
+
+
+def unstack_scalars(vector: Any) -> list[Any]:
+    """The elements of a float32 vector as scalars (traced: `unstack_scalars_p`, whose
+    XLA:CPU form writes each in a buffer its readers take as it is); `vector[i]`'s values."""
+    if not _compat.is_tracer(vector) or vector.shape[0] < 2:
+        return _unstack_impl(vector)
+    return list(unstack_scalars_p.bind(vector))
 
 
 def pack_scales(tree: Any) -> PackedScales:

@@ -34,11 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, block_scales
+from . import _compat
+from .datatype import unstack_scalars
 from .interpreter import autoscale, tracing_a_scaled_function
 from .scale_arithmetic import (
     SCALE_MAX,
     SCALE_MIN,
+    UNSTACK_PIECE,
     largest_finite_magnitudes_p,
     scale_of_magnitude,
 )
@@ -115,6 +117,7 @@ class _Recorder:
         self.entries: list[tuple[Any, ...]] = []
         self.descriptions: list[str] = []
         self.ordinals: collections.Counter[str] = collections.Counter()
+        self.held_pieces: dict[int, list[Any]] = {}  # `_held_scale`'s, by their first row
 
     def covers(self) -> bool:
         """Whether a value computed now belongs to this recorder's trace (not to the body
@@ -163,11 +166,21 @@ class _Recorder:
             return None
         if not self._check_row(index, description):
             return np.float32(1.0)  # a body's trace that a refusal will discard
-        # On XLA:CPU each site's scale is read from a kernel of its own: a slice of the
-        # vector fused into every kernel that reads it would make those kernels differ
-        # from site to site, and XLA:CPU compiles each distinct kernel on its own (the zoo
-        # steps compiled 1.3-1.9x slower).
-        return block_scales.materialize_scalar_on_cpu(self._held_rows(index, 1)[0])
+        return self._held_scale(index)
+
+    def _held_scale(self, index: int) -> Any:
+        """Row `index`'s held scale, a scalar. The rows are split into scalars a piece at a
+        time (`unstack_scalars`: on XLA:CPU one kernel per piece, each scalar a buffer of its
+        own): a slice of the vector fused into every kernel that reads it would make those
+        kernels differ from site to site, and XLA:CPU compiles each distinct kernel on its
+        own (the zoo steps compiled 1.3-1.9x slower); a kernel per site was 90 more kernels
+        on the zoo linen step."""
+        assert self.expected is not None
+        start = index - index % UNSTACK_PIECE
+        if start not in self.held_pieces:
+            count = min(UNSTACK_PIECE, len(self.expected) - start)
+            self.held_pieces[start] = unstack_scalars(self._held_rows(start, count))
+        return self.held_pieces[start][index - start]
 
     def group(self, kind: str, length: int) -> _Group | None:
         """The rows of a body traced within this trace: a `scan`'s (`length` iterations) or

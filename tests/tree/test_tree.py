@@ -8,6 +8,7 @@ import pytest
 import jax_scaled_arithmetics as jsa
 import jax_scaled_arithmetics.tree as jtree
 from jax_scaled_arithmetics.core.datatype import ScaledArray, scaled_array
+from tests.helpers import load_script
 
 
 def _tree():
@@ -245,6 +246,74 @@ def test_pack_scales_under_jit_stacks_every_scale_exactly(count):
     assert traced.scales.shape == (count,) and traced.scales.dtype == jnp.float32
     np.testing.assert_array_equal(traced.scales, eager.scales)
     _assert_same_tree(traced.unpack(), tree)
+
+
+@pytest.mark.parametrize("count", [2, 31, 32, 33, 70])
+def test_unpacking_under_jit_reads_every_scale_exactly(count):
+    """Traced, a packed vector is split into its scales by one primitive (on XLA:CPU a
+    variadic reduction per 32 scales, elsewhere slices): each scale as eager unpacking reads
+    it, extreme scales included, in both lowerings."""
+    from jax_scaled_arithmetics.core.datatype import unstack_scalars_p
+
+    special = [0.0, 2.0**-149, 2.0**-126, 2.0**127, 3.0, 1.5]
+    tree = [
+        scaled_array(jnp.ones((2,), jnp.float16), special[i % 6] if i % 4 else 2.0 ** (i - 35))
+        for i in range(count)
+    ]
+    packed = jtree.pack_scales(tree)
+    read = jax.jit(lambda p: [x.scale for x in jtree.unpack_scales(p)])
+    scales = read(packed)
+    assert all(s.shape == () and s.dtype == jnp.float32 for s in scales)
+    np.testing.assert_array_equal(np.stack(scales), packed.scales)
+    np.testing.assert_array_equal(np.stack(unstack_scalars_p.impl(packed.scales)), packed.scales)
+    traced = read.trace(packed)
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert cpu.count("stablehlo.reduce") == -(-count // 32)  # a reduction per 32 scales
+    assert "stablehlo.reduce" not in cuda and cuda.count("stablehlo.slice") == count
+
+
+def test_unpacked_scales_follow_vmap_and_gradients():
+    vectors = jnp.array([[1.0, 2.0, 4.0], [8.0, 0.5, 0.25]])
+    unpack = jax.vmap(
+        lambda v: [x.scale for x in jtree.PackedScales([jnp.ones(2)] * 3, v, _three()).unpack()]
+    )
+    np.testing.assert_array_equal(np.stack(jax.jit(unpack)(vectors), axis=1), vectors)
+
+    def represented_sum(v):
+        tree = jtree.PackedScales([jnp.full(2, 3.0)] * 3, v, _three()).unpack()
+        return sum(jnp.sum(x.to_array() ** 2) for x in tree)
+
+    grads = jax.jit(jax.grad(represented_sum))(vectors[0])
+    np.testing.assert_allclose(grads, 2 * 2 * 9.0 * vectors[0])
+
+
+def _three():
+    """A `PackedScales` layout: three ScaledArrays in a list."""
+    tree = [scaled_array(jnp.ones(2), 1.0)] * 3
+    return jtree.pack_scales(tree).layout
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernels")
+def test_kernels_that_read_packed_scales_stay_alike():
+    """XLA:CPU generates code once for alike kernels. A packed scale sliced out of its
+    vector inside each kernel that reads it made those kernels differ by the index they
+    read (24 distinct here; the zoo linen step packed had 360 distinct kernels against 220
+    unpacked, its compile 1.2-1.8x longer); split by one primitive, they read a scalar
+    each and stay alike."""
+    distinct_fusions = load_script("program_size", "benchmarks/program_size.py").distinct_fusions
+    tree = [scaled_array(jnp.full((16,), i + 1.0, jnp.float16), 2.0**i) for i in range(24)]
+    packed = jtree.pack_scales(tree)
+
+    def values(t):
+        return [x.to_array(jnp.float32) * 3.0 for x in t]
+
+    def distinct(fun, arg):
+        return distinct_fusions(jax.jit(fun).lower(arg).compile().as_text())[1]
+
+    unpacked = distinct(values, tree)
+    assert distinct(lambda p: values(jtree.unpack_scales(p)), packed) <= unpacked + 1
+    _assert_same_tree(jax.jit(lambda p: values(jtree.unpack_scales(p)))(packed), values(tree))
 
 
 def test_packing_many_computed_scales_costs_no_kernel_per_scale():
