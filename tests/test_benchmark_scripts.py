@@ -56,6 +56,9 @@ def test_delayed_scaling_benchmark_measures_five_variants():
     for variant in bench.VARIANTS:
         assert row[variant]["kernels"] > 0 and row[variant]["step_ms"] > 0
         assert sum(row[variant]["by_kind"].values()) == row[variant]["kernels"]
+        assert 0 < row[variant]["distinct"] < row[variant]["kernels"]
+    # Unpacked in one kernel per 32, the packed steps' scales keep their readers alike.
+    assert row["delayed-packed"]["distinct"] <= row["delayed"]["distinct"] + 5
 
 
 @pytest.mark.slow
