@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _compat, block_scales, bounded, registry
+from . import _compat, block_scales, bounded, normalization, registry
 from .config import get_autoscale_config
 from .datatype import (
     ScaledArray,
@@ -271,9 +271,16 @@ class _Autoscale(JaxprWalker):
         to `eval_group` as one product of the operands swapped; each softmax (`exp` of a
         value shifted by its maximum, its sum and quotient when they follow), offered as
         the plain equations on the represented values at the scales their bounds give
-        (`bounded`)."""
+        (`bounded`); each normalization's float32 statistics, offered as the plain
+        equations at the static rules' scales (`normalization`)."""
         found = []
         producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+        # A normalization run ends at or after a square root: none after the last one.
+        last_root = max(
+            (i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in normalization.ROOTS),
+            default=-1,
+        )
+        constants = normalization.constant_variables(jaxpr) if last_root >= 0 else {}
         index = 0
         while index < len(jaxpr.eqns):
             fused = (
@@ -288,6 +295,8 @@ class _Autoscale(JaxprWalker):
             group = bounded.shifted_exp_group(
                 jaxpr, index, producers, context.uses
             ) or bounded.exp_at_most_one_group(jaxpr, index, producers)
+            if group is None and index < last_root:
+                group = normalization.normalization_run(jaxpr, index, context.uses, constants)
             if group is not None:
                 found.append(group)
                 index = group.stop
@@ -306,11 +315,32 @@ class _Autoscale(JaxprWalker):
             )
         if isinstance(group.key, bounded.ExpAtMostOne):
             return bounded.evaluate_exp_at_most_one(group.key, invals[0], self.observers())
+        if isinstance(group.key, normalization.NormalizationRun):
+            if not isinstance(invals[0], ScaledArray):
+                return None
+            return normalization.evaluate_normalization_run(
+                group.key,
+                dict(zip(group.inputs, invals)),
+                group.outputs,
+                functools.partial(self._evaluate_foreign, frame),
+                self.observers(),
+            )
         fused = group.key
         with _compat.eqn_context(fused):
             outs = self.eval_eqn(fused, invals, frame)
         for observer in self.observers():
             observer(fused, invals, outs)
+        return outs
+
+    def _evaluate_foreign(self, frame: Frame, eqn: Any, invals: list[Any]) -> list[Any]:
+        """An equation inside a group that the group does not replace, evaluated (and
+        observed, and stored) as the walk would."""
+        with _compat.eqn_context(eqn):
+            outs = self.eval_eqn(eqn, invals, frame)
+        for observer in self.observers():
+            observer(eqn, invals, outs)
+        for var, out in zip(eqn.outvars, outs):
+            frame.write(var, out)
         return outs
 
     def eval_eqn(self, eqn: Any, invals: list[Any], frame: Frame) -> list[Any]:
