@@ -50,6 +50,20 @@ def scales_for(dtype: Any) -> tuple[float, ...]:
     return WIDE_SCALES
 
 
+def dynamic_scales(jaxpr: Any) -> int:
+    """How many dynamic scales (measurements) a jaxpr computes, sub-jaxprs included."""
+    from jax_scaled_arithmetics.core.scale_arithmetic import dynamic_scale_p
+
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive is dynamic_scale_p
+        for value in eqn.params.values():
+            sub = getattr(value, "jaxpr", value)
+            if hasattr(sub, "eqns"):
+                count += dynamic_scales(sub)
+    return count
+
+
 def make_scaled(x: np.ndarray, dtype: Any, scale: float) -> jsa.ScaledArray:
     """A ScaledArray with data `x` (cast to `dtype`) and scale `scale`."""
     return jsa.scaled_array(np.asarray(x).astype(dtype), np.float32(scale))

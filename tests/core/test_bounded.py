@@ -7,25 +7,21 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.core.scale_arithmetic import dynamic_scale_p
-from tests.helpers import FLOAT_DTYPES, RTOL, WIDE_SCALES, assert_close, make_scaled, represented
+from tests.helpers import (
+    FLOAT_DTYPES,
+    RTOL,
+    WIDE_SCALES,
+    assert_close,
+    dynamic_scales,
+    make_scaled,
+    represented,
+)
 
 
 def plain(tree):
     return jax.tree_util.tree_map(
         lambda a: jnp.asarray(represented(a), jnp.float32), tree, is_leaf=jsa.is_scaled_leaf
     )
-
-
-def _dynamic_scales(jaxpr):
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive is dynamic_scale_p
-        for value in eqn.params.values():
-            sub = getattr(value, "jaxpr", value)
-            if hasattr(sub, "eqns"):
-                count += _dynamic_scales(sub)
-    return count
 
 
 def _normalized(e, axis):
@@ -66,8 +62,8 @@ def test_a_softmax_is_at_the_scales_of_its_bounds_unmeasured(case, dtype, use_ji
     x = rng.normal(size=(5, 12)) * 4
     jaxpr = jax.make_jaxpr(jsa.autoscale(fun))(make_scaled(x, dtype, 1.0))
     plain_jaxpr = jax.make_jaxpr(jsa.autoscale(lambda v: jnp.exp(v)))(make_scaled(x, dtype, 1.0))
-    assert _dynamic_scales(plain_jaxpr) == 1  # a plain exp measures its output
-    assert _dynamic_scales(jaxpr) == measured
+    assert dynamic_scales(plain_jaxpr) == 1  # a plain exp measures its output
+    assert dynamic_scales(jaxpr) == measured
     run = jax.jit(jsa.autoscale(fun)) if use_jit else jsa.autoscale(fun)
     weights = jnp.arange(60.0).reshape(5, 12)
 
@@ -165,7 +161,7 @@ def test_an_exp_shifted_or_divided_by_something_else_measures_its_scale(fun):
     x[0] = -20.0
     sx = make_scaled(x / 2**10, np.float16, 2.0**10)
     jaxpr = jax.make_jaxpr(jsa.autoscale(fun))(sx)
-    assert _dynamic_scales(jaxpr) >= 1
+    assert dynamic_scales(jaxpr) >= 1
     out = jax.jit(jsa.autoscale(fun))(sx)
     want = fun(*plain((sx,)))
     assert np.all(np.isfinite(represented(out))) and np.all(np.isfinite(want))
@@ -208,7 +204,7 @@ def test_a_float8_softmax(case, dtype):
     rng = np.random.default_rng(9)
     for scale in (2.0**-20, 1.0, 2.0**20):
         sx = make_scaled(rng.normal(size=(4, 12)), dtype, scale)
-        assert _dynamic_scales(jax.make_jaxpr(jsa.autoscale(fun))(sx)) == measured
+        assert dynamic_scales(jax.make_jaxpr(jsa.autoscale(fun))(sx)) == measured
         outs = jax.tree_util.tree_leaves(
             jax.jit(jsa.autoscale(fun))(sx), is_leaf=jsa.is_scaled_leaf
         )

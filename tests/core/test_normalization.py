@@ -9,22 +9,10 @@ import numpy as np
 import pytest
 
 import jax_scaled_arithmetics as jsa
-from jax_scaled_arithmetics.core.scale_arithmetic import dynamic_scale_p
-from tests.helpers import FLOAT_DTYPES, RTOL, assert_close, make_scaled, represented
+from tests.helpers import FLOAT_DTYPES, RTOL, assert_close, dynamic_scales, make_scaled, represented
 
 SCALES = tuple(2.0**e for e in (-30, -20, -4, 0, 4, 20, 30))
 FEATURES = 32
-
-
-def _dynamic_scales(jaxpr):
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive is dynamic_scale_p
-        for value in eqn.params.values():
-            sub = getattr(value, "jaxpr", value)
-            if hasattr(sub, "eqns"):
-                count += _dynamic_scales(sub)
-    return count
 
 
 def _handwritten_layer_norm(x, gain, bias):
@@ -101,7 +89,7 @@ def test_a_normalization_measures_nothing_and_matches_the_plain_one(case, dtype,
     fun = NORMALIZATIONS[case]
     sx, gain, bias = _inputs(dtype, 1.0)
     jaxpr = jax.make_jaxpr(jsa.autoscale(fun))(sx, gain, bias)
-    assert _dynamic_scales(jaxpr) == 0
+    assert dynamic_scales(jaxpr) == 0
     weights = jnp.linspace(-1.0, 1.0, 3 * 5 * FEATURES).reshape(3, 5, FEATURES)
 
     def loss(x, gain, bias):
@@ -148,7 +136,7 @@ def test_narrow_statistics_keep_the_rules():
         return (x - mean) * jax.lax.rsqrt(var + 1e-5)
 
     sx = make_scaled(np.random.default_rng(12).normal(size=(4, 32)), jnp.bfloat16, 2.0**-40)
-    assert _dynamic_scales(jax.make_jaxpr(jsa.autoscale(narrow))(sx)) >= 1
+    assert dynamic_scales(jax.make_jaxpr(jsa.autoscale(narrow))(sx)) >= 1
     out = jax.jit(jsa.autoscale(narrow))(sx)
     assert float(out.scale) != 1.0 or out.dtype == jnp.bfloat16
     want = narrow(jnp.asarray(represented(sx), jnp.float32))
