@@ -179,13 +179,16 @@ def materialize_for_readers(out: Any, readers: int, operands: Sequence[Any]) -> 
 
 class _AutoscaleContext:
     """Per-jaxpr state of `autoscale`'s walk: what is statically known of each variable
-    (the scalar it is a broadcast of, or None), and how many equations read it."""
+    (the scalar it is a broadcast of, or None), how many equations read it, and the
+    exponents of the scales the normalization runs gave their outputs (which their
+    backward passes read)."""
 
-    __slots__ = ("known", "uses")
+    __slots__ = ("known", "uses", "exponents")
 
     def __init__(self, known: dict[Any, Any], uses: collections.Counter[Any]) -> None:
         self.known = known
         self.uses = uses
+        self.exponents: dict[Any, Any] = {}
 
     def read(self, atom: Any) -> Any:
         if isinstance(atom, _compat.Literal):
@@ -271,16 +274,22 @@ class _Autoscale(JaxprWalker):
         to `eval_group` as one product of the operands swapped; each softmax (`exp` of a
         value shifted by its maximum, its sum and quotient when they follow), offered as
         the plain equations on the represented values at the scales their bounds give
-        (`bounded`); each normalization's float32 statistics, offered as the plain
-        equations at the static rules' scales (`normalization`)."""
+        (`bounded`); each normalization's float32 statistics and their backward pass,
+        offered as the plain equations at the static rules' scales (`normalization`)."""
         found = []
         producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-        # A normalization run ends at or after a square root: none after the last one.
+        # A normalization run ends at or after a square root (its own, or one in a function
+        # it calls): none after the last one.
         last_root = max(
-            (i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in normalization.ROOTS),
+            (
+                i
+                for i, e in enumerate(jaxpr.eqns)
+                if any(normalization.primitive_names(e)[root] for root in normalization.ROOTS)
+            ),
             default=-1,
         )
         constants = normalization.constant_variables(jaxpr) if last_root >= 0 else {}
+        anchors: set[Any] = set()  # the normalization runs' outputs, read by their backward
         index = 0
         while index < len(jaxpr.eqns):
             fused = (
@@ -295,9 +304,16 @@ class _Autoscale(JaxprWalker):
             group = bounded.shifted_exp_group(
                 jaxpr, index, producers, context.uses
             ) or bounded.exp_at_most_one_group(jaxpr, index, producers)
-            if group is None and index < last_root:
+            if group is None and index <= last_root:
                 group = normalization.normalization_run(jaxpr, index, context.uses, constants)
+            if group is None and anchors:
+                group = normalization.normalization_backward_run(
+                    jaxpr, index, context.uses, constants, anchors
+                )
             if group is not None:
+                if isinstance(group.key, normalization.NormalizationRun):
+                    if not group.key.backward:
+                        anchors.update(group.outputs)
                 found.append(group)
                 index = group.stop
                 continue
@@ -324,6 +340,9 @@ class _Autoscale(JaxprWalker):
                 group.outputs,
                 functools.partial(self._evaluate_foreign, frame),
                 self.observers(),
+                lambda var, value: promote_to_scaled(value, frame.context.read(var)),
+                frame.context.exponents,
+                lambda value, readers: materialize_for_readers(value, readers, ()),
             )
         fused = group.key
         with _compat.eqn_context(fused):

@@ -107,6 +107,69 @@ def test_a_normalization_measures_nothing_and_matches_the_plain_one(case, dtype,
             assert_close(got, expected, 8 * rtol)
 
 
+def _backward(fun):
+    """The pullback of `fun` (the normalization's backward pass alone) on a cotangent."""
+
+    def backward(x, gain, bias, cotangent):
+        _, pullback = jax.vjp(fun, x, gain, bias)
+        return pullback(cotangent)
+
+    return backward
+
+
+def _cotangent(dtype, scale):
+    rng = np.random.default_rng(15)
+    return make_scaled(rng.normal(size=(3, 5, FEATURES)), dtype, scale)
+
+
+# (input scale, cotangent scale): far apart, both large, both small.
+SCALE_PAIRS = ((2.0**-20, 2.0**10), (1.0, 1.0), (2.0**20, 2.0**-10), (2.0**-8, 2.0**-20),
+               (2.0**12, 2.0**20))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(NORMALIZATIONS))
+def test_the_backward_pass_measures_nothing_and_matches_the_plain_one(case, dtype):
+    """The backward pass (the cotangent's row sums through the statistics, the gain's and
+    the bias's gradients summed over the rows) is the plain float32 program's on the
+    represented values too: no scale measured, each cotangent handed on at the static
+    rules' scale, its data near unit range over input and cotangent scales far apart."""
+    backward = _backward(NORMALIZATIONS[case])
+    sx, gain, bias = _inputs(dtype, 1.0)
+    jaxpr = jax.make_jaxpr(jsa.autoscale(backward))(sx, gain, bias, _cotangent(dtype, 1.0))
+    assert dynamic_scales(jaxpr) == 0
+    run = jax.jit(jsa.autoscale(backward))
+    rtol = 32 * RTOL[np.dtype(dtype)]
+    for x_scale, cotangent_scale in SCALE_PAIRS:
+        sx, gain, bias = _inputs(dtype, x_scale)
+        cotangent = _cotangent(dtype, cotangent_scale)
+        got = run(sx, gain, bias, cotangent)
+        want = backward(*_plain((sx, gain, bias, cotangent)))
+        for value, expected in zip(got, want):
+            assert_close(value, expected, rtol)
+            if isinstance(value, jsa.ScaledArray) and np.dtype(dtype).itemsize == 2:
+                data = np.abs(np.asarray(value.data, np.float32))
+                assert 2.0**-8 <= data.max() <= 2.0**8, (x_scale, cotangent_scale, data.max())
+
+
+def test_the_compiled_backward_pass_reduces_as_the_plain_one():
+    """No reduction to a scalar (a measured scale) in the compiled pullback of a layer
+    norm, its gain and bias included: its reductions are the plain program's."""
+    backward = _backward(_linen_layer_norm)
+    sx, gain, bias = _inputs(np.float16, 2.0**-8)
+    cotangent = _cotangent(np.float16, 2.0**6)
+
+    def reductions(fun, *args):
+        text = jax.jit(fun).lower(*args).compile().as_text()
+        lines = [line for line in text.splitlines() if " reduce(" in line]
+        return len(lines), sum("[] reduce(" in line for line in lines)
+
+    scaled = reductions(jsa.autoscale(backward), sx, gain, bias, cotangent)
+    plain = reductions(backward, *_plain((sx, gain, bias, cotangent)))
+    assert scaled[1] == 0
+    assert scaled[0] <= plain[0]
+
+
 @pytest.mark.parametrize("scale", [2.0**-12, 2.0**12], ids=["small", "large"])
 @pytest.mark.parametrize("case", sorted(NORMALIZATIONS))
 def test_the_statistics_are_near_unit_range(case, scale):
@@ -152,8 +215,8 @@ def test_a_run_of_plain_inputs_stays_plain():
 
 
 def test_delayed_scaling_holds_no_statistics_site():
-    """The normalization's sums are no sites of `delayed_scaling`: the step's sites are the
-    products and the backward pass's sums."""
+    """The normalization's sums, forward and backward, are no sites of `delayed_scaling`:
+    the step's sites are the products'."""
 
     def loss(w, x, gain, bias):
         return jnp.sum(_linen_layer_norm(x @ w, gain, bias).astype(jnp.float32) ** 2)
@@ -167,8 +230,9 @@ def test_delayed_scaling_holds_no_statistics_site():
     forward = jax.make_jaxpr(loss)(*_plain((w, x, gain, bias)))
     sums = sum(e.primitive.name == "reduce_sum" for e in forward.jaxpr.eqns)
     assert sums >= 2  # the mean and the mean square, plain
-    # The product; the backward pass: the gain's gradient, two row sums, the weight's.
-    assert len(history.sites) == 5
+    # The product and the weight's gradient; the backward pass's row sums and the gain's
+    # gradient (sums over the rows) are the plain ones.
+    assert len(history.sites) == 2
     grads, _ = jax.jit(step)(history, w, x, gain, bias)
     plain_grads = jax.grad(loss, argnums=(0, 2))(*_plain((w, x, gain, bias)))
     for got, expected in zip(grads, plain_grads):
