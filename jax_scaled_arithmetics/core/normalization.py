@@ -475,31 +475,34 @@ def _run_group(
         frozenset(seeds),
         read_constants,
         backward,
-        _readers(eqns, stop, outputs, uses, inside, results),
+        _readers(eqns[index:], set(members), index, outputs, uses, inside, results),
     )
     return Group(index, stop, key, tuple(dict.fromkeys([primary, *read])), outputs)
 
 
 def _readers(
     eqns: Sequence[Any],
-    stop: int,
+    members: set[int],
+    offset: int,
     outputs: Sequence[Any],
     uses: collections.Counter[Any],
     inside: collections.Counter[Any],
     results: set[int],
 ) -> dict[Any, int]:
-    """How many equations read each output, outside the run, for the walk's
-    materialisation: an output that one cast or reshape reads, whose result two or more
-    read, counts as read twice (the rules materialise no result whose scale is its
-    operand's, so the output's data is written once here, not recomputed with the whole
-    normalization inside each reader of the cast: a post-LN residual stream's fusions
-    grew with every block)."""
+    """How many equations read each output outside the run (`eqns` from its start, at
+    `offset`; its `members` skipped), for the walk's materialisation: an output that one
+    cast or reshape reads, whose result two or more read, counts as read twice (the rules
+    materialise no result whose scale is its operand's, so the output's data is written
+    once here, not recomputed with the whole normalization inside each reader of the
+    cast: a post-norm residual stream's fusions grew with every block)."""
     readers = {v: uses[v] - inside[v] + (id(v) in results) for v in outputs}
     single = {v for v, n in readers.items() if n == 1}
     followed = {v: v for v in single}  # the value a chain of one-reader casts has reached
-    for eqn in eqns[stop:] if single else ():
+    for position, eqn in enumerate(eqns if single else ()):
         if not followed:
             break
+        if position + offset in members:
+            continue  # the run's own reads
         for atom in _variables(eqn):
             origins = [o for o, v in followed.items() if v is atom]
             for origin in origins:
