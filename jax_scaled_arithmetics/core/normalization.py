@@ -496,24 +496,24 @@ def _readers(
     once here, not recomputed with the whole normalization inside each reader of the
     cast: a post-norm residual stream's fusions grew with every block)."""
     readers = {v: uses[v] - inside[v] + (id(v) in results) for v in outputs}
-    single = {v for v, n in readers.items() if n == 1}
-    followed = {v: v for v in single}  # the value a chain of one-reader casts has reached
-    for position, eqn in enumerate(eqns if single else ()):
-        if not followed:
+    # The value each chain of one-reader casts from an output has reached, and its output.
+    reached = {v: v for v, n in readers.items() if n == 1}
+    for position, eqn in enumerate(eqns if reached else ()):
+        if not reached:
             break
         if position + offset in members:
             continue  # the run's own reads
         for atom in _variables(eqn):
-            origins = [o for o, v in followed.items() if v is atom]
-            for origin in origins:
-                out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
-                if eqn.primitive.name not in _KEEP or out is None:
-                    del followed[origin]  # read by a rule that computes: it materialises
-                elif uses[out] >= 2 or id(out) in results:
-                    readers[origin] = 2
-                    del followed[origin]
-                else:
-                    followed[origin] = out
+            origin = reached.pop(atom, None)
+            if origin is None:
+                continue
+            out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
+            if eqn.primitive.name not in _KEEP or out is None:
+                continue  # read by a rule that computes: it materialises what it writes
+            if uses[out] >= 2 or id(out) in results:
+                readers[origin] = 2
+            else:
+                reached[out] = origin
     return readers
 
 
