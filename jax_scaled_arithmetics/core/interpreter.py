@@ -311,9 +311,8 @@ class _Autoscale(JaxprWalker):
                     jaxpr, index, context.uses, constants, anchors
                 )
             if group is not None:
-                if isinstance(group.key, normalization.NormalizationRun):
-                    if not group.key.backward:
-                        anchors.update(group.outputs)
+                if isinstance(group.key, normalization.NormalizationRun) and not group.key.backward:
+                    anchors.update(group.outputs)
                 found.append(group)
                 index = group.stop
                 continue
