@@ -1,5 +1,6 @@
-"""Normalizations' float32 statistics evaluated as the plain equations on the represented
-values, at scale 1 (`core/normalization.py`), through `autoscale`."""
+"""Normalizations' float32 statistics and their backward passes evaluated as the plain
+equations on the represented values, at the static rules' scales (`core/normalization.py`),
+through `autoscale`."""
 
 import equinox as eqx
 import flax.linen as nn
@@ -83,7 +84,7 @@ def _plain(tree):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", sorted(NORMALIZATIONS))
 def test_a_normalization_measures_nothing_and_matches_the_plain_one(case, dtype, use_jit):
-    """Statistics taken in float32 are the plain program's values at scale 1: the forward
+    """Statistics taken in float32 are the plain program's values: the forward
     pass measures no scale (each `reduce_sum` rule would), and values and gradients (of
     the input and of the gain) are the plain function's on the represented values."""
     fun = NORMALIZATIONS[case]
