@@ -45,6 +45,8 @@ __all__ = [
     "match_layout",
     "rescale_factor_p",
     "rescale_factors_p",
+    "rescale_to_bounds",
+    "rescale_to_bounds_p",
 ]
 
 ScaleShape = Sequence[int] | Callable[[tuple[int, ...]], Sequence[int]] | None
@@ -379,6 +381,128 @@ def scaled_dynamic_rescale_many(*xs: Any, norm: str, epsilon: float, shift: int 
 
 
 registry.register_block_rule(dynamic_rescale_many_p, scaled_dynamic_rescale_many)
+
+
+# `rescale_to_bounds_p(*xs, bounds; epsilon, shift)`: the identity on each `x`. Inside
+# `autoscale`, each per-tensor scaled `x` takes the scale that `dynamic_rescale_p`'s "max"
+# norm would give a tensor whose largest magnitude is `bounds[i]` (a float32 vector of upper
+# bounds on the `xs`' largest magnitudes, `core/magnitude_bounds.py`): its data's largest
+# magnitude below `2^(shift + 1)`, with no reduction over `x`, so that the kernel computing
+# `x` also writes its data. A block-scaled `x` is rescaled from its data, as
+# `dynamic_rescale_p` does.
+
+
+def _bounds_batch(primitive: Any, args: Any, dims: Any, **params: Any) -> Any:
+    *xs, bounds = args
+    if dims[-1] is not None:  # one bound for the whole batch (one scale per tensor)
+        bounds = jnp.max(bounds, axis=dims[-1])
+    return primitive.bind(*xs, bounds, **params), list(dims[:-1])
+
+
+def _bounds_jvp(primitive: Any, primals: Any, tangents: Any, **params: Any) -> Any:
+    return primitive.bind(*primals, **params), [_compat.instantiate_zeros(t) for t in tangents[:-1]]
+
+
+rescale_to_bounds_p = define_primitive(
+    "rescale_to_bounds",
+    lambda *operands, **_: list(operands[:-1]),
+    lambda *operands, **_: list(operands[:-1]),
+    multiple_results=True,
+    batching=_bounds_batch,
+    jvp=_bounds_jvp,
+)
+
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+# `factors_of_magnitudes_p(magnitudes; epsilon, shift)`: `rescale_factor_p`'s two outputs
+# for each element of a float32 vector of largest magnitudes, as `[factor_1, inverse_1,
+# factor_2, ...]` scalars. One equation; lowered element by element (a slice and the
+# exponent-bit arithmetic each), which XLA copies into the kernels that read each factor.
+# A magnitude that is not finite or overflowed float32 (a bound's NaN from 0 * inf) counts
+# as the largest float32, so that nothing rescaled with it overflows.
+
+
+def _factors_of_magnitudes_impl(magnitudes: Array, *, epsilon: float, shift: int) -> list[Array]:
+    out = []
+    for k in range(magnitudes.shape[0]):
+        magnitude = lax.squeeze(lax.slice(magnitudes, (k,), (k + 1,)), (0,))
+        magnitude = lax.select(magnitude <= _F32_MAX, magnitude, _F32_MAX)
+        out += _factors_of_norm(magnitude, epsilon, shift)
+    return out
+
+
+def _factors_of_magnitudes_abstract(magnitudes: Any, **_: Any) -> list[Any]:
+    return [_compat.scalar_aval_like(magnitudes, _F32)] * (2 * magnitudes.shape[0])
+
+
+def _factors_of_magnitudes_batch(
+    primitive: Any, args: Any, dims: Any, *, epsilon: float, shift: int
+) -> Any:
+    (magnitudes,), (dim,) = args, dims
+    if dim is not None:  # one factor for the whole batch
+        magnitudes = jnp.max(magnitudes, axis=dim)
+    outs = primitive.bind(magnitudes, epsilon=epsilon, shift=shift)
+    return outs, [None] * len(outs)
+
+
+factors_of_magnitudes_p = define_primitive(
+    "factors_of_magnitudes",
+    _factors_of_magnitudes_impl,
+    _factors_of_magnitudes_abstract,
+    multiple_results=True,
+    batching=_factors_of_magnitudes_batch,
+    jvp=zero_tangents,  # a choice of representation: no derivative
+)
+
+
+@register_scaling_op(
+    rescale_to_bounds_p,
+    "per-tensor scales from upper bounds on the largest magnitudes, no reduction",
+    always_scaled=False,
+)
+def scaled_rescale_to_bounds(*operands: Any, epsilon: float, shift: int = 0) -> list[Any]:
+    *xs, bounds = operands
+    if isinstance(bounds, ScaledArray):
+        bounds = bounds.to_array(jnp.float32)
+    bounded = [
+        i
+        for i, x in enumerate(xs)
+        if isinstance(x, ScaledArray) and x.size and np.ndim(x.scale) == 0
+    ]
+    out = [
+        x
+        if i in bounded
+        else scaled_dynamic_rescale(x, norm="max", epsilon=epsilon, layout=None, shift=shift)
+        for i, x in enumerate(xs)
+    ]
+    if not bounded:
+        return out
+    magnitudes = jnp.asarray(bounds, jnp.float32)
+    if len(bounded) < len(xs):
+        magnitudes = magnitudes[np.asarray(bounded)]
+    scales = [xs[i].scale for i in bounded]
+    if any(_compat.is_tracer(s) or float(s) != 1.0 for s in scales):  # the data's bounds
+        magnitudes = magnitudes / jnp.stack([jnp.asarray(s, jnp.float32) for s in scales])
+    factors = factors_of_magnitudes_p.bind(magnitudes, epsilon=epsilon, shift=shift)
+    for k, i in enumerate(bounded):
+        out[i] = rebalance_by(xs[i], factors[2 * k], mark_pow2(factors[2 * k + 1]))
+    return out
+
+
+registry.register_block_rule(rescale_to_bounds_p, scaled_rescale_to_bounds)
+
+
+def rescale_to_bounds(xs: Sequence[Any], bounds: Any, epsilon: float, shift: int = 0) -> list[Any]:
+    """Each of `xs` rescaled so that its data's largest magnitude is below `2^(shift + 1)`,
+    from `bounds` (a float32 vector: an upper bound on each one's largest magnitude, from
+    `core.magnitude_bounds`) rather than from a reduction over it; inside `autoscale`."""
+    bind = functools.partial(
+        rescale_to_bounds_p.bind, epsilon=_check_epsilon(epsilon), shift=int(shift)
+    )
+    if any(isinstance(x, ScaledArray) for x in xs):
+        return autoscale(bind)(*xs, bounds)
+    return bind(*xs, bounds)
 
 
 # `match_layout_p(x, like)`: the identity on `x`'s value; inside `autoscale`, `x` as a

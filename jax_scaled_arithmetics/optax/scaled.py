@@ -6,7 +6,13 @@ wrapped optax transformation as its plain update on the represented values in
 `compute_dtype` (float32: one multiply per input tensor, no scale algebra op by
 op), then, per new state leaf, moves a power of two from data to scale
 (:func:`jax_scaled_arithmetics.ops.dynamic_rescale_max`) and casts the data back
-to the storage dtype, so the stored data always sits at the top of its range.
+to the storage dtype, so the stored data sits at the top of its range. A leaf whose
+equations bound its largest magnitude by the stored state's and the gradients' (Adam's
+moments: `b1 * max|m| + (1 - b1) * max|g|`, `core/magnitude_bounds.py`) takes its scale
+from that bound instead: no reduction over the new tensor, which the kernel computing it
+then writes directly; its data's largest magnitude is below the same top, lower by the
+factor the bound exceeds it (at most 2 for a sum of non-negative terms, as Adam's second
+moment).
 
 Where it runs: `update` and :func:`~jax_scaled_arithmetics.optax.apply_updates` wrap
 themselves with :func:`jax_scaled_arithmetics.autoscale`. Inside an autoscaled step (the usual
@@ -36,7 +42,7 @@ Examples:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -46,6 +52,7 @@ import optax
 
 from ..core.datatype import ScaledArray, as_scaled_array, is_floating, is_scaled_leaf
 from ..core.interpreter import autoscale, trace_notes, tracing_a_scaled_function
+from ..core.magnitude_bounds import elements, evaluate_with_bounds
 from ..lax.scaling_primitives import rebalance, stop_scaling
 from ..ops.dynamic_rescaling import (
     DEFAULT_EPSILON,
@@ -53,6 +60,7 @@ from ..ops.dynamic_rescaling import (
     dynamic_rescale_l2,
     dynamic_rescale_max,
     match_layout,
+    rescale_to_bounds,
     rescale_tree,
 )
 
@@ -208,27 +216,54 @@ def _store_state(
     state_dtype: DTypeLike,
     rescale: Rescale | None,
     data_exponent: int,
+    bounds: Sequence[tuple[Any, int] | None] | None = None,
 ) -> Any:
-    """Bring `new_state` back to the storage layout of `old_state` (inside autoscale)."""
+    """Bring `new_state` back to the storage layout of `old_state` (inside autoscale).
+
+    `bounds`: for the `k`-th leaf of `new_state`, `(vector, i)` where `vector[i]` bounds its
+    largest magnitude (:func:`_update_with_bounds`), or None; with the library's max
+    rescaling, a bounded leaf takes its scale from its bound, not from a reduction."""
     norm = _LIBRARY_RESCALES.get(rescale) if rescale is not None else None
     laid_out: list[Any] = []  # the stored leaves, on their layouts, for one rescale of all
+    by_bound: dict[int, tuple[Any, list[int], list[int]]] = {}  # vector: (it, slots, places)
+    positions = iter(range(len(jax.tree_util.tree_leaves(new_state, is_leaf=is_scaled_leaf))))
 
     def store(new: Any, old: Any) -> Any:
+        bound = bounds[next(positions)] if bounds is not None else None
         if not (old is not None and is_floating(old)):
             return new
         if _is_stored_scaled(old):
             if norm is None:
                 return _store_leaf(new, state_dtype, rescale, data_exponent, like=old)
             laid_out.append(match_layout(new, old))
+            if norm == "max" and bound is not None:
+                vector, place = bound
+                _, slots, places = by_bound.setdefault(id(vector), (vector, [], []))
+                slots.append(len(laid_out) - 1)
+                places.append(place)
             return _StoredSlot(len(laid_out) - 1)
         return stop_scaling(new, dtype=jnp.dtype(old.dtype))  # scalars: plain, original dtype
 
     stored = jax.tree_util.tree_map(store, new_state, old_state, is_leaf=is_scaled_leaf)
     if norm is None or not laid_out:
         return stored
-    # A library rescale with the shift, for the whole state at once (the per-tensor max
-    # factors computed together: `jsa.ops.rescale_tree`).
-    rescaled = rescale_tree(laid_out, norm, DEFAULT_EPSILON, None, shift=data_exponent)
+    rescaled: list[Any] = [None] * len(laid_out)
+    for vector, slots, places in by_bound.values():
+        # Scales from the bounds: no reduction over the new tensors.
+        outs = rescale_to_bounds(
+            [laid_out[i] for i in slots], elements(vector, places), DEFAULT_EPSILON, data_exponent
+        )
+        for i, out in zip(slots, outs):
+            rescaled[i] = out
+    measured = [i for i, x in enumerate(rescaled) if x is None]
+    if measured:
+        # A library rescale with the shift, for the rest of the state at once (the
+        # per-tensor max factors computed together: `jsa.ops.rescale_tree`).
+        outs = rescale_tree(
+            [laid_out[i] for i in measured], norm, DEFAULT_EPSILON, None, shift=data_exponent
+        )
+        for i, out in zip(measured, outs):
+            rescaled[i] = out
     return jax.tree_util.tree_map(
         lambda x: rescaled[x.index].astype(state_dtype) if isinstance(x, _StoredSlot) else x,
         stored,
@@ -317,6 +352,45 @@ def _like_gradients(new_updates: Any, gradients: Any) -> Any:
     return jax.tree_util.tree_map(like, new_updates, gradients, is_leaf=is_scaled_leaf)
 
 
+def _update_with_bounds(
+    inner: Any, represented: tuple[Any, Any, Any], state: Any, extra_args: dict[str, Any]
+) -> tuple[Any, Any, list[tuple[Any, int] | None]]:
+    """`inner.update` on the represented values, and for each leaf of the new state stored
+    scaled, a bound on its largest magnitude where its equations give one (Adam's moments:
+    `b1 * max|m| + (1 - b1) * max|g|`...), from the largest magnitudes of the stored state
+    and the gradients (`core.magnitude_bounds`): `(updates, state, bounds)`, `bounds[k]`
+    `(vector, i)` for the `k`-th leaf of the new state, or None."""
+    leaves, in_tree = jax.tree_util.tree_flatten(represented)
+    out_trees: list[Any] = []
+
+    def flat_update(*flat: Any) -> list[Any]:
+        updates, old, params = jax.tree_util.tree_unflatten(in_tree, flat)
+        out, tree = jax.tree_util.tree_flatten(inner.update(updates, old, params, **extra_args))
+        out_trees.append(tree)
+        return out
+
+    outputs, bounds = evaluate_with_bounds(flat_update, leaves)
+    new_updates, new_state = jax.tree_util.tree_unflatten(out_trees[-1], outputs)
+    # The new state's leaves as `_store_state` visits them (None included), and where each
+    # array among them is in the outputs (after the updates').
+    old_leaves = jax.tree_util.tree_leaves(state, is_leaf=is_scaled_leaf)
+    new_leaves = jax.tree_util.tree_leaves(new_state, is_leaf=is_scaled_leaf)
+    per_leaf: list[tuple[Any, int] | None] = [None] * len(new_leaves)
+    if len(old_leaves) != len(new_leaves):  # not a state of the same structure: measured
+        return new_updates, new_state, per_leaf
+    position = len(jax.tree_util.tree_leaves(new_updates))
+    leaf_at: dict[int, int] = {}
+    for k, (new, old) in enumerate(zip(new_leaves, old_leaves)):
+        if new is not None:
+            if _is_stored_scaled(old):
+                leaf_at[position] = k
+            position += 1
+    for positions, vector in bounds.groups(list(leaf_at)):
+        for i, position in enumerate(positions):
+            per_leaf[leaf_at[position]] = (vector, i)
+    return new_updates, new_state, per_leaf
+
+
 def _outer_dtypes(tree: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda x: jnp.dtype(x.dtype) if hasattr(x, "dtype") else None, tree, is_leaf=is_scaled_leaf
@@ -343,7 +417,10 @@ def scaled_state(
     optax's constants such as Adam's `eps=1e-8` are zero in float16; with `None`
     it runs in scaled arithmetic on the stored dtypes), then applies `rescale` to
     every new state leaf, shifts its data up by
-    `2**data_exponent` and casts it to `state_dtype`. The updates come back with
+    `2**data_exponent` and casts it to `state_dtype`. With `dynamic_rescale_max`, a leaf
+    whose equations bound its largest magnitude (Adam's moments, SGD's trace) takes its
+    scale from that bound, with no reduction over it (see the module's description). The
+    updates come back with
     the gradients' dtype, and outside `autoscale` as plain arrays for plain gradients (a
     plain float32 step keeps `optax.apply_updates`, the state stored in float16). `update`
     wraps itself in :func:`~jax_scaled_arithmetics.autoscale`: call it inside an autoscaled
@@ -414,15 +491,22 @@ def scaled_state(
             # represented values in `compute_dtype` (one multiply per input tensor, no scale
             # algebra op by op), and each new state leaf and update goes back to a scaled
             # tensor once, with a dynamic scale.
-            new_updates, new_state = inner.update(
+            represented = (
                 _represented(updates, compute_dtype),
                 _represented(state, compute_dtype),
                 _represented(params, compute_dtype),
-                **extra_args,
             )
+            if rescale is dynamic_rescale_max:
+                new_updates, new_state, bounds = _update_with_bounds(
+                    inner, represented, state, extra_args
+                )
+            else:
+                new_updates, new_state = inner.update(*represented, **extra_args)
+                bounds = None
         else:
             new_updates, new_state = inner.update(updates, state, params, **extra_args)
-        new_state = _store_state(new_state, state, state_dtype, rescale, exp)
+            bounds = None
+        new_state = _store_state(new_state, state, state_dtype, rescale, exp, bounds)
         values = new_updates
         new_updates = _store_updates(new_updates, updates, rescale)
         new_updates = jax.tree_util.tree_map(

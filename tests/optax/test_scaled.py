@@ -451,8 +451,8 @@ def test_apply_updates_adds_the_update_of_the_same_step_before_its_store():
     float32 value: the new parameter is rounded once (within half a float16 ulp of float32
     on every entry), and the update's own store (a `rescale_factor` reduction) is left out
     of the program unless something else reads the updates. The new parameters' per-tensor
-    factors are computed together (one `rescale_factors`), like the state's and, where
-    they are stored, the updates'."""
+    factors are computed together (one `rescale_factors`), like, where they are stored, the
+    updates'; the moments' come from their bounds."""
     params, _, _ = _problem()
     plain_grads, grads = _grads(params, -10)
     s_params = _scaled_params(params)
@@ -480,16 +480,20 @@ def test_apply_updates_adds_the_update_of_the_same_step_before_its_store():
     assert all(e <= 0.5 + 0.05 for e in twice.values()), twice
 
     def stores(fun):
-        # Per-tensor factors of single tensors, and of several tensors at once (the state's
-        # 2n moments, the n new parameters, the n stored updates).
+        # Per-tensor factors of single tensors, of several tensors measured at once (the n
+        # new parameters, the n stored updates), and of several from their bounds (the n
+        # first moments, the n second moments).
         counts = jsa.analysis.equation_counts(jsa.autoscale(fun), s_params, state, grads)
-        return counts.get("rescale_factor", 0), counts.get("rescale_factors", 0)
+        return tuple(
+            counts.get(name, 0)
+            for name in ("rescale_factor", "rescale_factors", "factors_of_magnitudes")
+        )
 
     assert len(params) > 1
-    assert stores(step) == (0, 2)  # Adam's two moments together; the new parameters together
-    assert stores(touched) == (0, 3)  # the updates' own stores too, together
+    assert stores(step) == (0, 1, 2)  # the new parameters together; each moment's together
+    assert stores(touched) == (0, 2, 2)  # the updates' own stores too, together
     _, returning = _adam_step(return_updates=True)
-    assert stores(returning) == (0, 3)
+    assert stores(returning) == (0, 2, 2)
     new, _, updates = jax.jit(jsa.autoscale(returning))(s_params, state, grads)
     _assert_tree_close(updates, ref_updates, 2.0**-10, "returned updates")
     assert errors_in_ulps(new) == once
@@ -549,3 +553,123 @@ def test_scaled_state_moments_take_their_parameters_block_scales(layout):
     np.testing.assert_allclose(got, expected["w"], rtol=2e-3, atol=0)
     update(grads, new_state, params)
     assert update._cache_size() == 1
+
+
+def _measured_adam():
+    """`scale_optimizer(adam)` whose states take dynamic scales measured on each new tensor
+    (a rescale that is not the library's: no bounds), shifted as the default is."""
+    return jsa_optax.scale_optimizer(
+        optax.adam(1e-3), rescale=lambda t: jsa.ops.dynamic_rescale_max(t), data_exponent=14
+    )
+
+
+@jax.jit  # one compile for the whole sequence
+def _gradient_sequence(key):
+    """60 steps of gradients of a (24, 8) and an (8,) tensor: each step's magnitude 2^k, k
+    uniform in [-3, 3] and 2^8 times more at steps 20 and 40, a few rows only at each step
+    (the largest elements move), signs random."""
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    exponents = jax.random.randint(k1, (60, 1, 1), -3, 4).astype(jnp.float32)
+    exponents = exponents.at[jnp.array([20, 40])].add(8.0)
+    rows = jax.random.bernoulli(k2, 0.3, (60, 24, 1))
+    w = jax.random.normal(k3, (60, 24, 8)) * rows * 2.0**exponents
+    b = jax.random.normal(k4, (60, 8)) * 2.0 ** exponents[:, 0]
+    return {"w": w.astype(jnp.float16), "b": b.astype(jnp.float16)}
+
+
+def test_moments_take_their_scales_from_bounds_over_many_steps():
+    """Adam's moments stored with scales from bounds (`b1 max|m| + (1 - b1) max|g|`, from
+    the stored state and the gradients): over 60 steps whose gradients jump by up to 2^14
+    and move their largest elements, the stored data never reaches float16's last binade
+    (below 2^15), the second moment stays within one binade of the measured top
+    (`[2^13, 2^15)`: its terms are not negative, so its bound is at most twice it), and the
+    moments are those of the measured scales (the same float32 values rounded to float16 at
+    other exponents: equal but for the last float32 bit of the kernels that compute them
+    fused with their stores)."""
+    sequence = _gradient_sequence(jax.random.PRNGKey(3))
+    params = _scaled_params({"w": jnp.full((24, 8), 0.5), "b": jnp.full((8,), -0.25)})
+    opts = {"bounds": jsa_optax.scale_optimizer(optax.adam(1e-3)), "measured": _measured_adam()}
+    steps = {}
+    for name, opt in opts.items():
+
+        def step(params, state, grads, opt=opt):
+            updates, state = opt.update(grads, state, params)
+            return jsa_optax.apply_updates(params, updates), state
+
+        steps[name] = jax.jit(jsa.autoscale(step))
+    states = {name: opt.init(params) for name, opt in opts.items()}
+    params = dict.fromkeys(opts, params)
+    lowest_nu = np.inf
+    for i in range(60):
+        grads = jsa.as_scaled_array({key: g[i] for key, g in sequence.items()})
+        for name in opts:
+            params[name], states[name] = steps[name](params[name], states[name], grads)
+        bounded, measured = states["bounds"][0], states["measured"][0]
+        for moment in ("mu", "nu"):
+            for key in ("w", "b"):
+                leaf = getattr(bounded, moment)[key]
+                top = float(np.max(np.abs(np.asarray(leaf.data, np.float32))))
+                assert np.isfinite(top) and top < 2.0**15, (i, moment, key, top)
+                if moment == "nu":
+                    lowest_nu = min(lowest_nu, top)
+                reference = _represented(getattr(measured, moment)[key])
+                # An ulp of the largest element: the two round the same float32 values but
+                # for the last bit of a fused kernel, which a later cancellation keeps.
+                atol = 2.0**-10 * float(np.max(np.abs(reference)))
+                np.testing.assert_allclose(
+                    _represented(leaf), reference, rtol=2.0**-9, atol=atol, err_msg=(i, moment)
+                )
+    assert lowest_nu >= 2.0**13, lowest_nu
+    for key in ("w", "b"):
+        np.testing.assert_allclose(
+            _represented(params["bounds"][key]), _represented(params["measured"][key]), rtol=1e-3
+        )
+
+
+def test_moments_are_stored_without_a_reduction_over_them():
+    """In the autoscaled step, the moments' scales come from their bounds (one reduction
+    over the stored moments and the gradients for all of them, the factors of each
+    moment's tensors from one vector of bounds); only the new parameters' scales are
+    measured. Compiled for XLA:CPU, each moment is written by the kernel that computes it:
+    the one float32 tensor of a parameter's shape written is its new value (measured
+    before its store)."""
+    params, _, _ = _problem()
+    _, grads = _grads(params, -10)
+    s_params = _scaled_params(params)
+    opt, step = _adam_step(return_updates=False)
+    state = opt.init(s_params)
+    counts = jsa.analysis.equation_counts(jsa.autoscale(step), s_params, state, grads)
+    assert counts["largest_finite_magnitudes"] == 1
+    assert counts["factors_of_magnitudes"] == 2  # the first moments', the second moments'
+    assert counts["rescale_factors"] == 1  # the new parameters' (measured)
+    hlo = jax.jit(jsa.autoscale(step)).lower(s_params, state, grads).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    written = [line for line in entry.splitlines() if " = f32[8,16]{" in line and "fusion(" in line]
+    assert len(written) <= 1, written
+
+
+def test_a_state_without_a_bound_keeps_its_measured_scale():
+    """A state leaf whose equations have no bound (here divided by a tensor) is stored with
+    the scale of its own largest magnitude, at the top of float16's range as before."""
+
+    def init(params):
+        return jax.tree_util.tree_map(jnp.ones_like, params)
+
+    def update(updates, state, params=None):
+        del params
+        state = jax.tree_util.tree_map(lambda g, s: g / (jnp.abs(s) + 1.0), updates, state)
+        return updates, state
+
+    opt = jsa_optax.scale_optimizer(optax.GradientTransformation(init, update))
+    params, _, _ = _problem()
+    plain_grads, grads = _grads(params, 12)
+    state = opt.init(params)
+    counts = jsa.analysis.equation_counts(jsa.autoscale(opt.update), grads, state, params)
+    assert "factors_of_magnitudes" not in counts  # the state and the update: measured
+    assert "largest_finite_magnitudes" not in counts and counts["rescale_factors"] == 2
+    _, new_state = jax.jit(jsa.autoscale(opt.update))(grads, state, params)
+    for key, leaf in new_state.items():
+        top = float(np.max(np.abs(np.asarray(leaf.data, np.float32))))
+        assert 2.0**14 <= top < 2.0**15, key
+        expected = np.asarray(plain_grads[key], np.float64) / 2.0
+        np.testing.assert_allclose(_represented(leaf), expected, rtol=2.0**-10)
