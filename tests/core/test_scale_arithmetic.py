@@ -443,9 +443,10 @@ def test_a_small_tensors_dynamic_scale_is_one_kernel_on_xla_cpu():
 
 
 def _several_magnitude_tensors():
-    """Magnitudes for `largest_of_several`: small tensors of five sizes (one with a NaN, one
-    with an infinity, one all zero, a scalar, one with no finite element), two large ones of
-    one size in two dtypes, one large one alone in its size."""
+    """Magnitudes for `largest_of_several`: small tensors of seven sizes in four powers of
+    two at or above them (one with a NaN, one with an infinity, one all zero, a scalar, one
+    with no finite element), two large ones of one size in two dtypes, one large one alone
+    in its size."""
     rng = np.random.default_rng(11)
 
     def magnitudes(shape, dtype, spread):
@@ -464,6 +465,8 @@ def _several_magnitude_tensors():
         magnitudes((64, 64), jnp.float16, 2.0**-10),
         magnitudes((128, 32), jnp.bfloat16, 2.0**100),
         magnitudes((4097,), jnp.float32, 3.0),
+        magnitudes((4, 8), jnp.float32, 2.0**-3),
+        magnitudes((100,), jnp.float16, 7.0),
     ]
 
 
@@ -492,9 +495,10 @@ def test_several_tensors_largest_magnitudes_in_few_kernels_on_xla_cpu():
     """XLA:CPU gives each reduction a kernel of its own; a variadic one is one loop fused with
     its operands' producers. An optimizer state's per-tensor rescale factors
     (`rescale_factors_p`) and delayed scaling's measured sites
-    (`largest_finite_magnitudes_p`) take one kernel for the small tensors and one per size
-    of the large ones: 3 reductions for these 8 tensors, where one each took 7 (the scalar
-    needs none)."""
+    (`largest_finite_magnitudes_p`) take one kernel for the small tensors of each power of
+    two at or above their sizes and one per size of the large ones: 5 reductions for these
+    10 tensors (small: 3 powers of two beside the scalar, which needs none; large: 2
+    sizes), where one each took 9."""
     from jax_scaled_arithmetics.ops.dynamic_rescaling import (
         _rescale_factors_per_tensor,
         rescale_factors_p,
@@ -526,7 +530,7 @@ def test_several_tensors_largest_magnitudes_in_few_kernels_on_xla_cpu():
     measured = reductions(
         lambda *d: largest_finite_magnitudes_p.bind(*[v for x in d for v in (x, F32(2.0))])
     )
-    assert (grouped, measured) == (3, 3) and alone >= 7
+    assert (grouped, measured) == (5, 5) and alone >= 9
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
